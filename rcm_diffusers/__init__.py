@@ -1,0 +1,37 @@
+"""rcm-diffusers: rCM few-step sampling and distillation for diffusers and ComfyUI.
+
+Top-level names are imported lazily so that ``import rcm_diffusers`` stays cheap
+(ComfyUI imports the package at start-up) while ``DiffusionPipeline.from_pretrained``
+still finds ``rcm_diffusers.RCMScheduler`` through ``getattr``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "RCMScheduler": "rcm_diffusers.schedulers",
+    "TrigFlowEulerScheduler": "rcm_diffusers.schedulers",
+    "TrigFlowUniPCScheduler": "rcm_diffusers.schedulers",
+    "rcm_rf_times": "rcm_diffusers.sampling",
+    "teacher_rf_grid": "rcm_diffusers.sampling",
+    "TrigFlowDenoiser": "rcm_diffusers.trigflow",
+    "denoiser": "rcm_diffusers.models",
+    "enable_jvp_attention": "rcm_diffusers.attention",
+    "disable_jvp_attention": "rcm_diffusers.attention",
+    "jvp_attention": "rcm_diffusers.attention",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rcm_diffusers' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

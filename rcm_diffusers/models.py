@@ -1,0 +1,102 @@
+"""Model adapters: call a diffusers transformer as a rectified-flow velocity ``v(x_r, r, **cond)``.
+
+Each supported transformer takes its time in its own scale (SPEC §1): the Wan transformer
+is called with ``r * 1000``; the Flux transformer with ``r`` (it multiplies by 1000 inside).
+``TrigFlowDenoiser(velocity_fn(transformer))`` then gives the TrigFlow ``F(x_t, t)`` used
+by every loss and sampler of the package.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["TIMESTEP_SCALE", "timestep_scale", "velocity_fn", "denoiser"]
+
+#: timestep passed to the transformer = r * TIMESTEP_SCALE[class name]
+TIMESTEP_SCALE = {
+    "WanTransformer3DModel": 1000.0,
+    "WanVACETransformer3DModel": 1000.0,
+    "FluxTransformer2DModel": 1.0,
+}
+
+
+def _base_model(transformer):
+    """Unwrap peft / accelerate / torch.compile wrappers to the diffusers model class."""
+    m = transformer
+    for attr in ("module", "_orig_mod"):
+        while hasattr(m, attr) and not hasattr(m, "config"):
+            m = getattr(m, attr)
+    if hasattr(m, "get_base_model"):
+        m = m.get_base_model()
+    return m
+
+
+def timestep_scale(transformer) -> float:
+    """The factor between RF time ``r`` and the transformer's ``timestep`` argument."""
+    name = type(_base_model(transformer)).__name__
+    if name not in TIMESTEP_SCALE:
+        raise ValueError(
+            f"unsupported transformer class {name!r}; supported: {sorted(TIMESTEP_SCALE)}. "
+            "Add its timestep scale to rcm_diffusers.models.TIMESTEP_SCALE."
+        )
+    return TIMESTEP_SCALE[name]
+
+
+def velocity_fn(transformer) -> Callable[..., torch.Tensor]:
+    """Return ``v(x_r, r, **cond)`` for a Wan or Flux transformer.
+
+    Wan conditions: ``encoder_hidden_states`` (text), optional ``encoder_hidden_states_image``
+    (I2V CLIP tokens) and ``condition`` (I2V mask + first-frame latents, concatenated on the
+    channel dim after ``x_r``, as WanImageToVideoPipeline does).
+    Flux conditions: ``encoder_hidden_states``, ``pooled_projections``, ``txt_ids``, ``img_ids``,
+    optional ``guidance``; ``x_r`` is the packed latent ``[B, L, C]``.
+    """
+    scale = timestep_scale(transformer)
+    name = type(_base_model(transformer)).__name__
+
+    if name.startswith("Wan"):
+
+        def v_wan(x_r, r, encoder_hidden_states, encoder_hidden_states_image=None, condition=None, **kw):
+            if condition is not None:
+                x_r = torch.cat([x_r, condition.to(x_r.dtype)], dim=1)
+            ts = (r * scale).to(x_r.device)
+            if ts.dim() == 0:
+                ts = ts.expand(x_r.shape[0])
+            return transformer(
+                hidden_states=x_r,
+                timestep=ts,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_hidden_states_image=encoder_hidden_states_image,
+                return_dict=False,
+                **kw,
+            )[0]
+
+        return v_wan
+
+    def v_flux(x_r, r, encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance=None, **kw):
+        ts = (r * scale).to(device=x_r.device, dtype=x_r.dtype)
+        if ts.dim() == 0:
+            ts = ts.expand(x_r.shape[0])
+        return transformer(
+            hidden_states=x_r,
+            timestep=ts,
+            guidance=guidance,
+            pooled_projections=pooled_projections,
+            encoder_hidden_states=encoder_hidden_states,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+            **kw,
+        )[0]
+
+    return v_flux
+
+
+def denoiser(transformer, model_dtype: torch.dtype | None = None):
+    """``TrigFlowDenoiser`` around a diffusers transformer (SPEC §1)."""
+    from .trigflow import TrigFlowDenoiser
+
+    dtype = model_dtype or next(transformer.parameters()).dtype
+    return TrigFlowDenoiser(velocity_fn(transformer), model_dtype=dtype)
