@@ -1,0 +1,161 @@
+"""Time grids of the samplers (SPEC §2), as float64 NumPy arrays of RF times ``r`` ending at 0.
+
+These are the single source of the step times: the diffusers schedulers
+(``rcm_diffusers.schedulers``) and the ComfyUI nodes (``comfy_nodes``) both call them.
+An RF time ``r`` is ComfyUI's CONST-model ``sigma`` and diffusers' flow-matching ``sigma``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_MID_T",
+    "rcm_angles",
+    "rcm_rf_times",
+    "validate_rf_times",
+    "shift_family",
+    "unshift_family",
+    "teacher_rf_grid",
+    "SPACINGS",
+]
+
+#: Intermediate TrigFlow angles of the few-step sampler (SPEC §2.1).
+DEFAULT_MID_T = (1.5, 1.4, 1.0)
+SPACINGS = ("linear", "karras", "exponential")
+
+
+def _finite(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")
+    return value
+
+
+def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
+    """TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` of an ``n``-step rCM sampler (SPEC §2.1)."""
+    sigma_max = _finite("sigma_max", sigma_max)
+    if sigma_max <= 0:
+        raise ValueError(f"sigma_max must be > 0 (80 for Wan T2V, 200 for Wan I2V), got {sigma_max}.")
+    mid_t = [_finite("mid_t entry", m) for m in mid_t]
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps:
+        raise ValueError(f"num_inference_steps must be an integer, got {num_steps!r}.")
+    num_steps = int(num_steps)
+    max_steps = len(mid_t) + 1
+    if not 1 <= num_steps <= max_steps:
+        raise ValueError(
+            f"num_inference_steps={num_steps} is out of range for the rCM sampler with mid_t={list(mid_t)}: "
+            f"pass 1..{max_steps} steps (e.g. num_inference_steps=4), or give more intermediate angles in mid_t."
+        )
+    t = np.array([math.atan(sigma_max), *mid_t[: num_steps - 1], 0.0], dtype=np.float64)
+    if np.any(t[1:-1] <= 0) or np.any(t[1:-1] >= math.pi / 2):
+        raise ValueError(f"mid_t angles must lie strictly inside (0, pi/2), got {list(mid_t)}.")
+    if np.any(np.diff(t) >= 0):
+        raise ValueError(
+            f"rCM angles must be strictly decreasing, got {t.tolist()} "
+            f"(arctan(sigma_max={sigma_max}) = {t[0]:.5f} must exceed mid_t[0]); "
+            "pass a strictly decreasing mid_t below arctan(sigma_max)."
+        )
+    return t
+
+
+def rcm_rf_times(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
+    """RF times ``r = sin t / (sin t + cos t)`` of the rCM angles, ``n + 1`` values ending at 0 (SPEC §2.1)."""
+    t = rcm_angles(num_steps, sigma_max, mid_t)
+    r = np.sin(t) / (np.sin(t) + np.cos(t))
+    r[-1] = 0.0
+    return r
+
+
+def validate_rf_times(r: Sequence[float], append_zero: bool = True, name: str = "sigmas") -> np.ndarray:
+    """Check user RF times: finite, strictly decreasing, inside (0, 1]; returns float64 with a final 0."""
+    try:
+        arr = np.asarray([float(x) for x in np.asarray(r, dtype=np.float64).reshape(-1)], dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be a list of numbers (RF times in (0, 1]), got {r!r}") from e
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty; pass at least one RF time in (0, 1].")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} holds NaN or inf: {arr.tolist()}; pass finite RF times in (0, 1].")
+    if append_zero and arr[-1] != 0.0:
+        arr = np.append(arr, 0.0)
+    body = arr[:-1]
+    if np.any(body <= 0) or np.any(body > 1):
+        raise ValueError(f"{name} must lie in (0, 1] (RF times, 1 = pure noise) before the final 0, got {arr.tolist()}.")
+    if np.any(np.diff(arr) >= 0):
+        raise ValueError(f"{name} must be strictly decreasing, got {arr.tolist()}.")
+    return arr
+
+
+def shift_family(r, a: float, b: float = 1.0):
+    """Time shift ``r' = a / (a + (1/r - 1)^b)`` (SPEC §2.2). ``a = s, b = 1`` is ``s r / (1 + (s-1) r)``."""
+    r = np.asarray(r, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        odds = np.where(r > 0, (1.0 / np.where(r > 0, r, 1.0) - 1.0), np.inf)
+    out = a / (a + odds**b)
+    return np.where(r <= 0, 0.0, out)
+
+
+def unshift_family(r_shifted, a: float, b: float = 1.0):
+    """Inverse of :func:`shift_family`: ``r = 1 / (1 + (a (1/r' - 1))^(1/b))``."""
+    rs = np.asarray(r_shifted, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        odds = np.where(rs > 0, 1.0 / np.where(rs > 0, rs, 1.0) - 1.0, np.inf)
+    out = 1.0 / (1.0 + (a * odds) ** (1.0 / b))
+    return np.where(rs <= 0, 0.0, out)
+
+
+def teacher_rf_grid(
+    num_steps: int,
+    sigma_max: float = 5000.0,
+    spacing: str = "linear",
+    shift: float = 1.0,
+    rho: float = 7.0,
+    sigma_min: float = 0.002,
+    shift_b: float = 1.0,
+) -> np.ndarray:
+    """Teacher ODE grid (SPEC §2.2): ``num_steps + 1`` RF times from ``r_max = sigma_max/(1+sigma_max)`` to 0.
+
+    - ``linear``: ``u`` uniform from the un-shifted start ``unshift(r_max)`` to 0, then ``r = shift_family(u, shift, shift_b)``
+      (``shift_b = 1``: the usual ``s u / (1 + (s-1) u)``), so that the grid starts exactly at ``r_max``.
+    - ``karras``: ``sigma_i = (smax^(1/rho) + i/(N-1) (smin^(1/rho) - smax^(1/rho)))^rho``, then ``r = sigma/(1+sigma)``, final 0.
+    - ``exponential``: ``sigma_i`` log-uniform from ``sigma_max`` to ``sigma_min``, final 0.
+    ``shift`` applies to ``linear`` only (karras/exponential set their own density).
+    """
+    sigma_max = _finite("sigma_max", sigma_max)
+    if sigma_max <= 0:
+        raise ValueError(f"sigma_max must be > 0 (teacher default 5000), got {sigma_max}.")
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps or int(num_steps) < 1:
+        raise ValueError(f"num_inference_steps must be a positive integer, got {num_steps!r}.")
+    n = int(num_steps)
+    shift = _finite("shift", shift)
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0 (Wan 480p uses 3 to 5), got {shift}.")
+    r_max = sigma_max / (1.0 + sigma_max)
+    if spacing == "linear":
+        u_max = float(unshift_family(r_max, shift, shift_b))
+        u = np.linspace(u_max, 0.0, n + 1, dtype=np.float64)
+        r = shift_family(u, shift, shift_b)
+        r[0] = r_max
+    elif spacing in ("karras", "exponential"):
+        sigma_min = _finite("sigma_min", sigma_min)
+        if not 0 < sigma_min < sigma_max:
+            raise ValueError(f"need 0 < sigma_min < sigma_max, got sigma_min={sigma_min}, sigma_max={sigma_max}.")
+        frac = np.linspace(0.0, 1.0, n, dtype=np.float64) if n > 1 else np.zeros(1)
+        if spacing == "karras":
+            if rho <= 0:
+                raise ValueError(f"rho must be > 0 (7 is the usual), got {rho}.")
+            lo, hi = sigma_min ** (1.0 / rho), sigma_max ** (1.0 / rho)
+            sig = (hi + frac * (lo - hi)) ** rho
+        else:
+            sig = np.exp(math.log(sigma_max) + frac * (math.log(sigma_min) - math.log(sigma_max)))
+        r = np.append(sig / (1.0 + sig), 0.0)
+    else:
+        raise ValueError(f"unknown spacing {spacing!r}; choose one of {SPACINGS}.")
+    r[-1] = 0.0
+    if np.any(np.diff(r) >= 0):
+        raise ValueError(f"teacher grid is not strictly decreasing: {r.tolist()}")
+    return r
