@@ -21,6 +21,7 @@ __all__ = [
     "unshift_family",
     "teacher_rf_grid",
     "SPACINGS",
+    "rcm_update",
 ]
 
 #: Intermediate TrigFlow angles of the few-step sampler (SPEC §2.1).
@@ -159,3 +160,20 @@ def teacher_rf_grid(
     if np.any(np.diff(r) >= 0):
         raise ValueError(f"teacher grid is not strictly decreasing: {r.tolist()}")
     return r
+
+
+def rcm_update(x, x0, r_cur: float, r_next: float, noise=None, stochastic: bool = True):
+    """One rCM sampler move from ``r_cur`` to ``r_next`` given the model's ``x0`` (SPEC §2.1).
+
+    Stochastic: ``x' = (1 - r_next) x0 + r_next noise``. Deterministic ("ode"):
+    ``x' = x - (r_cur - r_next) v`` with ``v = (x - x0) / r_cur``, i.e.
+    ``x' = x0 + (r_next / r_cur)(x - x0)``. At ``r_next = 0`` both return ``x0``.
+    Works on torch tensors or NumPy arrays; the caller picks the dtype (float64 for references).
+    """
+    if r_next == 0:
+        return x0
+    if stochastic:
+        if noise is None:
+            raise ValueError("the stochastic rCM update needs fresh noise; pass noise= or use stochastic=False.")
+        return (1.0 - r_next) * x0 + r_next * noise
+    return x0 + (r_next / r_cur) * (x - x0)
