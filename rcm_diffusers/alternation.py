@@ -1,0 +1,54 @@
+"""Student / fake-score alternation and effective iterations (SPEC §4.3, §4.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["is_student_step", "student_effective_iter", "fake_effective_iter", "StepPlan", "plan_step"]
+
+
+def is_student_step(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> bool:
+    """Iteration ``i`` trains the student when there is no fake score, during the tangent warm-up,
+    or when ``(i - tangent_warmup) % student_update_freq == 0``; otherwise the fake score (SPEC §4.3)."""
+    if not has_fake or i < tangent_warmup:
+        return True
+    return (i - tangent_warmup) % student_update_freq == 0
+
+
+def student_effective_iter(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> int:
+    """``i`` during warm-up (or without a fake score), then ``tangent_warmup + (i - tangent_warmup) // freq`` (SPEC §4.3)."""
+    if not has_fake or i < tangent_warmup:
+        return i
+    return tangent_warmup + (i - tangent_warmup) // student_update_freq
+
+
+def fake_effective_iter(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> int:
+    """The fake score's effective iteration ``i - student_eff - 1`` (SPEC §4.3)."""
+    return i - student_effective_iter(i, tangent_warmup, student_update_freq, has_fake) - 1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What iteration ``i`` does: which network, its effective iteration, whether DMD is on and
+    the number of backward-simulation steps ``n`` (SPEC §4.2, §4.3)."""
+
+    i: int
+    student: bool
+    student_eff: int
+    fake_eff: int
+    dmd: bool
+    n_sim: int
+
+
+def plan_step(i: int, tangent_warmup: int, student_update_freq: int, max_simulation_steps: int, has_fake: bool = True) -> StepPlan:
+    """Plan iteration ``i``: DMD starts after the tangent warm-up, ``n = student_eff % max_simulation_steps + 1``."""
+    stu = is_student_step(i, tangent_warmup, student_update_freq, has_fake)
+    s_eff = student_effective_iter(i, tangent_warmup, student_update_freq, has_fake)
+    return StepPlan(
+        i=i,
+        student=stu,
+        student_eff=s_eff,
+        fake_eff=i - s_eff - 1,
+        dmd=has_fake and i >= tangent_warmup,
+        n_sim=s_eff % max_simulation_steps + 1,
+    )

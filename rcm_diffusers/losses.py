@@ -1,0 +1,210 @@
+"""rCM losses (SPEC §4): the sCM term with its JVP rearrangement, the DMD term with backward
+simulation, the fake-score flow-matching loss, and the classifier-free-guided teacher.
+
+Every function takes networks as plain callables ``F(x_t, t) -> F`` or ``x0(x_t, t) -> x0``
+(conditions already bound), so the same code serves a diffusers transformer wrapped by
+``rcm_diffusers.models.denoiser`` and a small test module. ``x_t``, ``t`` and every
+coefficient are float64 (SPEC preamble); only the network calls run in the model dtype.
+Losses are returned **per sample** (shape ``[B]``, summed over the non-batch dims) so the
+caller decides the batch reduction and can log per-sample NaN counts.
+
+Guidance convention. This package exposes the standard CFG scale ``s``:
+``F = F_u + s (F_c - F_u)`` (``s = 1`` is no guidance). The rCM reference code writes
+``F_c + g (F_c - F_u)``, which is the same thing with ``s = g + 1``; its ``g = 5`` is
+``guidance_scale = 6`` here (``scale_from_reference_g``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .trigflow import F_from_x0_eps, _bcast, sample_p_D, trigflow_noise
+
+__all__ = [
+    "scale_from_reference_g",
+    "guided",
+    "tangent_warmup_ratio",
+    "scm_tangents",
+    "scm_dF",
+    "scm_g",
+    "normalize_g",
+    "scm_loss",
+    "backward_simulation",
+    "dmd_loss",
+    "fake_score_loss",
+    "per_sample_sum",
+]
+
+F64 = torch.float64
+Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def scale_from_reference_g(g: float) -> float:
+    """Standard CFG scale of the reference's ``F_c + g (F_c - F_u)``: ``s = g + 1`` (SPEC §4.1)."""
+    return float(g) + 1.0
+
+
+def guided(out_cond: torch.Tensor, out_uncond: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance ``out_u + s (out_c - out_u)`` (SPEC §2.2, §4.1); ``s == 1`` or no
+    unconditional output returns ``out_c``. Linear, so it applies equally to ``F``, ``v`` and ``x0``."""
+    if out_uncond is None or guidance_scale == 1.0:
+        return out_cond
+    return out_uncond + guidance_scale * (out_cond - out_uncond)
+
+
+def per_sample_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over every non-batch dim: ``[B, ...] -> [B]``."""
+    return x.reshape(x.shape[0], -1).sum(dim=1)
+
+
+def tangent_warmup_ratio(step: int, tangent_warmup: int) -> float:
+    """``r = min(1, step / tangent_warmup)`` (SPEC §4.1); ``tangent_warmup <= 0`` means no warm-up."""
+    if tangent_warmup <= 0:
+        return 1.0
+    return min(1.0, float(step) / float(tangent_warmup))
+
+
+def scm_tangents(x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor):
+    """JVP tangents of the sCM rearrangement: ``dx = cos t sin t F_T``, ``dt = cos t sin t`` (SPEC §4.1)."""
+    cs = torch.cos(t) * torch.sin(t)
+    return _bcast(cs, x_t) * F_T, cs
+
+
+@torch.no_grad()
+def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor, fd_type: int = 0, h: float = 1e-4):
+    """``(F_minus, dF)``: the student's velocity and its derivative along the teacher flow,
+    already multiplied by ``cos t sin t`` (SPEC §4.1). No gradient.
+
+    ``fd_type`` 0: ``torch.func.jvp`` in ``x_t`` and ``t``; 1: JVP in ``x_t`` plus a finite
+    difference in ``t``; 2: a finite difference along a DDIM step of size ``h`` (no JVP).
+    """
+    if fd_type not in (0, 1, 2):
+        raise ValueError(f"fd_type must be 0 (exact JVP), 1 (JVP in x, finite difference in t) or 2 (finite difference); got {fd_type!r}")
+    dx, dt = scm_tangents(x_t, t, F_T)
+    cs = _bcast(torch.cos(t) * torch.sin(t), x_t)
+    cos_h, sin_h = math.cos(h), math.sin(h)
+    if fd_type == 0:
+        F_minus, dF = torch.func.jvp(F_student, (x_t, t), (dx, dt))
+        return F_minus, dF
+    if fd_type == 1:
+        F_minus, dF_x = torch.func.jvp(lambda x: F_student(x, t), (x_t,), (dx,))
+        dF_t = cs * (cos_h * F_minus - F_student(x_t, t - h)) / sin_h
+        return F_minus, dF_x + dF_t
+    F_minus = F_student(x_t, t)
+    x_prev = cos_h * x_t - sin_h * F_T
+    dF = cs * (cos_h * F_minus - F_student(x_prev, t - h)) / sin_h
+    return F_minus, dF
+
+
+def scm_g(x_t, t, F_minus, F_T, dF, r: float) -> torch.Tensor:
+    """Un-normalised sCM target direction (SPEC §4.1), float64:
+    ``g = -cos t sqrt(1 - r^2 sin^2 t) (F_minus - F_T) - (r cos t sin t x_t + dF)``."""
+    t = _bcast(t.to(F64), x_t)
+    c, s = torch.cos(t), torch.sin(t)
+    F_minus, F_T, dF, x_t = (a.to(F64) for a in (F_minus, F_T, dF, x_t))
+    return -c * torch.sqrt(1.0 - (r * s) ** 2) * (F_minus - F_T) - (r * c * s * x_t + dF)
+
+
+def normalize_g(g: torch.Tensor, c: float = 0.1) -> torch.Tensor:
+    """``g / (||g||_2 + c)`` per sample over every non-batch dim, in float64 (SPEC §4.1)."""
+    g = g.to(F64)
+    norm = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1)
+    return g / _bcast(norm + c, g)
+
+
+def scm_loss(
+    F_student: Fn,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+    F_T: torch.Tensor,
+    *,
+    step: int,
+    tangent_warmup: int,
+    fd_type: int = 0,
+    h: float = 1e-4,
+    norm_c: float = 0.1,
+):
+    """Per-sample sCM loss ``sum (F_theta - sg(F_theta) - g)^2`` with NaN masking (SPEC §4.1).
+
+    ``F_T`` is the (guided) teacher velocity at ``(x_t, t)``. Returns ``(loss[B], info)``; ``info``
+    holds ``nan`` (samples masked), ``g_norm`` (mean un-normalised norm) and ``r`` (warm-up ratio).
+    A sample whose ``g`` or ``F_theta`` holds a NaN/inf contributes exactly 0 to the loss.
+    """
+    r = tangent_warmup_ratio(step, tangent_warmup)
+    F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h)
+    g = scm_g(x_t, t, F_minus, F_T, dF, r)
+    F_theta = F_student(x_t, t)
+    ok = torch.isfinite(g.reshape(g.shape[0], -1)).all(1) & torch.isfinite(F_theta.detach().reshape(g.shape[0], -1)).all(1)
+    g_norm = torch.linalg.vector_norm(torch.where(_bcast(ok, g), g, 0.0).reshape(g.shape[0], -1), dim=1)
+    g = normalize_g(torch.where(_bcast(ok, g), g, 0.0), norm_c)
+    F_theta = torch.where(_bcast(ok, F_theta), F_theta, 0.0).to(F64)
+    loss = per_sample_sum((F_theta - F_theta.detach() - g) ** 2)
+    info = {"nan": int((~ok).sum()), "g_norm": float(g_norm[ok].mean()) if ok.any() else float("nan"), "r": r}
+    return loss, info
+
+
+def backward_simulation(
+    student_x0: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    shape,
+    n: int,
+    *,
+    shift: float = 5.0,
+    generator: torch.Generator | None = None,
+    device=None,
+):
+    """Few-step student sample ``G_x0`` by ``n`` student calls, gradient on the last only (SPEC §4.2).
+
+    Starts at ``t = pi/2`` from pure noise; the ``n - 1`` intermediate angles are drawn from
+    ``p_D`` and clamped to at most the previous one; after each non-final call the student's
+    ``x0`` is re-noised with fresh noise, ``x = cos t_next x0 + sin t_next eps``. Returns
+    ``(G_x0, angles)`` with ``angles`` ``[n, B]``, the angle of each call.
+    """
+    if n < 1:
+        raise ValueError(f"backward simulation needs n >= 1 student steps, got {n}")
+    B = shape[0]
+    x = torch.randn(shape, dtype=F64, generator=generator, device=device)
+    t = torch.full((B,), math.pi / 2, dtype=F64, device=device)
+    angles = [t]
+    grad = torch.is_grad_enabled()
+    for k in range(n):
+        last = k == n - 1
+        with torch.set_grad_enabled(grad and last):
+            x0 = student_x0(x, t)
+        if last:
+            return x0, torch.stack(angles)
+        t = torch.minimum(sample_p_D(B, shift, generator=generator, device=device), t)
+        eps = torch.randn(shape, dtype=F64, generator=generator, device=device)
+        x = trigflow_noise(x0.detach().to(F64), eps, t)
+        angles.append(t)
+
+
+def dmd_loss(G_x0: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: torch.Tensor, w_min: float = 1e-5):
+    """Per-sample DMD loss with the adaptive weight (SPEC §4.2), float64:
+    ``w = max(mean|G_x0 - x0_teacher|, w_min)``, ``grad = (x0_fake - x0_teacher) / w``,
+    ``L = sum (G_x0 - sg(G_x0 - grad))^2``; a non-finite sample gives 0. Returns ``(loss[B], info)``.
+    """
+    G = G_x0.to(F64)
+    x0_fake, x0_teacher = x0_fake.detach().to(F64), x0_teacher.detach().to(F64)
+    B = G.shape[0]
+    w = (G.detach() - x0_teacher).abs().reshape(B, -1).mean(1).clamp_min(w_min)
+    grad = (x0_fake - x0_teacher) / _bcast(w, G)
+    loss = per_sample_sum((G - (G.detach() - grad)) ** 2)
+    ok = torch.isfinite(loss)
+    loss = torch.where(ok, loss, torch.zeros_like(loss))
+    return loss, {"nan": int((~ok).sum()), "w": float(w.mean())}
+
+
+def fake_score_loss(F_fake: Fn, G_x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor):
+    """Per-sample fake-score flow-matching loss ``||F_fake(x_t, t) - (cos t eps - sin t G_x0)||^2`` (SPEC §4.3).
+
+    ``G_x0`` is a detached student sample; ``x_t = cos t G_x0 + sin t eps``. Non-finite samples give 0.
+    """
+    G_x0 = G_x0.detach().to(F64)
+    x_t = trigflow_noise(G_x0, eps, t)
+    target = F_from_x0_eps(G_x0, eps, t)
+    loss = per_sample_sum((F_fake(x_t, t).to(F64) - target) ** 2)
+    ok = torch.isfinite(loss)
+    return torch.where(ok, loss, torch.zeros_like(loss)), {"nan": int((~ok).sum())}

@@ -1,0 +1,211 @@
+"""rCM losses against independent float64 references written from SPEC §4 (numpy, closed forms)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rcm_diffusers import losses as L
+
+torch.manual_seed(0)
+B, D = 4, 6
+
+
+class ToyF(torch.nn.Module):
+    """F(x, t) = cos(t) * (W x) + sin(2t) * b, whose derivatives are known in closed form."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.W = torch.nn.Parameter(torch.randn(D, D, dtype=torch.float64, generator=g) / 3)
+        self.b = torch.nn.Parameter(torch.randn(D, dtype=torch.float64, generator=g))
+
+    def forward(self, x, t):
+        return torch.cos(t)[:, None] * (x @ self.W.T) + torch.sin(2 * t)[:, None] * self.b
+
+
+def np_F(W, b, x, t):
+    return math.cos(t) * (W @ x) + math.sin(2 * t) * b
+
+
+def np_dF(W, b, x, t, dx, dt):  # exact directional derivative of np_F
+    return math.cos(t) * (W @ dx) - math.sin(t) * dt * (W @ x) + 2 * math.cos(2 * t) * dt * b
+
+
+def ref_g(W, b, x, t, F_T, r):
+    """SPEC §4.1 written out per sample in numpy."""
+    cs = math.cos(t) * math.sin(t)
+    Fm = np_F(W, b, x, t)
+    dF = np_dF(W, b, x, t, cs * F_T, cs)
+    return -math.cos(t) * math.sqrt(1 - r**2 * math.sin(t) ** 2) * (Fm - F_T) - (r * cs * x + dF)
+
+
+@pytest.fixture
+def case():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, D, dtype=torch.float64, generator=g)
+    t = torch.tensor([0.05, 0.4, 1.0, 1.5], dtype=torch.float64)
+    F_T = torch.randn(B, D, dtype=torch.float64, generator=g)
+    return ToyF(), x, t, F_T
+
+
+def test_fd0_matches_closed_form_derivative(case):
+    net, x, t, F_T = case
+    F_minus, dF = L.scm_dF(net, x, t, F_T, fd_type=0)
+    W, b = net.W.detach().numpy(), net.b.detach().numpy()
+    for i in range(B):
+        ti = float(t[i])
+        cs = math.cos(ti) * math.sin(ti)
+        np.testing.assert_allclose(F_minus[i].numpy(), np_F(W, b, x[i].numpy(), ti), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dF[i].numpy(), np_dF(W, b, x[i].numpy(), ti, cs * F_T[i].numpy(), cs), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fd_type", [1, 2])
+def test_finite_differences_converge_to_fd0(case, fd_type):
+    net, x, t, F_T = case
+    _, dF0 = L.scm_dF(net, x, t, F_T, fd_type=0)
+    errs = []
+    for h in (1e-1, 1e-2, 1e-3, 1e-4):
+        _, dF = L.scm_dF(net, x, t, F_T, fd_type=fd_type, h=h)
+        errs.append(float((dF - dF0).abs().max()))
+    # first-order convergence: each 10x smaller h cuts the error by roughly 10x, and it ends tiny
+    for a, b_ in zip(errs, errs[1:]):
+        assert b_ < a / 5, errs
+    assert errs[-1] < 1e-3, errs
+    assert errs[0] > 1e-3, errs  # h = 0.1 is visibly off: the test can fail
+
+
+@pytest.mark.parametrize("step,warmup", [(0, 10), (3, 10), (10, 10), (50, 10), (7, 0)])
+def test_scm_loss_value_and_grad_match_reference(case, step, warmup):
+    net, x, t, F_T = case
+    loss, info = L.scm_loss(net, x, t, F_T, step=step, tangent_warmup=warmup, fd_type=0)
+    r = 1.0 if warmup == 0 else min(1.0, step / warmup)
+    assert info["r"] == pytest.approx(r) and info["nan"] == 0
+    W, b = net.W.detach().numpy(), net.b.detach().numpy()
+    gs = []
+    for i in range(B):
+        g = ref_g(W, b, x[i].numpy(), float(t[i]), F_T[i].numpy(), r)
+        g = g / (np.sqrt((g**2).sum()) + 0.1)
+        gs.append(g)
+        # F_theta - sg(F_theta) is 0 in value, so the loss is ||g_normalised||^2
+        assert float(loss[i].detach()) == pytest.approx(float((g**2).sum()), rel=1e-10)
+    loss.sum().backward()
+    # dL/dF_theta = -2 g  ->  dL/db = sum_i -2 sin(2 t_i) g_i
+    ref_db = sum(-2 * math.sin(2 * float(t[i])) * gs[i] for i in range(B))
+    np.testing.assert_allclose(net.b.grad.numpy(), ref_db, rtol=1e-9, atol=1e-12)
+    ref_dW = sum(-2 * math.cos(float(t[i])) * np.outer(gs[i], x[i].numpy()) for i in range(B))
+    np.testing.assert_allclose(net.W.grad.numpy(), ref_dW, rtol=1e-9, atol=1e-12)
+
+
+def test_warmup_changes_target(case):
+    net, x, t, F_T = case
+    l0, _ = L.scm_loss(net, x, t, F_T, step=0, tangent_warmup=10)
+    l1, _ = L.scm_loss(net, x, t, F_T, step=10, tangent_warmup=10)
+    assert (l0 - l1).abs().max() > 1e-3
+
+
+def test_normalisation_per_sample_float64():
+    g = torch.randn(3, 2, 5, dtype=torch.float32) * torch.tensor([1e-3, 1.0, 1e3])[:, None, None]
+    n = L.normalize_g(g)
+    assert n.dtype == torch.float64
+    for i in range(3):
+        gi = g[i].double().numpy()
+        ni = np.sqrt((gi**2).sum())
+        np.testing.assert_allclose(n[i].numpy(), gi / (ni + 0.1), rtol=1e-12)
+
+
+def test_nan_sample_is_masked_others_unchanged(case):
+    net, x, t, F_T = case
+    clean, _ = L.scm_loss(net, x, t, F_T, step=5, tangent_warmup=10)
+    F_bad = F_T.clone()
+    F_bad[2, 3] = float("nan")
+    loss, info = L.scm_loss(net, x, t, F_bad, step=5, tangent_warmup=10)
+    assert info["nan"] == 1
+    assert float(loss[2]) == 0.0
+    keep = [0, 1, 3]
+    torch.testing.assert_close(loss[keep], clean[keep], rtol=0, atol=0)
+    loss.sum().backward()
+    assert torch.isfinite(net.W.grad).all() and torch.isfinite(net.b.grad).all()
+
+
+def test_guidance_mapping():
+    c, u = torch.tensor([2.0]), torch.tensor([1.0])
+    assert L.scale_from_reference_g(5) == 6.0
+    # reference convention F_c + g (F_c - F_u) equals standard u + s (c - u) with s = g + 1
+    g = 5.0
+    torch.testing.assert_close(L.guided(c, u, L.scale_from_reference_g(g)), c + g * (c - u))
+    assert L.guided(c, u, 1.0) is c
+
+
+def ref_dmd(G, xf, xt):
+    w = max(np.abs(G - xt).mean(), 1e-5)
+    grad = (xf - xt) / w
+    return float((grad**2).sum()), 2 * grad  # loss value, dL/dG
+
+
+def test_dmd_loss_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    G = torch.randn(B, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    xf = torch.randn(B, 2, 3, dtype=torch.float64, generator=g)
+    xt = torch.randn(B, 2, 3, dtype=torch.float64, generator=g)
+    xt[1] = G[1].detach()  # w clipped at 1e-5
+    loss, info = L.dmd_loss(G, xf, xt)
+    loss.sum().backward()
+    for i in range(B):
+        v, dG = ref_dmd(G[i].detach().numpy(), xf[i].numpy(), xt[i].numpy())
+        assert float(loss[i]) == pytest.approx(v, rel=1e-12)
+        np.testing.assert_allclose(G.grad[i].numpy(), dG, rtol=1e-12)
+    assert info["nan"] == 0
+
+
+def test_dmd_nan_sample_zero():
+    G = torch.randn(3, 4, dtype=torch.float64)
+    xf, xt = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    xf[0, 0] = float("inf")
+    loss, info = L.dmd_loss(G, xf, xt)
+    assert info["nan"] == 1 and float(loss[0]) == 0.0 and float(loss[1]) > 0
+
+
+def test_fake_score_loss_reference():
+    g = torch.Generator().manual_seed(4)
+    net = ToyF()
+    G = torch.randn(B, D, dtype=torch.float64, generator=g)
+    eps = torch.randn(B, D, dtype=torch.float64, generator=g)
+    t = torch.tensor([0.1, 0.5, 1.2, 1.55], dtype=torch.float64)
+    loss, _ = L.fake_score_loss(net, G, t, eps)
+    W, b = net.W.detach().numpy(), net.b.detach().numpy()
+    for i in range(B):
+        ti = float(t[i])
+        xt = math.cos(ti) * G[i].numpy() + math.sin(ti) * eps[i].numpy()
+        target = math.cos(ti) * eps[i].numpy() - math.sin(ti) * G[i].numpy()
+        assert float(loss[i]) == pytest.approx(float(((np_F(W, b, xt, ti) - target) ** 2).sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_backward_simulation(n):
+    calls = []
+    w = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+
+    def student_x0(x, t):
+        calls.append((t.clone(), torch.is_grad_enabled(), x.clone()))
+        return w * x
+
+    gen = torch.Generator().manual_seed(0)
+    G, angles = L.backward_simulation(student_x0, (3, 2), n, generator=gen)
+    assert len(calls) == n and angles.shape == (n, 3)
+    assert [c[1] for c in calls] == [False] * (n - 1) + [True]
+    torch.testing.assert_close(calls[0][0], torch.full((3,), math.pi / 2, dtype=torch.float64))
+    assert (angles[1:] <= angles[:-1]).all() and (angles[1:] > 0).all()
+    # re-noising follows x = cos t x0 + sin t eps with fresh noise from the same generator
+    gen2 = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, dtype=torch.float64, generator=gen2)
+    for k in range(1, n):
+        x0 = 0.5 * x
+        torch.rand(3, dtype=torch.float64, generator=gen2)  # consumes the p_D draw
+        eps = torch.randn(3, 2, dtype=torch.float64, generator=gen2)
+        tk = angles[k][:, None]
+        x = torch.cos(tk) * x0 + torch.sin(tk) * eps
+        torch.testing.assert_close(calls[k][2], x)
+    G.sum().backward()
+    assert w.grad is not None and float(w.grad) == pytest.approx(float(calls[-1][2].sum()))
