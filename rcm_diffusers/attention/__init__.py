@@ -1,0 +1,10 @@
+"""JVP-capable attention for diffusers transformers (SPEC §5).
+
+``jvp_attention`` computes attention and its tangent in one fused pass (Triton on CUDA, an exact
+chunked torch path elsewhere); ``enable_jvp_attention(transformer)`` installs processors that make
+``torch.func.jvp`` work through unmodified diffusers Wan and Flux transformers.
+"""
+
+from .function import attention, has_tangent, jvp_attention, select_backend
+
+__all__ = ["jvp_attention", "attention", "select_backend", "has_tangent"]
