@@ -1,0 +1,281 @@
+"""Logic of the ComfyUI node pack (``comfy_nodes/``), importable and tested without ComfyUI.
+
+ComfyUI runs Wan and Flux with CONST model sampling: a SIGMAS value is the RF time ``r``,
+``x_r = (1 - r) x0 + r noise``, and the denoiser a sampler calls returns ``x0``. So the rCM
+RF times of :mod:`rcm_diffusers.sampling` are ComfyUI sigmas as they are, and the sampler
+below is the SPEC §2.1 loop over ``x0`` through :func:`rcm_diffusers.sampling.rcm_update`,
+the same move the diffusers ``RCMScheduler`` makes.
+
+The node classes only parse widgets, call these functions and wrap the results.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .sampling import DEFAULT_MID_T, SPACINGS, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
+
+__all__ = [
+    "DEFAULT_MID_T_TEXT",
+    "WAN22_BOUNDARY",
+    "parse_mid_t",
+    "rcm_sigmas",
+    "teacher_sigmas",
+    "check_flow_model_sampling",
+    "seeded_noise_sampler",
+    "sample_rcm",
+    "split_sigmas_at_boundary",
+    "model_arch",
+    "load_lora_file",
+    "lora_for_comfy",
+    "lora_targets_missing",
+]
+
+DEFAULT_MID_T_TEXT = ", ".join(str(m) for m in DEFAULT_MID_T)
+#: Wan 2.2 A14B switches from the high-noise to the low-noise expert at this RF time (I2V; T2V uses 0.875).
+WAN22_BOUNDARY = 0.9
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+# ----------------------------------------------------------------------------- sigmas
+
+
+def parse_mid_t(text: str | Sequence[float]) -> tuple[float, ...]:
+    """Intermediate TrigFlow angles from a widget string such as ``"1.5, 1.4, 1.0"`` (SPEC §2.1).
+
+    Commas, spaces or brackets separate the numbers; an empty string means no intermediate
+    angle (1 step only). Every angle must lie in (0, pi/2) and the list must strictly decrease.
+    """
+    if isinstance(text, str):
+        tokens = [t for t in re.split(r"[\s,;\[\]()]+", text.strip()) if t]
+        bad = [t for t in tokens if not _NUMBER.match(t)]
+        if bad:
+            raise ValueError(
+                f"mid_t: cannot read {bad} as numbers in {text!r}; write the intermediate TrigFlow angles "
+                f"as decreasing numbers separated by commas, e.g. '{DEFAULT_MID_T_TEXT}'."
+            )
+        values = tuple(float(t) for t in tokens)
+    else:
+        values = tuple(float(v) for v in text)
+    if any(not math.isfinite(v) for v in values):
+        raise ValueError(f"mid_t: angles must be finite numbers, got {list(values)}.")
+    outside = [v for v in values if not 0.0 < v < math.pi / 2]
+    if outside:
+        raise ValueError(
+            f"mid_t: angles {outside} are outside (0, {math.pi / 2:.5f}); TrigFlow angles lie strictly between "
+            f"0 (clean) and pi/2 (pure noise), e.g. '{DEFAULT_MID_T_TEXT}'."
+        )
+    if any(b >= a for a, b in zip(values, values[1:])):
+        raise ValueError(
+            f"mid_t: angles must strictly decrease (noisy to clean), got {list(values)}; e.g. '{DEFAULT_MID_T_TEXT}'."
+        )
+    return values
+
+
+def _as_sigmas(r: np.ndarray) -> torch.Tensor:
+    # ComfyUI's SIGMAS are float32 CPU tensors (its schedulers return them so); the grid itself
+    # was computed in float64.
+    return torch.from_numpy(np.ascontiguousarray(r)).to(torch.float32)
+
+
+def rcm_sigmas(steps: int, sigma_max: float = 80.0, mid_t: str | Sequence[float] = DEFAULT_MID_T_TEXT) -> torch.Tensor:
+    """SIGMAS of the ``steps``-step rCM sampler: SPEC §2.1's RF times, ``steps + 1`` values ending at 0.
+
+    ``sigma_max`` is the EDM-scale start (80 for Wan T2V, 200 for Wan I2V); ``mid_t`` the
+    intermediate TrigFlow angles (text or numbers). Steps beyond ``len(mid_t) + 1`` need more angles.
+    """
+    angles = parse_mid_t(mid_t)
+    if isinstance(steps, bool) or int(steps) != steps or not 1 <= int(steps) <= len(angles) + 1:
+        raise ValueError(
+            f"steps={steps} is out of range: with mid_t={list(angles)} the rCM sampler takes 1..{len(angles) + 1} "
+            f"steps (4 is the usual); lower steps or add intermediate angles to mid_t."
+        )
+    return _as_sigmas(rcm_rf_times(int(steps), sigma_max, angles))
+
+
+def teacher_sigmas(
+    steps: int,
+    sigma_max: float = 5000.0,
+    spacing: str = "linear",
+    shift: float = 1.0,
+    rho: float = 7.0,
+    sigma_min: float = 0.002,
+) -> torch.Tensor:
+    """SIGMAS of the teacher ODE grid (SPEC §2.2) from ``r_max = sigma_max / (1 + sigma_max)`` to 0."""
+    if spacing not in SPACINGS:
+        raise ValueError(f"spacing={spacing!r} is unknown; choose one of {list(SPACINGS)}.")
+    return _as_sigmas(teacher_rf_grid(steps, sigma_max, spacing, shift=shift, rho=rho, sigma_min=sigma_min))
+
+
+def check_flow_model_sampling(model_sampling) -> None:
+    """Raise unless ``model_sampling`` is ComfyUI's CONST (rectified-flow) kind, where sigma = RF time."""
+    names = [c.__name__ for c in type(model_sampling).__mro__]
+    if "CONST" not in names:
+        raise ValueError(
+            f"this model samples as {type(model_sampling).__name__} ({', '.join(names[1:4])}), not as a rectified-flow "
+            "(CONST) model: rCM sigmas are RF times for Wan and Flux models; connect a Wan or Flux model, or none."
+        )
+
+
+def split_sigmas_at_boundary(sigmas: torch.Tensor, boundary: float = WAN22_BOUNDARY) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split SIGMAS for Wan 2.2's two experts: steps starting at ``r >= boundary`` go to the high-noise expert.
+
+    Returns ``(high, low)`` sharing the switch sigma (``high[-1] == low[0]``), the same chaining as
+    ComfyUI's SplitSigmas: the high-noise sampler stops at the switch sigma, the low-noise one starts there.
+    Raises if either expert would get no step.
+    """
+    r = _checked_sigmas(sigmas)
+    if not 0.0 < boundary < 1.0:
+        raise ValueError(f"boundary={boundary} must lie in (0, 1) (Wan 2.2 A14B: 0.9 for I2V, 0.875 for T2V).")
+    k = int(np.argmax(r < boundary))  # first sigma below the boundary (the final 0 qualifies)
+    if k == 0:
+        raise ValueError(
+            f"boundary={boundary}: all steps start below it (sigmas {np.round(r, 5).tolist()}), so the high-noise "
+            "expert gets no step; raise sigma_max or lower the boundary."
+        )
+    if k == len(r) - 1:
+        raise ValueError(
+            f"boundary={boundary}: every step starts above it (sigmas {np.round(r, 5).tolist()}), so the low-noise "
+            "expert gets no step; use more steps or raise the boundary (or use one expert)."
+        )
+    sigmas = torch.as_tensor(sigmas)
+    return sigmas[: k + 1].clone(), sigmas[k:].clone()
+
+
+def _checked_sigmas(sigmas) -> np.ndarray:
+    r = np.asarray(torch.as_tensor(sigmas).detach().cpu().to(torch.float64).reshape(-1))
+    if r.size < 2:
+        raise ValueError(f"SIGMAS needs at least 2 values (one step), got {r.tolist()}.")
+    if r[-1] < 0 or np.any(r > 1):
+        raise ValueError(
+            f"SIGMAS {r.tolist()} are not RF times in [0, 1]: the rCM sampler is for rectified-flow (CONST) "
+            "models such as Wan and Flux; build the sigmas with RCMSigmas or TrigFlowTeacherSigmas."
+        )
+    validate_rf_times(r, append_zero=False, name="SIGMAS")
+    return r
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def seeded_noise_sampler(x: torch.Tensor, seed: int | None = None) -> Callable:
+    """``noise(sigma, sigma_next)`` drawing standard normal tensors like ``x`` from one generator.
+
+    Seeded from ComfyUI's sampling seed (``extra_args["seed"]``), so a seed reproduces a sample, and
+    draws the same numbers as ComfyUI's own default noise sampler for that seed.
+    """
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=x.device)
+        generator.manual_seed(int(seed))
+
+    def noise(sigma=None, sigma_next=None):
+        return torch.randn(x.size(), dtype=x.dtype, layout=x.layout, device=x.device, generator=generator)
+
+    return noise
+
+
+@torch.no_grad()
+def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, stochastic=True):
+    """rCM few-step sampler (SPEC §2.1) over a denoiser ``model(x, sigma) -> x0``, k-diffusion signature.
+
+    ``x`` arrives already noised to ``sigmas[0]`` (ComfyUI does ``r_0 noise + (1 - r_0) latent``).
+    Each step asks the model for ``x0`` and moves with :func:`rcm_update`: stochastic (default)
+    re-noises ``x0`` to the next RF time with fresh noise; deterministic is the Euler/ODE move.
+    """
+    extra_args = {} if extra_args is None else extra_args
+    r = _checked_sigmas(sigmas)
+    if stochastic and noise_sampler is None:
+        noise_sampler = seeded_noise_sampler(x, extra_args.get("seed"))
+    s_in = x.new_ones([x.shape[0]])
+    steps = range(len(r) - 1)
+    if not disable:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="rCM", leave=False)
+    for i in steps:
+        r_cur, r_next = float(r[i]), float(r[i + 1])
+        x0 = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": x0})
+        noise = noise_sampler(sigmas[i], sigmas[i + 1]) if stochastic and r_next > 0 else None
+        x = rcm_update(x, x0, r_cur, r_next, noise=noise, stochastic=stochastic)
+    return x
+
+
+# ----------------------------------------------------------------------------- LoRA glue
+
+#: ComfyUI model classes (``model_patcher.model``) -> architecture names of the key converter
+# (subclasses such as WAN22, WAN21_Vace or Chroma resolve through the MRO)
+_COMFY_ARCH = {"WAN21": "wan", "Flux": "flux"}
+
+
+def model_arch(comfy_model) -> str:
+    """"wan" or "flux" for a ComfyUI BaseModel (``model_patcher.model``); ValueError for anything else."""
+    for cls in type(comfy_model).__mro__:
+        if cls.__name__ in _COMFY_ARCH:
+            return _COMFY_ARCH[cls.__name__]
+    raise ValueError(
+        f"RCMLoraLoader supports Wan and Flux models; this model is {type(comfy_model).__name__}. "
+        "Use ComfyUI's LoraLoaderModelOnly for other architectures."
+    )
+
+
+def load_lora_file(path: str) -> dict[str, torch.Tensor]:
+    """Read a LoRA ``.safetensors`` file; clear errors for a missing or unreadable file."""
+    if not path or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"LoRA file not found: {path!r}; put the .safetensors file in ComfyUI's models/loras folder "
+            "(or a folder listed under 'loras' in extra_model_paths.yaml) and refresh."
+        )
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"{os.path.basename(path)}: RCMLoraLoader reads .safetensors LoRA files only.")
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"cannot read LoRA file {path!r} as safetensors ({e}); is the file complete?") from e
+
+
+def lora_for_comfy(state_dict: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """Any supported LoRA layout (diffusers or ComfyUI/original, Wan or Flux) -> ComfyUI keys for ``arch``.
+
+    Goes through the one key converter, :mod:`rcm_diffusers.lora.keys`. Raises ValueError when the
+    LoRA belongs to another architecture or holds keys that no rule maps (listing them).
+    """
+    from .lora import keys as lora_keys
+
+    if not state_dict:
+        raise ValueError("the LoRA file holds no tensors.")
+    try:
+        lora_arch = lora_keys.detect_arch(state_dict)
+    except ValueError as e:
+        raise ValueError(f"this file is not a Wan or Flux LoRA: {e}") from e
+    if lora_arch != arch:
+        raise ValueError(
+            f"this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
+            f"load a {arch.capitalize()} LoRA (or connect a {lora_arch.capitalize()} model)."
+        )
+    return lora_keys.to_comfy_keys(state_dict, arch)
+
+
+def lora_targets_missing(comfy_state_dict: dict[str, torch.Tensor], key_map: dict) -> list[str]:
+    """Targets of a ComfyUI-layout LoRA that ComfyUI's key map for the model does not know (sorted).
+
+    ``key_map`` is ``comfy.lora.model_lora_keys_unet(model)``: LoRA target name -> model weight.
+    """
+    from .lora import keys as lora_keys
+
+    missing = []
+    for target in lora_keys.lora_modules(comfy_state_dict):
+        name = "diffusion_model." + target
+        if name not in key_map and f"{name}.weight" not in key_map:
+            missing.append(target)
+    return sorted(missing)

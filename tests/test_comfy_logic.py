@@ -1,0 +1,290 @@
+"""Logic of the ComfyUI nodes (rcm_diffusers.comfy), without ComfyUI: SPEC §2.1/§2.2 numbers."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rcm_diffusers import comfy
+
+SPEC_4STEP = [0.98765, 0.93378, 0.85289, 0.60898, 0.0]
+
+
+# ----------------------------------------------------------------------------- sigmas
+
+
+def test_rcm_sigmas_equal_spec_numbers():
+    s = comfy.rcm_sigmas(4)
+    assert s.dtype == torch.float32 and s.shape == (5,)
+    np.testing.assert_allclose(s.numpy(), SPEC_4STEP, atol=1e-5, rtol=0)
+    assert abs(float(s[0]) - 80 / 81) < 1e-7
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_rcm_sigmas_fewer_steps_are_prefixes_plus_zero(steps):
+    s = comfy.rcm_sigmas(steps).numpy()
+    np.testing.assert_allclose(s[:-1], SPEC_4STEP[:steps], atol=1e-5, rtol=0)
+    assert s[-1] == 0.0 and len(s) == steps + 1
+
+
+def test_rcm_sigmas_i2v_sigma_max_and_custom_mid_t():
+    s = comfy.rcm_sigmas(2, sigma_max=200, mid_t="[1.2]").numpy()
+    r1 = math.sin(1.2) / (math.sin(1.2) + math.cos(1.2))
+    np.testing.assert_allclose(s, [200 / 201, r1, 0.0], atol=1e-7, rtol=0)
+    # numbers as well as text; spaces, semicolons and brackets as separators
+    assert comfy.parse_mid_t("1.5 1.4; 1.0") == (1.5, 1.4, 1.0)
+    assert comfy.parse_mid_t([1.5, 1.4]) == (1.5, 1.4)
+    assert comfy.parse_mid_t(" ") == ()
+    np.testing.assert_allclose(comfy.rcm_sigmas(1, mid_t="").numpy(), [80 / 81, 0.0], atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(steps=0), "steps=0 is out of range.*1..4"),
+        (dict(steps=5), "steps=5 is out of range.*add intermediate angles"),
+        (dict(steps=2.5), "out of range"),
+        (dict(steps=3, mid_t="1.5, abc"), r"cannot read \['abc'\]"),
+        (dict(steps=3, mid_t="1.0, 1.4"), "strictly decrease"),
+        (dict(steps=2, mid_t="1.4, 1.4"), "strictly decrease"),
+        (dict(steps=2, mid_t="2.0"), r"outside \(0, 1.57080\)"),
+        (dict(steps=2, mid_t="0"), "outside"),
+        (dict(steps=2, mid_t="nan"), "cannot read"),
+        (dict(steps=4, sigma_max=10), r"arctan\(sigma_max=10.0\)"),  # atan(10)=1.4711 < 1.5
+        (dict(steps=2, sigma_max=-1), "sigma_max must be > 0"),
+    ],
+)
+def test_rcm_sigmas_bad_input_says_what_to_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        comfy.rcm_sigmas(**kwargs)
+
+
+def test_teacher_sigmas_linear_shift_starts_at_r_max():
+    s = comfy.teacher_sigmas(10, sigma_max=5000, spacing="linear", shift=5.0).numpy().astype(np.float64)
+    r_max = 5000 / 5001
+    u_max = r_max / (5 - 4 * r_max)
+    u = np.linspace(u_max, 0, 11)
+    ref = 5 * u / (1 + 4 * u)
+    np.testing.assert_allclose(s, ref, atol=1e-7, rtol=0)
+    assert abs(s[0] - r_max) < 1e-7 and s[-1] == 0
+
+
+def test_teacher_sigmas_karras_and_exponential():
+    k = comfy.teacher_sigmas(5, sigma_max=5000, spacing="karras", rho=7, sigma_min=0.002).numpy().astype(np.float64)
+    i = np.arange(5) / 4
+    sig = (5000 ** (1 / 7) + i * (0.002 ** (1 / 7) - 5000 ** (1 / 7))) ** 7
+    np.testing.assert_allclose(k, np.append(sig / (1 + sig), 0), rtol=1e-6, atol=1e-9)
+    e = comfy.teacher_sigmas(5, spacing="exponential", sigma_min=0.002).numpy().astype(np.float64)
+    sig = np.exp(np.log(5000) + i * (np.log(0.002) - np.log(5000)))
+    np.testing.assert_allclose(e, np.append(sig / (1 + sig), 0), rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="choose one of"):
+        comfy.teacher_sigmas(5, spacing="cosine")
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+class AffineDenoiser:
+    """x0 = a(sigma) x + b(sigma) c: a denoiser with a known output, records its calls."""
+
+    def __init__(self, c):
+        self.c = c
+        self.calls = []
+
+    def __call__(self, x, sigma, **kw):
+        self.calls.append((float(sigma[0]), kw))
+        s = sigma.reshape(-1, *([1] * (x.ndim - 1))).to(x.dtype)
+        return (0.5 - 0.3 * s) * x + (1.0 + s) * self.c.to(x.dtype)
+
+
+def reference_loop(x, c, r, noises, stochastic):
+    """SPEC §2.1 in float64, velocity form: v = (x - x0)/r, x0 = x - r v."""
+    x = x.double()
+    for i in range(len(r) - 1):
+        x0 = (0.5 - 0.3 * r[i]) * x + (1.0 + r[i]) * c.double()
+        v = (x - x0) / r[i]
+        if stochastic:
+            noise = noises[i].double() if r[i + 1] > 0 else 0.0  # no draw for the final step to r = 0
+            x = (1 - r[i + 1]) * (x - r[i] * v) + r[i + 1] * noise
+        else:
+            x = x - (r[i] - r[i + 1]) * v
+    return x
+
+
+class ListNoise:
+    def __init__(self, noises):
+        self.noises, self.i = noises, 0
+
+    def __call__(self, sigma, sigma_next):
+        n = self.noises[self.i]
+        self.i += 1
+        return n
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_sample_rcm_matches_float64_spec_loop(stochastic):
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 4, 3, 8, 8)
+    c = torch.randn(shape, generator=g)
+    noises = [torch.randn(shape, generator=g) for _ in range(3)]
+    sigmas = comfy.rcm_sigmas(4)
+    r = sigmas.double().numpy()
+    x = float(r[0]) * torch.randn(shape, generator=g)
+    model = AffineDenoiser(c)
+    seen = []
+    out = comfy.sample_rcm(model, x, sigmas, extra_args={"cond": 1}, disable=True, stochastic=stochastic,
+                           noise_sampler=ListNoise(noises), callback=lambda d: seen.append((d["i"], d["denoised"])))
+    ref = reference_loop(x, c, r, noises, stochastic)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    # the model saw the SPEC RF times and the extra args; the callback got i and x0 for previews
+    np.testing.assert_allclose([s for s, _ in model.calls], SPEC_4STEP[:4], atol=1e-5)
+    assert all(kw == {"cond": 1} for _, kw in model.calls)
+    assert [i for i, _ in seen] == [0, 1, 2, 3]
+    # the last step returns the model's x0 exactly
+    torch.testing.assert_close(seen[-1][1], out, atol=0, rtol=0)
+    # stochastic and deterministic really differ
+    other = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, disable=True, stochastic=not stochastic,
+                             noise_sampler=ListNoise(noises))
+    assert (other - out).abs().max() > 1e-2
+
+
+def test_sample_rcm_seed_reproduces_and_matches_generator_stream():
+    c = torch.zeros(1, 2, 4, 4)
+    x = torch.zeros(1, 2, 4, 4)
+    sigmas = comfy.rcm_sigmas(2)
+    a = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, extra_args={"seed": 7}, disable=True)
+    b = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, extra_args={"seed": 7}, disable=True)
+    d = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, extra_args={"seed": 8}, disable=True)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert (a - d).abs().max() > 1e-3
+    # x = 0, c = 0: step 0 gives x0 = 0, x1 = r1 * n1 with n1 the first draw of a seed-7 generator,
+    # then the last step returns x0 = (0.5 - 0.3 r1) x1.
+    n1 = torch.randn(x.size(), generator=torch.Generator().manual_seed(7))
+    r1 = float(sigmas[1])
+    torch.testing.assert_close(a, (0.5 - 0.3 * r1) * r1 * n1, atol=1e-6, rtol=0)
+
+
+def test_sample_rcm_rejects_non_rf_sigmas():
+    x = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="not RF times"):
+        comfy.sample_rcm(AffineDenoiser(x), x, torch.tensor([14.6, 2.0, 0.0]), disable=True)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        comfy.sample_rcm(AffineDenoiser(x), x, torch.tensor([0.5, 0.9, 0.0]), disable=True)
+
+
+# ----------------------------------------------------------------------------- expert split
+
+
+def test_split_sigmas_at_boundary_and_chaining_equals_one_run():
+    sigmas = comfy.rcm_sigmas(4)
+    high, low = comfy.split_sigmas_at_boundary(sigmas, 0.9)
+    np.testing.assert_allclose(high.numpy(), SPEC_4STEP[:3], atol=1e-5)
+    np.testing.assert_allclose(low.numpy(), SPEC_4STEP[2:], atol=1e-5)
+    high7, low7 = comfy.split_sigmas_at_boundary(sigmas, 0.7)
+    assert len(high7) == 4 and len(low7) == 2
+    # two chained samplers over the halves equal one sampler over the whole schedule
+    g = torch.Generator().manual_seed(1)
+    c = torch.randn(1, 4, 2, 4, 4, generator=g)
+    noises = [torch.randn(1, 4, 2, 4, 4, generator=g) for _ in range(3)]
+    x = 0.98765 * torch.randn(1, 4, 2, 4, 4, generator=g)
+    full = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, disable=True, noise_sampler=ListNoise(noises))
+    ns = ListNoise(noises)
+    mid = comfy.sample_rcm(AffineDenoiser(c), x, high, disable=True, noise_sampler=ns)
+    out = comfy.sample_rcm(AffineDenoiser(c), mid, low, disable=True, noise_sampler=ns)
+    torch.testing.assert_close(out, full, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "steps, boundary, match",
+    [(4, 0.99, "high-noise expert gets no step"), (1, 0.9, "low-noise expert gets no step"),
+     (4, 0.5, "low-noise expert gets no step"), (4, 1.5, r"must lie in \(0, 1\)")],
+)
+def test_split_sigmas_bad_boundary(steps, boundary, match):
+    with pytest.raises(ValueError, match=match):
+        comfy.split_sigmas_at_boundary(comfy.rcm_sigmas(steps), boundary)
+
+
+# ----------------------------------------------------------------------------- model checks
+
+
+def test_flow_model_check_and_arch():
+    class CONST:
+        pass
+
+    class ModelSamplingDiscreteFlow:
+        pass
+
+    class FlowSampling(ModelSamplingDiscreteFlow, CONST):
+        pass
+
+    class EPS:
+        pass
+
+    class ModelSamplingDiscrete(EPS):
+        pass
+
+    comfy.check_flow_model_sampling(FlowSampling())
+    with pytest.raises(ValueError, match="not as a rectified-flow"):
+        comfy.check_flow_model_sampling(ModelSamplingDiscrete())
+
+    class WAN21:
+        pass
+
+    class WAN22(WAN21):
+        pass
+
+    class Flux:
+        pass
+
+    class SDXL:
+        pass
+
+    assert comfy.model_arch(WAN22()) == "wan" and comfy.model_arch(Flux()) == "flux"
+    with pytest.raises(ValueError, match="supports Wan and Flux.*SDXL"):
+        comfy.model_arch(SDXL())
+
+
+# ----------------------------------------------------------------------------- LoRA glue
+
+
+def _wan_diffusers_lora(rank=2, dim=8):
+    g = torch.Generator().manual_seed(3)
+    sd = {}
+    for name in ("attn1.to_q", "attn2.to_out.0", "ffn.net.0.proj"):
+        sd[f"transformer.blocks.0.{name}.lora_A.weight"] = torch.randn(rank, dim, generator=g)
+        sd[f"transformer.blocks.0.{name}.lora_B.weight"] = torch.randn(dim, rank, generator=g)
+    return sd
+
+
+def test_lora_for_comfy_converts_diffusers_wan_keys():
+    sd = _wan_diffusers_lora()
+    out = comfy.lora_for_comfy(sd, "wan")
+    assert set(out) == {
+        f"diffusion_model.blocks.0.{t}.{s}.weight"
+        for t in ("self_attn.q", "cross_attn.o", "ffn.0") for s in ("lora_down", "lora_up")
+    }
+    torch.testing.assert_close(out["diffusion_model.blocks.0.self_attn.q.lora_down.weight"],
+                               sd["transformer.blocks.0.attn1.to_q.lora_A.weight"], atol=0, rtol=0)
+    # ComfyUI-layout input passes through unchanged in content
+    again = comfy.lora_for_comfy(out, "wan")
+    assert set(again) == set(out)
+    key_map = {"diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight",
+               "diffusion_model.blocks.0.ffn.0": "diffusion_model.blocks.0.ffn.0.weight"}
+    assert comfy.lora_targets_missing(out, key_map) == ["blocks.0.cross_attn.o"]
+
+
+def test_lora_for_comfy_wrong_architecture_and_files(tmp_path):
+    flux = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2)}
+    with pytest.raises(ValueError, match="this LoRA is for Flux but the model is Wan"):
+        comfy.lora_for_comfy(flux, "wan")
+    with pytest.raises(ValueError, match="not a Wan or Flux LoRA"):
+        comfy.lora_for_comfy({"text_model.encoder.layers.0.q.lora_A.weight": torch.zeros(2, 8)}, "wan")
+    with pytest.raises(FileNotFoundError, match="models/loras"):
+        comfy.load_lora_file(str(tmp_path / "nope.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="cannot read LoRA file"):
+        comfy.load_lora_file(str(bad))
