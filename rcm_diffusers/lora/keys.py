@@ -1,0 +1,598 @@
+"""The one key converter: diffusers names <-> original (Wan, BFL Flux) / ComfyUI names.
+
+Works on flat state dicts of LoRA tensors and of full weights alike. Every key is split
+into a *target* (a module or parameter path) and a *suffix* (what kind of tensor it is):
+
+==================  =========================  =====================================
+canonical suffix     diffusers file             ComfyUI / original file
+==================  =========================  =====================================
+``lora_A.weight``    ``.lora_A.weight``         ``.lora_down.weight`` (or lora_A)
+``lora_B.weight``    ``.lora_B.weight``         ``.lora_up.weight`` (or lora_B)
+``alpha``            ``.alpha``                 ``.alpha``
+``diff``             ``.diff``                  ``.diff``   full delta of the weight
+``diff_b``           ``.diff_b``                ``.diff_b`` full delta of the bias
+``weight``/``bias``  ``.weight``/``.bias``      ``.weight``/``.bias`` (full weights)
+==================  =========================  =====================================
+
+A LoRA module contributes ``alpha / rank * lora_B @ lora_A`` (alpha absent: alpha = rank).
+Flux's original layout fuses q/k/v (``img_attn.qkv``, ``txt_attn.qkv``) and q/k/v/mlp
+(``single_blocks.N.linear1``); a fused LoRA is written as ``A = cat(A_i)``,
+``B = blockdiag(B_i)`` and split back exactly. Keys that match no rule raise ``ValueError``
+listing them: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ARCHS",
+    "detect_arch",
+    "detect_format",
+    "to_original",
+    "to_diffusers",
+    "to_comfy_keys",
+    "from_any",
+    "check_against_model",
+    "lora_modules",
+]
+
+ARCHS = ("wan", "flux")
+
+# Longest first: a key is split at the first suffix that matches its end.
+_SUFFIXES = (
+    "lora_down.weight",
+    "lora_up.weight",
+    "lora_A.weight",
+    "lora_B.weight",
+    "lora_B.bias",
+    "alpha",
+    "diff_b",
+    "diff",
+    "weight",
+    "bias",
+    "scale",
+)
+_CANON_SUFFIX = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight", "lora_B.bias": "diff_b"}
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.")
+
+# (diffusers target, original target); "{i}" is a block index. A target is a module
+# (suffixes weight/bias/lora_*/alpha/diff/diff_b) or, when it names a raw parameter such as
+# Wan's modulation, the parameter itself (suffixes "" and diff).
+_WAN_PAIRS = [
+    ("patch_embedding", "patch_embedding"),
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+    ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+    ("condition_embedder.image_embedder.pos_embed", "img_emb.emb_pos"),
+    ("blocks.{i}.attn1.to_q", "blocks.{i}.self_attn.q"),
+    ("blocks.{i}.attn1.to_k", "blocks.{i}.self_attn.k"),
+    ("blocks.{i}.attn1.to_v", "blocks.{i}.self_attn.v"),
+    ("blocks.{i}.attn1.to_out.0", "blocks.{i}.self_attn.o"),
+    ("blocks.{i}.attn1.norm_q", "blocks.{i}.self_attn.norm_q"),
+    ("blocks.{i}.attn1.norm_k", "blocks.{i}.self_attn.norm_k"),
+    ("blocks.{i}.attn2.to_q", "blocks.{i}.cross_attn.q"),
+    ("blocks.{i}.attn2.to_k", "blocks.{i}.cross_attn.k"),
+    ("blocks.{i}.attn2.to_v", "blocks.{i}.cross_attn.v"),
+    ("blocks.{i}.attn2.to_out.0", "blocks.{i}.cross_attn.o"),
+    ("blocks.{i}.attn2.norm_q", "blocks.{i}.cross_attn.norm_q"),
+    ("blocks.{i}.attn2.norm_k", "blocks.{i}.cross_attn.norm_k"),
+    # I2V image-attention projections (Wan 2.1 I2V / FLF2V)
+    ("blocks.{i}.attn2.add_k_proj", "blocks.{i}.cross_attn.k_img"),
+    ("blocks.{i}.attn2.add_v_proj", "blocks.{i}.cross_attn.v_img"),
+    ("blocks.{i}.attn2.norm_added_k", "blocks.{i}.cross_attn.norm_k_img"),
+    # diffusers norm2 is the (affine) cross-attention norm, original norm3
+    ("blocks.{i}.norm2", "blocks.{i}.norm3"),
+    ("blocks.{i}.ffn.net.0.proj", "blocks.{i}.ffn.0"),
+    ("blocks.{i}.ffn.net.2", "blocks.{i}.ffn.2"),
+    ("blocks.{i}.scale_shift_table", "blocks.{i}.modulation"),
+    ("scale_shift_table", "head.modulation"),
+    ("proj_out", "head.head"),
+]
+_WAN_PARAMS = {"blocks.{i}.scale_shift_table", "scale_shift_table", "condition_embedder.image_embedder.pos_embed"}
+
+_FLUX_PAIRS = [
+    ("x_embedder", "img_in"),
+    ("context_embedder", "txt_in"),
+    ("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+    ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+    ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+    ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+    ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+    ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
+    ("transformer_blocks.{i}.norm1.linear", "double_blocks.{i}.img_mod.lin"),
+    ("transformer_blocks.{i}.norm1_context.linear", "double_blocks.{i}.txt_mod.lin"),
+    ("transformer_blocks.{i}.attn.norm_q", "double_blocks.{i}.img_attn.norm.query_norm"),
+    ("transformer_blocks.{i}.attn.norm_k", "double_blocks.{i}.img_attn.norm.key_norm"),
+    ("transformer_blocks.{i}.attn.norm_added_q", "double_blocks.{i}.txt_attn.norm.query_norm"),
+    ("transformer_blocks.{i}.attn.norm_added_k", "double_blocks.{i}.txt_attn.norm.key_norm"),
+    ("transformer_blocks.{i}.attn.to_out.0", "double_blocks.{i}.img_attn.proj"),
+    ("transformer_blocks.{i}.attn.to_add_out", "double_blocks.{i}.txt_attn.proj"),
+    ("transformer_blocks.{i}.ff.net.0.proj", "double_blocks.{i}.img_mlp.0"),
+    ("transformer_blocks.{i}.ff.net.2", "double_blocks.{i}.img_mlp.2"),
+    ("transformer_blocks.{i}.ff_context.net.0.proj", "double_blocks.{i}.txt_mlp.0"),
+    ("transformer_blocks.{i}.ff_context.net.2", "double_blocks.{i}.txt_mlp.2"),
+    ("single_transformer_blocks.{i}.norm.linear", "single_blocks.{i}.modulation.lin"),
+    ("single_transformer_blocks.{i}.attn.norm_q", "single_blocks.{i}.norm.query_norm"),
+    ("single_transformer_blocks.{i}.attn.norm_k", "single_blocks.{i}.norm.key_norm"),
+    ("single_transformer_blocks.{i}.proj_out", "single_blocks.{i}.linear2"),
+    ("proj_out", "final_layer.linear"),
+    ("norm_out.linear", "final_layer.adaLN_modulation.1"),
+]
+# RMSNorm parameters are called `weight` in diffusers and `scale` in BFL Flux.
+_FLUX_SCALE_NORMS = {d for d, o in _FLUX_PAIRS if o.endswith(("query_norm", "key_norm"))}
+# AdaLN output projection: diffusers orders (scale, shift), BFL (shift, scale): rows swap halves.
+_FLUX_SWAP_ROWS = {"norm_out.linear"}
+# fused original module <- diffusers members, in row order; None size = hidden (in_features)
+_FLUX_FUSED = [
+    ("double_blocks.{i}.img_attn.qkv", ["transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
+                                        "transformer_blocks.{i}.attn.to_v"]),
+    ("double_blocks.{i}.txt_attn.qkv", ["transformer_blocks.{i}.attn.add_q_proj",
+                                        "transformer_blocks.{i}.attn.add_k_proj",
+                                        "transformer_blocks.{i}.attn.add_v_proj"]),
+    ("single_blocks.{i}.linear1", ["single_transformer_blocks.{i}.attn.to_q", "single_transformer_blocks.{i}.attn.to_k",
+                                   "single_transformer_blocks.{i}.attn.to_v", "single_transformer_blocks.{i}.proj_mlp"]),
+]
+FLUX_MLP_RATIO = 4.0
+
+
+def _compile(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+@dataclass
+class _Rule:
+    src: re.Pattern
+    dst: str
+    is_param: bool
+
+
+def _rules(pairs, params, reverse: bool) -> list[_Rule]:
+    out = []
+    for d, o in pairs:
+        src, dst = (o, d) if reverse else (d, o)
+        out.append(_Rule(_compile(src), dst, d in params))
+    return out
+
+
+_RULES = {
+    ("wan", "to_original"): _rules(_WAN_PAIRS, _WAN_PARAMS, False),
+    ("wan", "to_diffusers"): _rules(_WAN_PAIRS, _WAN_PARAMS, True),
+    ("flux", "to_original"): _rules(_FLUX_PAIRS, set(), False),
+    ("flux", "to_diffusers"): _rules(_FLUX_PAIRS, set(), True),
+}
+_FUSED_FROM = [(_compile(f), f, [_compile(m) for m in ms], ms) for f, ms in _FLUX_FUSED]
+
+
+def _map(target: str, arch: str, direction: str):
+    """(new target, is_param) for one target, or None when no rule matches."""
+    for rule in _RULES[(arch, direction)]:
+        m = rule.src.match(target)
+        if m:
+            return rule.dst.replace("{i}", m.group("i")) if "i" in m.groupdict() else rule.dst, rule.is_param
+    return None
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _strip_prefix(key: str) -> str:
+    for p in _PREFIXES:
+        if key.startswith(p):
+            return key[len(p):]
+    return key
+
+
+def _split(key: str) -> tuple[str, str]:
+    """(target, canonical suffix) of a prefix-free key; suffix "" for a raw parameter."""
+    for s in _SUFFIXES:
+        if key.endswith("." + s):
+            return key[: -len(s) - 1], _CANON_SUFFIX.get(s, s)
+    return key, ""
+
+
+_FLUX_MARKERS = ("double_blocks.", "single_blocks.", "transformer_blocks.", "single_transformer_blocks.",
+                 "final_layer.", "img_in.", "x_embedder.")
+_ORIGINAL_MARKERS = ("self_attn.", "cross_attn.", "double_blocks.", "single_blocks.", "head.head", "ffn.0.",
+                     "ffn.2.", "final_layer.", "img_in.", "txt_in.", "time_embedding.", "text_embedding.",
+                     ".modulation", "time_projection.", "img_emb.", ".norm3.")
+_DIFFUSERS_MARKERS = ("attn1.", "attn2.", "transformer_blocks.", "single_transformer_blocks.", "ffn.net.",
+                      "condition_embedder.", "proj_out.", "scale_shift_table", "x_embedder.", "time_text_embed.",
+                      "context_embedder.", "norm_out.")
+
+
+def detect_arch(state_dict) -> str:
+    """"flux" or "wan" from the key names (any supported layout); ValueError if neither."""
+    keys = [_strip_prefix(k) for k in state_dict]
+    if any(k.startswith(_FLUX_MARKERS) for k in keys):
+        return "flux"
+    if any(k.startswith(("blocks.", "head.", "patch_embedding", "condition_embedder.", "scale_shift_table"))
+           for k in keys):
+        return "wan"
+    raise ValueError(
+        "cannot tell the architecture (Wan or Flux) from these keys: "
+        f"{sorted(state_dict)[:8]}{' ...' if len(state_dict) > 8 else ''}; pass arch='wan' or arch='flux'."
+    )
+
+
+def detect_format(state_dict) -> str:
+    """"diffusers" or "original" (= ComfyUI) naming, from prefixes and layer names."""
+    keys = list(state_dict)
+    if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
+        return "original"
+    if any(k.startswith("lora_unet_") for k in keys):
+        raise ValueError("kohya 'lora_unet_*' keys are not supported; convert them with diffusers first.")
+    stripped = [_strip_prefix(k) for k in keys]
+    n_orig = sum(any(m in k for m in _ORIGINAL_MARKERS) for k in stripped)
+    n_diff = sum(any(m in k for m in _DIFFUSERS_MARKERS) for k in stripped)
+    if n_orig == 0 and n_diff == 0:
+        # e.g. only patch_embedding: both namings agree
+        return "diffusers"
+    if n_orig and n_diff:
+        both = [k for k in stripped if any(m in k for m in _ORIGINAL_MARKERS)][:5]
+        raise ValueError(f"state dict mixes diffusers and original key names (original-style: {both}).")
+    return "original" if n_orig else "diffusers"
+
+
+def _group(state_dict) -> dict[str, dict[str, torch.Tensor]]:
+    groups: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in state_dict.items():
+        target, suffix = _split(_strip_prefix(key))
+        if suffix in groups[target]:
+            raise ValueError(f"duplicate entries for {target}.{suffix} (e.g. both lora_A and lora_down).")
+        groups[target][suffix] = value
+    return groups
+
+
+def _unmatched_error(unmatched: list[str], arch: str, src: str) -> ValueError:
+    shown = ", ".join(sorted(unmatched)[:20])
+    more = f" (+{len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
+    return ValueError(f"{len(unmatched)} key(s) match no {arch} {src}-layout rule: {shown}{more}")
+
+
+# ----------------------------------------------------------------------------- scale helpers
+
+
+def _scale(group: dict) -> float:
+    """alpha / rank of one LoRA group (1.0 when alpha is absent)."""
+    if "alpha" not in group:
+        return 1.0
+    return float(group["alpha"]) / group["lora_A.weight"].shape[0]
+
+
+def _alpha_like(group_alpha: torch.Tensor | None, value: float) -> torch.Tensor:
+    dtype = group_alpha.dtype if group_alpha is not None else torch.float32
+    return torch.tensor(value, dtype=dtype)
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a], dim=0)
+
+
+# ----------------------------------------------------------------------------- diffusers -> original
+
+
+def _fuse(members: list[str], groups: dict, fused_name: str, hidden: int) -> dict[str, torch.Tensor]:
+    """One fused original module from its diffusers members (qkv or qkv+mlp)."""
+    sizes = [hidden] * len(members)
+    if len(members) == 4:
+        mlp = groups.get(members[3], {})
+        probe = mlp.get("lora_B.weight", mlp.get("weight", mlp.get("diff", mlp.get("diff_b", mlp.get("bias")))))
+        sizes[3] = probe.shape[0] if probe is not None else int(FLUX_MLP_RATIO * hidden)
+    present = [m for m in members if m in groups]
+    kinds = set().union(*(groups[m].keys() for m in present))
+    out: dict[str, torch.Tensor] = {}
+    for kind in ("weight", "bias", "diff", "diff_b"):
+        if kind not in kinds:
+            continue
+        missing = [m for m in members if kind not in groups.get(m, {})]
+        if missing and kind in ("weight", "bias"):
+            raise ValueError(f"cannot fuse {fused_name}.{kind}: missing {[m + '.' + kind for m in missing]}")
+        parts = []
+        for m, n in zip(members, sizes):
+            if kind in groups.get(m, {}):
+                parts.append(groups[m][kind])
+            else:  # a delta on some members only: the others have a zero delta
+                ref = next(groups[p][kind] for p in present if kind in groups[p])
+                parts.append(ref.new_zeros((n,) + tuple(ref.shape[1:])))
+        out[kind] = torch.cat(parts, dim=0)
+    lora_members = [m for m in present if "lora_A.weight" in groups[m]]
+    if lora_members:
+        scales = [_scale(groups[m]) for m in lora_members]
+        has_alpha = any("alpha" in groups[m] for m in lora_members)
+        same = all(s == scales[0] for s in scales)
+        ref_B = groups[lora_members[0]]["lora_B.weight"]
+        A = torch.cat([groups[m]["lora_A.weight"] for m in lora_members], dim=0)
+        rank = A.shape[0]
+        B = ref_B.new_zeros((sum(sizes), rank))
+        row = dict(zip(members, [sum(sizes[:j]) for j in range(len(sizes))]))
+        col = 0
+        for m, s in zip(lora_members, scales):
+            Bm = groups[m]["lora_B.weight"]
+            r = Bm.shape[1]
+            n = sizes[members.index(m)]
+            if Bm.shape[0] != n:
+                raise ValueError(f"{m}.lora_B.weight has {Bm.shape[0]} rows; the fused {fused_name} slice has {n}")
+            B[row[m]: row[m] + n, col: col + r] = Bm if same else Bm * s
+            col += r
+        out["lora_A.weight"] = A
+        out["lora_B.weight"] = B
+        if has_alpha or not same:
+            out["alpha"] = _alpha_like(groups[lora_members[0]].get("alpha"), (scales[0] if same else 1.0) * rank)
+    return out
+
+
+def to_original(state_dict, arch: str | None = None, prefix: str = "diffusion_model.",
+                lora_names: tuple[str, str] = ("lora_down", "lora_up")) -> dict[str, torch.Tensor]:
+    """Any-layout dict -> original/ComfyUI names (``prefix`` + target + suffix); exact and lossless.
+
+    Raises ValueError listing every key that matches no rule.
+    """
+    arch = arch or detect_arch(state_dict)
+    if detect_format(state_dict) == "original":
+        return _emit(_group(state_dict), prefix, lora_names, arch, "original")
+    groups = _group(state_dict)
+    out_groups: dict[str, dict[str, torch.Tensor]] = {}
+    unmatched = []
+    pending_fused: dict[str, list[str]] = {}
+    for target, group in groups.items():
+        hit = None
+        if arch == "flux":
+            for _, fused_t, member_res, member_ts in _FUSED_FROM:
+                for mre in member_res:
+                    m = mre.match(target)
+                    if m:
+                        i = m.group("i")
+                        hit = (fused_t.replace("{i}", i), [t.replace("{i}", i) for t in member_ts])
+                        break
+                if hit:
+                    break
+        if hit:
+            pending_fused[hit[0]] = hit[1]
+            continue
+        mapped = _map(target, arch, "to_original")
+        if mapped is None:
+            unmatched += [f"{target}.{s}" if s else target for s in group]
+            continue
+        new_t, _ = mapped
+        g = dict(group)
+        if arch == "flux" and target in _FLUX_SWAP_ROWS:
+            for k in ("weight", "bias", "diff", "diff_b", "lora_B.weight"):
+                if k in g:
+                    g[k] = _swap_halves(g[k])
+        if arch == "flux" and _is_scale_norm(target):
+            g = {("scale" if k == "weight" else k): v for k, v in g.items()}
+        out_groups[new_t] = g
+    if unmatched:
+        raise _unmatched_error(unmatched, arch, "diffusers")
+    for fused_t, members in pending_fused.items():
+        hidden = _hidden_of(members, groups)
+        out_groups[fused_t] = _fuse(members, groups, fused_t, hidden)
+    return _emit(out_groups, prefix, lora_names, arch, "original")
+
+
+def _is_scale_norm(diffusers_target: str) -> bool:
+    return re.sub(r"\.\d+\.", ".{i}.", diffusers_target) in _FLUX_SCALE_NORMS
+
+
+def _hidden_of(members: list[str], groups: dict) -> int:
+    for m in members:
+        g = groups.get(m, {})
+        for k in ("lora_A.weight", "weight", "diff"):
+            if k in g and g[k].dim() == 2:
+                return g[k].shape[1]
+    for m in members[:3]:  # q/k/v rows = hidden
+        g = groups.get(m, {})
+        for k in ("bias", "diff_b"):
+            if k in g:
+                return g[k].shape[0]
+    raise ValueError(f"cannot infer the hidden size of fused members {members}")
+
+
+# ----------------------------------------------------------------------------- original -> diffusers
+
+
+def _split_fused_lora(group: dict, sizes: list[int]) -> list[dict | None]:
+    """Per-member LoRA groups from a fused LoRA; exact, compact when B is block-diagonal."""
+    A, B = group["lora_A.weight"], group["lora_B.weight"]
+    s = _scale(group)
+    has_alpha = "alpha" in group
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    blocks = [B[st: st + n] for st, n in zip(starts, sizes)]
+    cols = [torch.nonzero(b.abs().sum(0)).flatten() for b in blocks]
+    sets = [set(c.tolist()) for c in cols]
+    disjoint = all(not (sets[a] & sets[b]) for a in range(len(sets)) for b in range(a + 1, len(sets)))
+    out: list[dict | None] = []
+    for b, c in zip(blocks, cols):
+        if disjoint:
+            if c.numel() == 0:
+                out.append(None)  # exactly zero delta on this member
+                continue
+            g = {"lora_A.weight": A[c].clone(), "lora_B.weight": b[:, c].clone()}
+            rank = c.numel()
+        else:
+            g = {"lora_A.weight": A.clone(), "lora_B.weight": b.clone()}
+            rank = A.shape[0]
+        if has_alpha:
+            g["alpha"] = _alpha_like(group["alpha"], s * rank)
+        out.append(g)
+    return out
+
+
+def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
+    """Any-layout dict -> diffusers names (``prefix`` + target + suffix, lora_A/lora_B); exact.
+
+    Raises ValueError listing every key that matches no rule.
+    """
+    arch = arch or detect_arch(state_dict)
+    groups = _group(state_dict)
+    if detect_format(state_dict) == "diffusers":
+        _check_known(groups, arch, "to_original")
+        return _emit(groups, prefix, ("lora_A", "lora_B"), arch, "diffusers")
+    out_groups: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    unmatched = []
+    for target, group in groups.items():
+        if arch == "flux" and target.endswith(("query_norm.scale", "key_norm.scale")):
+            target = target[: -len(".scale")]  # ComfyUI's key for a `.scale` parameter delta
+            group = {("weight" if k == "" else k): v for k, v in group.items()}
+        fused = None
+        if arch == "flux":
+            for fre, _, _, member_ts in _FUSED_FROM:
+                m = fre.match(target)
+                if m:
+                    fused = [t.replace("{i}", m.group("i")) for t in member_ts]
+                    break
+        if fused:
+            hidden = None
+            for k in ("lora_A.weight", "weight", "diff"):
+                if k in group and group[k].dim() == 2:
+                    hidden = group[k].shape[1]
+                    break
+            rows = next(v.shape[0] for k, v in group.items() if k in ("lora_B.weight", "weight", "diff", "bias", "diff_b"))
+            if hidden is None:
+                hidden = rows // (3 + FLUX_MLP_RATIO) if len(fused) == 4 else rows // 3
+            sizes = [hidden] * 3 + ([rows - 3 * hidden] if len(fused) == 4 else [])
+            if sum(sizes) != rows or min(sizes) <= 0:
+                raise ValueError(f"{target}: {rows} rows cannot be split into {len(fused)} slices of hidden {hidden}")
+            starts = [sum(sizes[:j]) for j in range(len(sizes))]
+            for k, v in group.items():
+                if k in ("weight", "bias", "diff", "diff_b"):
+                    for mt, st, n in zip(fused, starts, sizes):
+                        out_groups[mt][k] = v[st: st + n].clone()
+                elif k not in ("lora_A.weight", "lora_B.weight", "alpha"):
+                    unmatched.append(f"{target}.{k}")
+            if "lora_A.weight" in group:
+                for mt, g in zip(fused, _split_fused_lora(group, sizes)):
+                    if g is not None:
+                        out_groups[mt].update(g)
+            continue
+        mapped = _map(target, arch, "to_diffusers")
+        if mapped is None:
+            unmatched += [f"{target}.{s}" if s else target for s in group]
+            continue
+        new_t, _ = mapped
+        g = dict(group)
+        if arch == "flux" and new_t in _FLUX_SWAP_ROWS:
+            for k in ("weight", "bias", "diff", "diff_b", "lora_B.weight"):
+                if k in g:
+                    g[k] = _swap_halves(g[k])
+        if arch == "flux" and _is_scale_norm(new_t):
+            g = {("weight" if k == "scale" else k): v for k, v in g.items()}
+        out_groups[new_t].update(g)
+    if unmatched:
+        raise _unmatched_error(unmatched, arch, "original")
+    return _emit(out_groups, prefix, ("lora_A", "lora_B"), arch, "diffusers")
+
+
+def _check_known(groups: dict, arch: str, direction: str) -> None:
+    unmatched = []
+    for target, group in groups.items():
+        if _map(target, arch, direction) is not None:
+            continue
+        if arch == "flux" and any(mre.match(target) for _, _, mres, _ in _FUSED_FROM for mre in mres):
+            continue
+        unmatched += [f"{target}.{s}" if s else target for s in group]
+    if unmatched:
+        raise _unmatched_error(unmatched, arch, "diffusers")
+
+
+def _emit(groups: dict, prefix: str, lora_names: tuple[str, str], arch: str, layout: str) -> dict:
+    if layout == "original":
+        _check_known_original(groups, arch)
+    down, up = lora_names
+    out = {}
+    for target, group in groups.items():
+        for suffix, v in group.items():
+            if suffix == "lora_A.weight":
+                s = f"{down}.weight"
+            elif suffix == "lora_B.weight":
+                s = f"{up}.weight"
+            else:
+                s = suffix
+            if layout == "original" and arch == "flux" and s == "diff" and target.endswith(("query_norm", "key_norm")):
+                out[f"{prefix}{target}.scale.diff"] = v  # ComfyUI's key for a `.scale` delta
+                continue
+            out[f"{prefix}{target}.{s}" if s else f"{prefix}{target}"] = v
+    return out
+
+
+def _check_known_original(groups: dict, arch: str) -> None:
+    unmatched = []
+    for target, group in groups.items():
+        t = target[: -len(".scale")] if arch == "flux" and target.endswith(("_norm.scale",)) else target
+        if _map(t, arch, "to_diffusers") is not None:
+            continue
+        if arch == "flux" and any(fre.match(t) for fre, _, _, _ in _FUSED_FROM):
+            continue
+        unmatched += [f"{target}.{s}" if s else target for s in group]
+    if unmatched:
+        raise _unmatched_error(unmatched, arch, "original")
+
+
+# ----------------------------------------------------------------------------- front doors
+
+
+def to_comfy_keys(state_dict, arch: str | None = None) -> dict[str, torch.Tensor]:
+    """Any-layout LoRA/delta dict -> the ComfyUI file layout (``diffusion_model.``, lora_down/up)."""
+    return to_original(state_dict, arch, prefix="diffusion_model.", lora_names=("lora_down", "lora_up"))
+
+
+def from_any(state_dict, arch: str | None = None, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
+    """Any-layout LoRA/delta dict -> diffusers names (format detected); ValueError lists unknown keys."""
+    return to_diffusers(state_dict, arch, prefix=prefix)
+
+
+def lora_modules(state_dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Group a dict by target: ``{target: {canonical suffix: tensor}}`` (prefixes stripped)."""
+    return {t: dict(g) for t, g in _group(state_dict).items()}
+
+
+def check_against_model(state_dict, model_state_dict, prefix: str = "") -> None:
+    """Check every LoRA/delta target against a model's parameter names and shapes (same layout).
+
+    ``model_state_dict`` maps names (optionally under ``prefix``) to tensors or shapes.
+    Raises ValueError listing missing targets and shape mismatches.
+    """
+    shapes = {}
+    for k, v in model_state_dict.items():
+        if k.startswith(prefix):
+            k = k[len(prefix):]
+        shapes[_strip_prefix(k)] = tuple(v.shape) if hasattr(v, "shape") else tuple(v)
+    problems = []
+    for target, g in _group(state_dict).items():
+        w = shapes.get(f"{target}.weight", shapes.get(f"{target}.scale", shapes.get(target)))
+        if w is None:
+            problems.append(f"{target}: no such parameter in the model")
+            continue
+        if "lora_A.weight" in g:
+            A, B = g["lora_A.weight"], g.get("lora_B.weight")
+            if B is None:
+                problems.append(f"{target}: lora_A without lora_B")
+                continue
+            if A.shape[0] != B.shape[1]:
+                problems.append(f"{target}: rank mismatch lora_A {tuple(A.shape)} vs lora_B {tuple(B.shape)}")
+            if len(w) != 2 or (B.shape[0], A.shape[1]) != w:
+                problems.append(f"{target}: LoRA delta {(B.shape[0], A.shape[1])} vs weight {w}")
+        for k in ("diff", "weight", "", "scale"):
+            if k in g and tuple(g[k].shape) != w:
+                problems.append(f"{target}.{k}: shape {tuple(g[k].shape)} vs model {w}")
+        for k in ("diff_b", "bias"):
+            if k in g:
+                b = shapes.get(f"{target}.bias")
+                if b is None or tuple(g[k].shape) != b:
+                    problems.append(f"{target}.{k}: shape {tuple(g[k].shape)} vs model bias {b}")
+    if problems:
+        shown = "; ".join(problems[:20])
+        more = f" (+{len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise ValueError(f"{len(problems)} LoRA key(s) do not match the model: {shown}{more}")
