@@ -1,0 +1,459 @@
+"""diffusers schedulers: the few-step rCM sampler and the TrigFlow-wrapped teacher ODE solvers (SPEC §2).
+
+All three are ordinary ``SchedulerMixin``/``ConfigMixin`` schedulers that run unchanged in
+``WanPipeline``, ``WanImageToVideoPipeline`` (incl. Wan 2.2 ``boundary_ratio``) and ``FluxPipeline``:
+
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
+    video = pipe(prompt, num_inference_steps=4, guidance_scale=1.0).frames[0]
+
+Conventions shared by the three:
+- ``sigmas`` are RF times ``r`` in [0, 1] (diffusers' flow-matching sigmas); ``timesteps = r * num_train_timesteps``
+  (floats, so the model sees the exact wrapped time of SPEC §1).
+- ``set_timesteps(sigmas=[...])`` takes *explicit RF times*, used as given (no shift); a final 0 is appended.
+  ``set_timesteps(timesteps=[...])`` likewise, divided by ``num_train_timesteps``.
+- The config holds ``use_flow_sigmas=True``: FluxPipeline then leaves the grid to the scheduler instead of
+  passing its default ``linspace(1, 1/n, n)`` (which would otherwise be taken as explicit RF times).
+- The flow-matching keys of Wan/Flux scheduler configs (``shift``, ``flow_shift``, ``use_dynamic_shifting``,
+  ``base_shift``, ``max_shift``, ``base_image_seq_len``, ``max_image_seq_len``, ``time_shift_type``) are kept
+  by ``from_config`` so a config round-trips; the teacher schedulers use them, ``RCMScheduler`` does not
+  (its step times are the ones the student was distilled at).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.schedulers import UniPCMultistepScheduler
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import randn_tensor
+
+from .sampling import DEFAULT_MID_T, SPACINGS, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
+
+__all__ = ["RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler", "RCMSchedulerOutput"]
+
+
+@dataclass
+class RCMSchedulerOutput(BaseOutput):
+    """``prev_sample``: the latents at the next time; ``pred_original_sample``: the step's ``x0``."""
+
+    prev_sample: torch.Tensor
+    pred_original_sample: torch.Tensor | None = None
+
+
+def _check_finite_positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+
+
+class _FlowTimesMixin:
+    """Step-index bookkeeping and explicit-grid parsing shared by the schedulers of this module."""
+
+    order = 1
+    _rf: np.ndarray | None = None
+
+    def _explicit_rf(self, num_inference_steps, sigmas, timesteps) -> np.ndarray | None:
+        """Parse ``sigmas`` / ``timesteps`` given by a caller into float64 RF times ending at 0."""
+        if sigmas is not None and timesteps is not None:
+            raise ValueError("pass either `sigmas` (RF times) or `timesteps` (RF times x num_train_timesteps), not both.")
+        if sigmas is None and timesteps is None:
+            return None
+        if sigmas is not None:
+            r = validate_rf_times(_to_list(sigmas), name="sigmas")
+        else:
+            r = validate_rf_times(np.asarray(_to_list(timesteps), dtype=np.float64) / self.config.num_train_timesteps, name="timesteps")
+        if num_inference_steps is not None and num_inference_steps != len(r) - 1:
+            raise ValueError(
+                f"num_inference_steps={num_inference_steps} disagrees with the {len(r) - 1} times given; "
+                "pass one or the other."
+            )
+        return r
+
+    def _set_grid(self, r: np.ndarray, device) -> None:
+        self._rf = r
+        self.sigmas = torch.from_numpy(r).to(torch.float32)
+        self.timesteps = torch.from_numpy(r[:-1] * self.config.num_train_timesteps).to(device=device, dtype=torch.float32)
+        self.num_inference_steps = len(r) - 1
+        self._step_index = None
+        self._begin_index = None
+
+    @property
+    def step_index(self):
+        """Index of the next step (``None`` before the first ``step``)."""
+        return self._step_index
+
+    @property
+    def begin_index(self):
+        """First step index, set by pipelines through ``set_begin_index``."""
+        return self._begin_index
+
+    def set_begin_index(self, begin_index: int = 0):
+        """Start the next run at ``begin_index`` (diffusers pipelines call this with 0)."""
+        self._begin_index = begin_index
+
+    def index_for_timestep(self, timestep, schedule_timesteps=None) -> int:
+        """Index of ``timestep`` in the grid (the first match)."""
+        schedule_timesteps = self.timesteps if schedule_timesteps is None else schedule_timesteps
+        t = timestep.to(schedule_timesteps.device) if isinstance(timestep, torch.Tensor) else torch.tensor(timestep)
+        idx = torch.isclose(schedule_timesteps, t.to(schedule_timesteps.dtype).reshape(()), rtol=0, atol=1e-3).nonzero()
+        if len(idx) == 0:
+            raise ValueError(f"timestep {float(t)} is not on this scheduler's grid {self.timesteps.tolist()}.")
+        return int(idx[0])
+
+    def _init_step_index(self, timestep) -> None:
+        if self._rf is None:
+            raise ValueError(f"{type(self).__name__}.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+        self._step_index = self.index_for_timestep(timestep) if self._begin_index is None else self._begin_index
+
+    def _advance(self) -> tuple[float, float]:
+        i = self._step_index
+        if i >= len(self._rf) - 1:
+            raise ValueError(
+                f"step() called {i + 1} times for a {len(self._rf) - 1}-step grid; call set_timesteps() again to start a new run."
+            )
+        self._step_index += 1
+        return float(self._rf[i]), float(self._rf[i + 1])
+
+    def scale_model_input(self, sample: torch.Tensor, timestep=None) -> torch.Tensor:
+        """Identity: flow models take ``x_r`` as is."""
+        return sample
+
+    def scale_noise(self, sample: torch.Tensor, timestep, noise: torch.Tensor) -> torch.Tensor:
+        """Forward process ``x_r = (1 - r) x0 + r noise`` at ``r = timestep / num_train_timesteps`` (img2img/vid2vid)."""
+        r = torch.as_tensor(timestep, dtype=torch.float64).reshape(-1) / self.config.num_train_timesteps
+        r = r.to(sample.device).reshape(-1, *([1] * (sample.dim() - 1)))
+        return ((1 - r) * sample.double() + r * noise.double()).to(sample.dtype)
+
+    def __len__(self):
+        return self.config.num_train_timesteps
+
+
+def _to_list(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().double().reshape(-1).tolist()
+    return list(np.asarray(x, dtype=np.float64).reshape(-1)) if not isinstance(x, (list, tuple)) else list(x)
+
+
+def _seed_from(sample: torch.Tensor) -> int:
+    """A 63-bit seed derived from the bytes of (a strided subset of) ``sample``."""
+    flat = sample.detach().reshape(-1)
+    stride = max(1, flat.numel() // 4096)
+    data = flat[::stride][:4096].to("cpu", torch.float32).numpy().tobytes()
+    return int(hashlib.sha256(data).hexdigest()[:15], 16)
+
+
+class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
+    """Few-step consistency sampler of an rCM student (SPEC §2.1).
+
+    Step times: TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` mapped to RF times
+    ``r = sin/(sin+cos)``; each step takes ``x0 = x - r_cur v`` and moves to ``r_next`` by fresh
+    noise (``stochastic=True``, default) or the deterministic Euler "ode" update.
+
+    The official sampler starts from ``x = r_0 * noise``. Wan and Flux pipelines hand the first
+    transformer call unscaled noise, so for the exact official trajectory pass
+    ``latents=scheduler.scale_initial_noise(noise)`` to the pipeline (see README, "exact start");
+    without it the first input carries ``(1 - r_0) = 1.2%`` (sigma_max 80) more noise than the
+    student was trained on (measured effect in docs/benchmarks.md).
+
+    Fresh noise comes from ``step(generator=...)``, else from ``scheduler.generator`` if set, else
+    from a generator seeded by the first step's input latents: stock pipelines do not pass their
+    generator to ``step``, and this keeps "same seed -> same sample" for them.
+
+    Args:
+        num_train_timesteps: the transformer's timestep scale (``timesteps = r * num_train_timesteps``).
+        sigma_max: EDM sigma of the first step (80 T2V, 200 Wan I2V; 120 seen for 14B 720p).
+        mid_t: intermediate TrigFlow angles, strictly decreasing inside (0, pi/2); ``n`` steps use
+            the first ``n-1``, so ``len(mid_t) + 1`` steps at most.
+        stochastic: fresh-noise update (True) or deterministic "ode" update (False).
+        shift, flow_shift, use_dynamic_shifting, base_shift, max_shift, base_image_seq_len,
+            max_image_seq_len, time_shift_type: kept from Wan/Flux configs for round trips; unused.
+        use_flow_sigmas: keep True so FluxPipeline leaves the grid to this scheduler.
+    """
+
+    _compatibles = []
+
+    @register_to_config
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        sigma_max: float = 80.0,
+        mid_t: list[float] = list(DEFAULT_MID_T),
+        stochastic: bool = True,
+        shift: float = 1.0,
+        flow_shift: float | None = None,
+        use_dynamic_shifting: bool = False,
+        base_shift: float = 0.5,
+        max_shift: float = 1.15,
+        base_image_seq_len: int = 256,
+        max_image_seq_len: int = 4096,
+        time_shift_type: str = "exponential",
+        use_flow_sigmas: bool = True,
+    ):
+        _check_finite_positive("sigma_max", sigma_max)
+        _check_finite_positive("num_train_timesteps", num_train_timesteps)
+        if not isinstance(stochastic, bool):
+            raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
+        rcm_rf_times(len(mid_t) + 1, sigma_max, mid_t)  # validates mid_t against sigma_max
+        self.timesteps = None
+        self.sigmas = None
+        self.num_inference_steps = None
+        self._step_index = None
+        self._begin_index = None
+        self.generator: torch.Generator | None = None
+        self._noise_generator: torch.Generator | None = None
+        self.init_noise_sigma = sigma_max / (1.0 + sigma_max)
+
+    def set_timesteps(
+        self,
+        num_inference_steps: int | None = None,
+        device: str | torch.device | None = None,
+        sigmas: list[float] | None = None,
+        timesteps: list[float] | None = None,
+        mu: float | None = None,
+    ):
+        """Build the grid: ``n`` rCM steps from the config, or explicit RF times (``sigmas``) / ``timesteps``.
+
+        ``mu`` (FluxPipeline's resolution shift) is accepted and ignored: the student's times are fixed.
+        """
+        r = self._explicit_rf(num_inference_steps, sigmas, timesteps)
+        if r is None:
+            if num_inference_steps is None:
+                raise ValueError("set_timesteps needs num_inference_steps (1..4 by default) or explicit sigmas (RF times).")
+            r = rcm_rf_times(num_inference_steps, self.config.sigma_max, self.config.mid_t)
+        self._set_grid(r, device)
+        self.init_noise_sigma = float(r[0])
+        self._noise_generator = None
+
+    @property
+    def rf_times(self) -> np.ndarray | None:
+        """float64 RF times of the current grid, ending at 0."""
+        return self._rf
+
+    def scale_initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """``x = r_0 * noise``: the official sampler's first input (SPEC §2.1). Call after ``set_timesteps``,
+        or it uses the config's ``sigma_max`` (``r_0 = sigma_max / (1 + sigma_max)``)."""
+        r0 = float(self._rf[0]) if self._rf is not None else self.config.sigma_max / (1.0 + self.config.sigma_max)
+        return (noise.double() * r0).to(noise.dtype)
+
+    def set_generator(self, generator: torch.Generator | None) -> None:
+        """Draw the fresh noise of later steps from ``generator`` (for pipelines that do not pass one to ``step``)."""
+        self.generator = generator
+
+    def _fresh_noise(self, sample: torch.Tensor, generator) -> torch.Tensor:
+        gen = generator if generator is not None else self.generator
+        if gen is None:
+            if self._noise_generator is None:
+                self._noise_generator = torch.Generator("cpu").manual_seed(_seed_from(sample))
+            gen = self._noise_generator
+        return randn_tensor(sample.shape, generator=gen, device=sample.device, dtype=torch.float32)
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: float | torch.Tensor,
+        sample: torch.Tensor,
+        generator: torch.Generator | None = None,
+        return_dict: bool = True,
+    ) -> RCMSchedulerOutput | tuple:
+        """``x0 = x - r_cur v``; then ``x' = (1 - r_next) x0 + r_next noise`` (stochastic) or
+        ``x' = x - (r_cur - r_next) v`` (ode). float64 arithmetic, result in ``sample``'s dtype (SPEC §2.1)."""
+        if self._rf is None:
+            raise ValueError("RCMScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+        if self._step_index is None:
+            self._init_step_index(timestep)
+        if not torch.isfinite(model_output).all():
+            raise ValueError(f"model_output holds NaN or inf at step {self._step_index}; check the model and its inputs.")
+        r_cur, r_next = self._advance()
+        x = sample.double()
+        x0 = x - r_cur * model_output.double()
+        noise = None
+        if self.config.stochastic and r_next > 0:
+            noise = self._fresh_noise(sample, generator).double()
+        prev = rcm_update(x, x0, r_cur, r_next, noise=noise, stochastic=self.config.stochastic)
+        prev, x0 = prev.to(sample.dtype), x0.to(sample.dtype)
+        if not return_dict:
+            return (prev, x0)
+        return RCMSchedulerOutput(prev_sample=prev, pred_original_sample=x0)
+
+
+class _TeacherGridMixin(_FlowTimesMixin):
+    """Teacher grid of SPEC §2.2 from the config (``sigma_max``, ``spacing``, shift or dynamic shift)."""
+
+    def _check_teacher_config(self) -> None:
+        c = self.config
+        _check_finite_positive("sigma_max", c.sigma_max)
+        _check_finite_positive("num_train_timesteps", c.num_train_timesteps)
+        if c.spacing not in SPACINGS:
+            raise ValueError(f"unknown spacing {c.spacing!r}; choose one of {SPACINGS}.")
+        _check_finite_positive("shift", self.effective_shift)
+        if c.time_shift_type not in ("exponential", "linear"):
+            raise ValueError(f"time_shift_type must be 'exponential' or 'linear', got {c.time_shift_type!r}.")
+
+    @property
+    def effective_shift(self) -> float:
+        """``flow_shift`` when a Wan/UniPC config set it, else ``shift``."""
+        fs = self.config.flow_shift
+        return float(fs) if fs is not None else float(self.config.shift)
+
+    def _teacher_rf(self, num_inference_steps, sigmas, timesteps, mu) -> np.ndarray:
+        r = self._explicit_rf(num_inference_steps, sigmas, timesteps)
+        if r is not None:
+            return r
+        if num_inference_steps is None:
+            raise ValueError("set_timesteps needs num_inference_steps or explicit sigmas (RF times).")
+        c = self.config
+        shift = self.effective_shift
+        if c.use_dynamic_shifting:
+            if mu is None:
+                raise ValueError("`mu` must be passed when use_dynamic_shifting=True (FluxPipeline computes it).")
+            shift = math.exp(mu) if c.time_shift_type == "exponential" else float(mu)
+        return teacher_rf_grid(num_inference_steps, c.sigma_max, c.spacing, shift, c.rho, c.sigma_min, c.shift_b)
+
+
+class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
+    """Teacher flow-ODE Euler solver ``x_{i+1} = x_i + v (r_{i+1} - r_i)`` on the SPEC §2.2 grid.
+
+    In TrigFlow terms each step is the exact DDIM move ``x_s = cos(t-s) x_t - sin(t-s) F``.
+    Grid: from ``r_max = sigma_max/(1+sigma_max)`` to 0, ``linear`` (uniform then shifted, the start
+    un-shifted so the shifted grid starts at ``r_max``), ``karras`` (rho) or ``exponential`` in sigma.
+    With ``use_dynamic_shifting`` (Flux) the shift is ``exp(mu)`` (``time_shift_type="exponential"``)
+    or ``mu`` (``"linear"``), raised to ``shift_b``: ``r' = a / (a + (1/r - 1)^b)``.
+    """
+
+    _compatibles = []
+
+    @register_to_config
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        sigma_max: float = 5000.0,
+        spacing: str = "linear",
+        shift: float = 1.0,
+        flow_shift: float | None = None,
+        rho: float = 7.0,
+        sigma_min: float = 0.002,
+        shift_b: float = 1.0,
+        use_dynamic_shifting: bool = False,
+        base_shift: float = 0.5,
+        max_shift: float = 1.15,
+        base_image_seq_len: int = 256,
+        max_image_seq_len: int = 4096,
+        time_shift_type: str = "exponential",
+        use_flow_sigmas: bool = True,
+    ):
+        self._check_teacher_config()
+        self.timesteps = None
+        self.sigmas = None
+        self.num_inference_steps = None
+        self._step_index = None
+        self._begin_index = None
+        self.init_noise_sigma = 1.0
+
+    def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, timesteps=None, mu=None):
+        """Build the SPEC §2.2 grid, or take explicit RF times (``sigmas``) / ``timesteps`` as given."""
+        self._set_grid(self._teacher_rf(num_inference_steps, sigmas, timesteps, mu), device)
+
+    def step(self, model_output, timestep, sample, generator=None, return_dict: bool = True):
+        """Euler: ``x' = x + (r_next - r_cur) v``, float64 arithmetic (SPEC §2.2)."""
+        if self._rf is None:
+            raise ValueError("TrigFlowEulerScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+        if self._step_index is None:
+            self._init_step_index(timestep)
+        r_cur, r_next = self._advance()
+        v = model_output.double()
+        prev = sample.double() + (r_next - r_cur) * v
+        x0 = sample.double() - r_cur * v
+        prev, x0 = prev.to(sample.dtype), x0.to(sample.dtype)
+        if not return_dict:
+            return (prev, x0)
+        return RCMSchedulerOutput(prev_sample=prev, pred_original_sample=x0)
+
+
+class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
+    """Teacher UniPC (bh2, order 2-3, flow prediction) on the SPEC §2.2 grid.
+
+    The predictor-corrector itself is diffusers' ``UniPCMultistepScheduler`` (flow_prediction,
+    use_flow_sigmas, no internal shift), held inside and fed this scheduler's grid; so results
+    equal diffusers' UniPC on the same grid. Config as :class:`TrigFlowEulerScheduler`, plus
+    ``solver_order``, ``solver_type``, ``lower_order_final``, ``disable_corrector``.
+    """
+
+    _compatibles = []
+
+    @register_to_config
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        sigma_max: float = 5000.0,
+        spacing: str = "linear",
+        shift: float = 1.0,
+        flow_shift: float | None = None,
+        rho: float = 7.0,
+        sigma_min: float = 0.002,
+        shift_b: float = 1.0,
+        solver_order: int = 2,
+        solver_type: str = "bh2",
+        lower_order_final: bool = True,
+        disable_corrector: list[int] = [],
+        use_dynamic_shifting: bool = False,
+        base_shift: float = 0.5,
+        max_shift: float = 1.15,
+        base_image_seq_len: int = 256,
+        max_image_seq_len: int = 4096,
+        time_shift_type: str = "exponential",
+        use_flow_sigmas: bool = True,
+    ):
+        self._check_teacher_config()
+        if solver_order not in (1, 2, 3):
+            raise ValueError(f"solver_order must be 1, 2 or 3, got {solver_order!r}.")
+        self._solver = UniPCMultistepScheduler(
+            num_train_timesteps=num_train_timesteps,
+            solver_order=solver_order,
+            solver_type=solver_type,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=1.0,
+            lower_order_final=lower_order_final,
+            disable_corrector=list(disable_corrector),
+            final_sigmas_type="zero",
+        )
+        self.timesteps = None
+        self.sigmas = None
+        self.num_inference_steps = None
+        self._step_index = None
+        self._begin_index = None
+        self.init_noise_sigma = 1.0
+
+    def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, timesteps=None, mu=None):
+        """Build the grid as :class:`TrigFlowEulerScheduler` and hand it to the inner UniPC solver."""
+        r = self._teacher_rf(num_inference_steps, sigmas, timesteps, mu)
+        self._set_grid(r, device)
+        self._solver.set_timesteps(sigmas=r[:-1].copy(), device=device)
+        # the inner solver nudges a first sigma of exactly 1 down by 1e-6 (log-SNR finite); mirror it
+        self.sigmas = self._solver.sigmas.clone()
+        self._rf = self.sigmas.double().numpy()
+        self._solver.timesteps = self.timesteps
+
+    @property
+    def step_index(self):
+        return self._solver.step_index
+
+    @property
+    def begin_index(self):
+        return self._solver.begin_index
+
+    def set_begin_index(self, begin_index: int = 0):
+        self._solver.set_begin_index(begin_index)
+
+    def step(self, model_output, timestep, sample, generator=None, return_dict: bool = True):
+        """One UniPC predictor-corrector step (diffusers' solver, this scheduler's grid)."""
+        if self._rf is None:
+            raise ValueError("TrigFlowUniPCScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+        if self._solver.step_index is not None and self._solver.step_index >= self.num_inference_steps:
+            raise ValueError("step() called past the end of the grid; call set_timesteps() again to start a new run.")
+        return self._solver.step(model_output, timestep, sample, return_dict=return_dict)
