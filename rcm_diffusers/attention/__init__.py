@@ -6,5 +6,22 @@ chunked torch path elsewhere); ``enable_jvp_attention(transformer)`` installs pr
 """
 
 from .function import attention, has_tangent, jvp_attention, select_backend
+from .processors import (
+    FluxJVPAttnProcessor,
+    WanJVPAttnProcessor,
+    disable_jvp_attention,
+    enable_jvp_attention,
+    time_embedding_fp32,
+)
 
-__all__ = ["jvp_attention", "attention", "select_backend", "has_tangent"]
+__all__ = [
+    "jvp_attention",
+    "attention",
+    "select_backend",
+    "has_tangent",
+    "enable_jvp_attention",
+    "disable_jvp_attention",
+    "WanJVPAttnProcessor",
+    "FluxJVPAttnProcessor",
+    "time_embedding_fp32",
+]
