@@ -1,0 +1,168 @@
+"""Teacher, student and fake score as three views of one diffusers transformer (SPEC §6), or as
+three separate copies (full fine-tune).
+
+``shared`` (LoRA) mode: one frozen base; the teacher is the base with adapters disabled, the
+student is the base + peft adapter ``"student"``, the fake score the base + adapter ``"fake"``.
+Only adapter weights (and their optimizer states and EMA) are trained and stored. Both adapters
+start with ``lora_B = 0``, so student and fake score start equal to the teacher (SPEC §4.3).
+
+``full`` mode: the student and the fake score are full trainable copies of the teacher.
+
+Every network is used through ``Networks.F / x0 / v`` with a role name, which switches the
+active adapter and calls ``rcm_diffusers.models.velocity_fn`` on the (possibly
+accelerate-wrapped) module, so gradient synchronisation of DDP/FSDP applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from .models import _base_model, velocity_fn
+from .trigflow import TrigFlowDenoiser
+
+__all__ = ["ROLES", "DEFAULT_LORA_TARGETS", "Networks", "add_rcm_adapters", "lora_parameters"]
+
+ROLES = ("teacher", "student", "fake")
+
+#: LoRA target modules per transformer family (attention projections and feed-forward)
+DEFAULT_LORA_TARGETS = {
+    "Wan": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2"],
+    "Flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+             "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+}
+
+
+def default_lora_targets(transformer) -> list[str]:
+    """The LoRA targets of the transformer's family (``DEFAULT_LORA_TARGETS``)."""
+    name = type(_base_model(transformer)).__name__
+    for prefix, targets in DEFAULT_LORA_TARGETS.items():
+        if name.startswith(prefix):
+            return list(targets)
+    raise ValueError(f"no default LoRA targets for {name!r}; pass lora_target_modules explicitly")
+
+
+def add_rcm_adapters(transformer, rank: int, alpha: float | None, target_modules=None, fake_rank: int | None = None,
+                     with_fake: bool = True):
+    """Freeze ``transformer`` and add the peft adapters ``"student"`` (and ``"fake"``) (SPEC §6)."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    targets = list(target_modules or default_lora_targets(transformer))
+    present = {n.rsplit(".", 1)[-1] for n, _ in transformer.named_modules()} | {n for n, _ in transformer.named_modules()}
+    targets = [t for t in targets if any(n == t or n.endswith("." + t) for n in present)]
+    configs = {"student": LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=targets, init_lora_weights=True)}
+    if with_fake:
+        fr = fake_rank or rank
+        configs["fake"] = LoraConfig(r=fr, lora_alpha=(alpha or rank) * fr / rank, target_modules=targets, init_lora_weights=True)
+    for name, cfg in configs.items():
+        transformer.add_adapter(cfg, adapter_name=name)
+    for name in configs:
+        for p in lora_parameters(transformer, name).values():
+            p.requires_grad_(True)
+    return configs
+
+
+def lora_parameters(module, adapter: str) -> dict[str, torch.nn.Parameter]:
+    """The named parameters of one peft adapter (``...lora_A.<adapter>.weight`` etc.)."""
+    tag = f".{adapter}."
+    return {n: p for n, p in module.named_parameters() if ("lora_" in n and tag in n)}
+
+
+class Networks:
+    """Teacher / student / fake score views (SPEC §6) with TrigFlow ``F``, ``x0`` and raw ``v``.
+
+    ``modules`` maps role -> module to call (the accelerate-prepared one where trained).
+    In shared mode all three roles map to the same module.
+    """
+
+    def __init__(self, modules: dict, mode: str, model_dtype: torch.dtype):
+        if mode not in ("shared", "full"):
+            raise ValueError(f"mode must be 'shared' (LoRA on one frozen base) or 'full', got {mode!r}")
+        self.modules = modules
+        self.mode = mode
+        self.model_dtype = model_dtype
+        self._den = {role: TrigFlowDenoiser(velocity_fn(m), model_dtype=model_dtype) for role, m in modules.items()}
+        self.has_fake = "fake" in modules
+
+    @classmethod
+    def build(cls, transformer, mode: str, *, with_fake: bool, lora_rank: int = 16, lora_alpha=None,
+              lora_target_modules=None, fake_lora_rank=None):
+        """Set up the roles on ``transformer`` (the teacher weights). Returns ``(networks, trainable)``
+        where ``trainable`` maps ``"student"``/``"fake"`` to the module whose parameters train."""
+        dtype = next(transformer.parameters()).dtype
+        if mode == "shared":
+            add_rcm_adapters(transformer, lora_rank, lora_alpha, lora_target_modules, fake_lora_rank, with_fake)
+            mods = {"teacher": transformer, "student": transformer}
+            if with_fake:
+                mods["fake"] = transformer
+            return cls(mods, mode, dtype), {"shared": transformer}
+        transformer.requires_grad_(False)
+        student = copy.deepcopy(transformer).requires_grad_(True)
+        mods = {"teacher": transformer, "student": student}
+        trainable = {"student": student}
+        if with_fake:
+            fake = copy.deepcopy(transformer).requires_grad_(True)
+            mods["fake"] = fake
+            trainable["fake"] = fake
+        return cls(mods, mode, dtype), trainable
+
+    def replace_modules(self, prepared: dict) -> None:
+        """Point roles at accelerate-prepared modules (``prepared`` keyed like ``build``'s ``trainable``)."""
+        if self.mode == "shared":
+            m = prepared["shared"]
+            self.modules = {r: m for r in self.modules}
+        else:
+            self.modules = {**self.modules, **prepared}
+        self._den = {role: TrigFlowDenoiser(velocity_fn(m), model_dtype=self.model_dtype) for role, m in self.modules.items()}
+
+    def trainable_parameters(self, role: str) -> dict[str, torch.nn.Parameter]:
+        """The parameters trained for ``role`` (adapter weights in shared mode)."""
+        m = _base_model(self.modules[role])
+        if self.mode == "shared":
+            return lora_parameters(m, role)
+        return {n: p for n, p in m.named_parameters()}
+
+    @contextlib.contextmanager
+    def role(self, role: str):
+        """Activate ``role``: adapters disabled for the teacher, the role's adapter otherwise."""
+        if role not in self.modules:
+            raise KeyError(f"no network for role {role!r}; have {sorted(self.modules)}")
+        if self.mode != "shared":
+            yield self._den[role]
+            return
+        base = _base_model(self.modules[role])
+        if role == "teacher":
+            base.disable_adapters()
+            try:
+                yield self._den[role]
+            finally:
+                base.enable_adapters()
+            return
+        base.set_adapter(role)
+        # peft's set_adapter freezes inactive adapters; keep both trainable so optimizer and DDP
+        # see a fixed parameter set (inactive ones simply get no gradient).
+        for r in ("student", "fake"):
+            for p in lora_parameters(base, r).values():
+                p.requires_grad_(True)
+        yield self._den[role]
+
+    def F(self, role: str, x_t, t, cond):
+        """TrigFlow velocity ``F_hat`` of ``role`` at ``(x_t, t)`` (SPEC §1)."""
+        with self.role(role) as d:
+            return d.F(x_t, t, **cond)
+
+    def x0(self, role: str, x_t, t, cond):
+        """``x0_hat`` of ``role`` at ``(x_t, t)`` (SPEC §1)."""
+        with self.role(role) as d:
+            return d.x0(x_t, t, **cond)
+
+    def F_fn(self, role: str, cond):
+        """``F(x_t, t)`` closure for the losses; switches the adapter on every call (JVP-safe)."""
+        return lambda x_t, t: self.F(role, x_t, t, cond)
+
+    def x0_fn(self, role: str, cond):
+        """``x0(x_t, t)`` closure for backward simulation."""
+        return lambda x_t, t: self.x0(role, x_t, t, cond)

@@ -1,0 +1,324 @@
+"""The pieces of the rCM training loop (SPEC §4, §6, §8): one student step, one fake-score step,
+checkpoints, metrics, guards, the environment snapshot and the LoRA export.
+
+``training/rcm.py`` strings these together top to bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from . import losses as L
+from .alternation import StepPlan
+from .trigflow import sample_p_D, sample_p_G, trigflow_noise
+
+__all__ = ["teacher_F", "teacher_x0", "student_step", "fake_step", "TrainState", "SpikeGuard", "MetricsWriter",
+           "save_checkpoint", "latest_checkpoint", "env_snapshot", "save_student_lora", "sample_student",
+           "lr_warmup_lambda"]
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- teacher with CFG
+
+
+@torch.no_grad()
+def teacher_F(nets, x_t, t, cond, uncond, guidance_scale: float):
+    """Guided teacher velocity ``F_u + s (F_c - F_u)`` (SPEC §4.1), float64, no grad."""
+    F_c = nets.F("teacher", x_t, t, cond)
+    if uncond is None or guidance_scale == 1.0:
+        return F_c
+    return L.guided(F_c, nets.F("teacher", x_t, t, uncond), guidance_scale)
+
+
+@torch.no_grad()
+def teacher_x0(nets, x_t, t, cond, uncond, guidance_scale: float):
+    """Guided teacher ``x0`` (CFG is linear, so it equals ``x0`` of the guided velocity) (SPEC §4.2)."""
+    x0_c = nets.x0("teacher", x_t, t, cond)
+    if uncond is None or guidance_scale == 1.0:
+        return x0_c
+    return L.guided(x0_c, nets.x0("teacher", x_t, t, uncond), guidance_scale)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0):
+    """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (SPEC §4.1, §4.2).
+
+    ``backward(loss, last)`` back-propagates one term (``last`` marks the one that must
+    synchronise gradients across processes); the DMD term goes first so each grad-enabled
+    forward is followed by its own backward (DDP-safe). Returns a dict of logged floats.
+    """
+    B, dev = x0.shape[0], x0.device
+    logs = {}
+    if plan.dmd and cfg.dmd_weight > 0:
+        G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0.shape, plan.n_sim, shift=cfg.p_D_shift,
+                                        generator=generator, device=dev)
+        t_D = sample_p_D(B, cfg.p_D_shift, generator=generator, device=dev)
+        eps_D = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+        x_t = trigflow_noise(G_x0.detach(), eps_D, t_D)
+        with torch.no_grad():
+            x0_fake = nets.x0("fake", x_t, t_D, cond)
+            x0_teach = teacher_x0(nets, x_t, t_D, cond, uncond, cfg.guidance_scale)
+        l_dmd, info = L.dmd_loss(G_x0, x0_fake, x0_teach)
+        backward(cfg.dmd_weight * l_dmd.mean(), last=cfg.scm_weight == 0)
+        logs.update(loss_dmd=float(l_dmd.detach().mean()), nan_dmd=info["nan"], dmd_w=info["w"], n_sim=plan.n_sim)
+    if cfg.scm_weight > 0:
+        t = sample_p_G(B, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=dev)
+        eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+        x_t = trigflow_noise(x0, eps, t)
+        F_T = teacher_F(nets, x_t, t, cond, uncond, cfg.guidance_scale)
+        l_scm, info = L.scm_loss(nets.F_fn("student", cond), x_t, t, F_T, step=plan.student_eff,
+                                 tangent_warmup=cfg.tangent_warmup, fd_type=cfg.fd_type, h=cfg.fd_h)
+        backward(cfg.scm_weight * l_scm.mean(), last=True)
+        logs.update(loss_scm=float(l_scm.detach().mean()), nan_scm=info["nan"], g_norm=info["g_norm"], warmup_r=info["r"])
+    return logs
+
+
+def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, device):
+    """One fake-score iteration: flow matching on a detached student sample (SPEC §4.3)."""
+    B = x0_shape[0]
+    n = plan.fake_eff % cfg.max_simulation_steps + 1
+    with torch.no_grad():
+        G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0_shape, n, shift=cfg.p_D_shift,
+                                        generator=generator, device=device)
+    t = sample_p_D(B, cfg.p_D_shift, generator=generator, device=device)
+    eps = torch.randn(x0_shape, dtype=F64, generator=generator, device=device)
+    loss, info = L.fake_score_loss(nets.F_fn("fake", cond), G_x0, t, eps)
+    backward(loss.mean(), last=True)
+    return {"loss_fake": float(loss.detach().mean()), "nan_fake": info["nan"], "n_sim": n}
+
+
+def lr_warmup_lambda(warmup_steps: int):
+    """Linear learning-rate warm-up over ``warmup_steps`` optimizer steps, then constant (SPEC §4.4)."""
+    return lambda k: min(1.0, (k + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+# ----------------------------------------------------------------------------- state, guards, metrics
+
+
+class TrainState:
+    """Counters saved with every checkpoint (accelerate ``register_for_checkpointing``)."""
+
+    def __init__(self):
+        self.step = 0  # next iteration to run
+        self.skipped = 0
+        self.guard = {}
+
+    def state_dict(self):
+        return {"step": self.step, "skipped": self.skipped, "guard": self.guard}
+
+    def load_state_dict(self, s):
+        self.step, self.skipped, self.guard = int(s["step"]), int(s["skipped"]), dict(s["guard"])
+
+
+class SpikeGuard:
+    """Gradient-norm spike detector: ``patience`` consecutive norms above ``factor`` x the running
+    median (last 100 finite norms) of the same network fire; the caller dumps the evidence."""
+
+    def __init__(self, state: dict, factor: float = 5.0, patience: int = 3, window: int = 100):
+        self.s, self.factor, self.patience, self.window = state, factor, patience, window
+
+    def check(self, net: str, norm: float) -> bool:
+        hist = self.s.setdefault(net + "_hist", [])
+        run = self.s.get(net + "_run", 0)
+        spike = len(hist) >= 5 and (not math.isfinite(norm) or norm > self.factor * statistics.median(hist))
+        run = run + 1 if spike else 0
+        self.s[net + "_run"] = run
+        if math.isfinite(norm) and not spike:
+            hist.append(norm)
+            del hist[:-self.window]
+        return run >= self.patience
+
+
+class MetricsWriter:
+    """Append-only ``metrics.jsonl``; on resume, lines at or after the resumed step are dropped."""
+
+    def __init__(self, path: str, resume_step: int, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if enabled and os.path.exists(path):
+            with open(path) as f:
+                keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", -1) < resume_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(path + ".tmp", path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """Newest complete checkpoint ``<output_dir>/checkpoints/step-XXXXXXXX`` (partial ``.tmp`` ignored)."""
+    d = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(d):
+        return None
+    steps = sorted(n for n in os.listdir(d) if n.startswith("step-") and not n.endswith(".tmp"))
+    return os.path.join(d, steps[-1]) if steps else None
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, total_limit: int = 0) -> str:
+    """``accelerator.save_state`` into ``step-XXXXXXXX.tmp``, then an atomic rename (all ranks call)."""
+    d = os.path.join(output_dir, "checkpoints")
+    final = os.path.join(d, f"step-{step:08d}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if total_limit > 0:
+            old = sorted(n for n in os.listdir(d) if n.startswith("step-") and not n.endswith(".tmp"))
+            for n in old[:-total_limit]:
+                shutil.rmtree(os.path.join(d, n), ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_trainable(models: list, names: list[str], path: str) -> None:
+    """Save only the trainable parameters (adapters or full copies) of ``models`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    sd = {}
+    for name, m in zip(names, models):
+        for k, p in m.named_parameters():
+            if p.requires_grad:
+                sd[f"{name}::{k}"] = p.detach().cpu().contiguous()
+    save_file(sd, path)
+
+
+def load_trainable(models: list, names: list[str], path: str) -> None:
+    """Load what ``save_trainable`` wrote (strict on the trainable names)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(path)
+    for name, m in zip(names, models):
+        params = dict(m.named_parameters())
+        want = {k for k, p in params.items() if p.requires_grad}
+        got = {k.split("::", 1)[1] for k in sd if k.startswith(name + "::")}
+        if want != got:
+            raise ValueError(f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}")
+        with torch.no_grad():
+            for k in want:
+                params[k].copy_(sd[f"{name}::{k}"])
+
+
+# ----------------------------------------------------------------------------- snapshot, export, samples
+
+
+def env_snapshot(path: str, cfg, extra: dict | None = None) -> dict:
+    """Write ``env.json``: package versions, python, platform, git revision, config, seeds."""
+    import dataclasses
+    import importlib.metadata as md
+    import platform
+
+    vers = {}
+    for pkg in ("torch", "diffusers", "transformers", "accelerate", "peft", "safetensors", "numpy", "triton", "rcm-diffusers"):
+        try:
+            vers[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain"], capture_output=True, text=True, timeout=10).stdout.strip())
+    except Exception:  # noqa: BLE001 - no git is fine
+        rev, dirty = "", None
+    snap = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version, "platform": platform.platform(),
+            "argv": sys.argv, "packages": vers, "git_revision": rev, "git_dirty": dirty,
+            "cuda": torch.version.cuda, "config": dataclasses.asdict(cfg), **(extra or {})}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(snap, f, indent=1, default=str)
+    os.replace(tmp, path)
+    return snap
+
+
+def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weights: dict | None = None) -> None:
+    """Save the ``"student"`` adapter with diffusers' own ``save_lora_weights`` so that
+    ``pipe.load_lora_weights(out_dir)`` works; ``weights`` (e.g. EMA, keyed like the peft params)
+    replaces the live values."""
+    from peft.utils import get_peft_model_state_dict
+
+    sd = get_peft_model_state_dict(transformer, adapter_name="student")
+    if weights is not None:
+        live = {k.replace(".student.", "."): k for k in weights}
+        sd = {k: weights[live[k]].detach().clone() if k in live else v for k, v in sd.items()}
+        missing = [k for k in sd if k not in live]
+        if missing:
+            raise KeyError(f"EMA weights lack {missing[:3]}")
+    sd = {k: v.detach().to(torch.float32).cpu().contiguous() for k, v in sd.items()}
+    meta = lora_config.to_dict()
+    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=sd, transformer_lora_adapter_metadata=meta)
+
+
+@torch.no_grad()
+def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student"):
+    """Few-step student samples with ``RCMScheduler`` (SPEC §2.1), model-layout float32 latents."""
+    from .models import velocity_fn
+    from .schedulers import RCMScheduler
+
+    sch = RCMScheduler(sigma_max=sigma_max)
+    sch.set_timesteps(steps)
+    x = sch.scale_initial_noise(torch.randn(shape, generator=generator, dtype=torch.float32).to(device))
+    with nets.role(role):
+        v_fn = velocity_fn(nets.modules[role])
+        for ts in sch.timesteps:
+            r = (ts.double() / sch.config.num_train_timesteps).to(device)
+            v = v_fn(x.to(nets.model_dtype), r, **cond).float()
+            x = sch.step(v, ts, x, generator=generator).prev_sample
+    return x
+
+
+def grad_norm(params) -> float:
+    """Total L2 norm of the gradients of ``params`` (inf/NaN propagate)."""
+    gs = [p.grad.detach().double().norm() for p in params if p.grad is not None]
+    return float(torch.stack(gs).norm()) if gs else 0.0
+
+
+def no_sync_unless(accelerator, model, last: bool):
+    """``accelerator.no_sync(model)`` for every backward but the last of a step."""
+    return nullcontext() if last or accelerator.num_processes == 1 else accelerator.no_sync(model)
+
+
+def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4) -> str:
+    """Student samples at each of ``cfg.sample_steps`` for the first ``n`` dataset conditions, fixed
+    seed, saved as ``samples/step-XXXXXXXX.safetensors`` (model-layout latents; decode with the VAE)."""
+    from safetensors.torch import save_file
+
+    from .data import model_inputs
+
+    ids = list(range(min(n, len(data))))
+    x0, cond, _ = model_inputs(data.family, data.get(ids), device, nets.model_dtype,
+                               cfg.flux_guidance if getattr(transformer.config, "guidance_embeds", False) else None)
+    out = {}
+    for k in cfg.sample_steps:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        out[f"steps_{k}"] = sample_student(nets, cond, tuple(x0.shape), int(k), cfg.sigma_max, gen, device).cpu()
+    d = os.path.join(cfg.output_dir, "samples")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"step-{step:08d}.safetensors")
+    save_file({k: v.contiguous() for k, v in out.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path

@@ -1,0 +1,93 @@
+"""Tiny random Wan / Flux pipelines and latent datasets for the trainer tests (no hub access)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT_DIM, TEXT_LEN = 16, 4
+
+
+def tiny_wan_transformer():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+
+def make_tiny_wan(root: str) -> str:
+    """Save a tiny WanPipeline (no text encoder) to ``root``; returns its path."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    if os.path.exists(os.path.join(root, "model_index.json")):
+        return root
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                       transformer=tiny_wan_transformer())
+    pipe.save_pretrained(root)
+    return root
+
+
+def tiny_flux_transformer():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=8,
+                                  guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+
+
+def make_tiny_flux(root: str) -> str:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    if os.path.exists(os.path.join(root, "model_index.json")):
+        return root
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
+                        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+                        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.0)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=None, transformer=tiny_flux_transformer())
+    pipe.save_pretrained(root)
+    return root
+
+
+def make_dataset(root: str, family: str, n: int = 16, classes: int = 3) -> str:
+    """Random-but-structured latents (class-dependent means) with a class table of prompt embeddings."""
+    from rcm_diffusers.data import write_latent_dataset
+
+    if os.path.exists(os.path.join(root, "meta.json")):
+        return root
+    g = torch.Generator().manual_seed(0)
+    label = torch.arange(n) % classes
+    shape = (4, 1, 4, 4) if family == "wan" else (4, 4, 4)
+    means = torch.randn(classes, *shape, generator=g)
+    lat = means[label] + 0.3 * torch.randn(n, *shape, generator=g)
+    tables = {"prompt_embeds": torch.randn(classes, TEXT_LEN, TEXT_DIM, generator=g),
+              "negative_prompt_embeds": torch.zeros(1, TEXT_LEN, TEXT_DIM)}
+    index = {"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}
+    samples = {"latents": lat, "prompt_index": label}
+    if family == "flux":
+        tables["pooled_prompt_embeds"] = torch.randn(classes, 8, generator=g)
+        index["pooled_prompt_embeds"] = "prompt_index"
+    return write_latent_dataset(root, samples, family=family, tables=tables, table_index=index)
+
+
+def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True):
+    """``accelerate launch --cpu --num_processes N training/rcm.py args`` in a subprocess."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(num_processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if num_processes > 1:
+        cmd += ["--multi_gpu", "--main_process_port", "29517"]
+    cmd += [os.path.join(REPO, "training", "rcm.py"), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check and p.returncode != 0:
+        raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return p

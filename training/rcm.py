@@ -1,0 +1,216 @@
+"""rCM distillation: ``accelerate launch training/rcm.py --config training/configs/<name>.yaml [--key value ...]``.
+
+Distills a rectified-flow teacher (Wan T2V/I2V, Flux) into a 1-4 step student with
+L = L_sCM + lambda L_DMD (SPEC §4). Default mode trains two LoRA adapters on one frozen base
+(SPEC §6). ``--help`` lists every option. Outputs in ``output_dir``: ``env.json``,
+``metrics.jsonl``, ``checkpoints/step-*`` (``--resume latest`` continues exactly), and the
+student LoRA (``pytorch_lora_weights.safetensors``, loadable by ``pipe.load_lora_weights``)
+plus its power-EMA variant in ``ema/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import diffusers  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DistributedDataParallelKwargs  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from rcm_diffusers import trainer as T  # noqa: E402
+from rcm_diffusers.adapters import Networks  # noqa: E402
+from rcm_diffusers.alternation import plan_step  # noqa: E402
+from rcm_diffusers.config import load_config  # noqa: E402
+from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
+from rcm_diffusers.ema import PowerEMA  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "digits.yaml")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
+
+
+def main(argv=None):
+    cfg = load_config(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_dir=cfg.output_dir,
+        # student and fake score train disjoint parameters on alternate iterations
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    os.makedirs(cfg.output_dir, exist_ok=True)
+
+    # ---- teacher, student, fake score (SPEC §6)
+    index = diffusers.DiffusionPipeline.load_config(cfg.pretrained)
+    pipeline_cls = getattr(diffusers, index["_class_name"] if cfg.pipeline_class == "auto" else cfg.pipeline_class)
+    transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
+    transformer = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder,
+                                                  torch_dtype=DTYPES[cfg.weight_dtype]).to(device)
+    nets, trainable = Networks.build(transformer, cfg.mode, with_fake=cfg.use_dmd, lora_rank=cfg.lora_rank,
+                                     lora_alpha=cfg.lora_alpha or None, lora_target_modules=cfg.lora_target_modules or None,
+                                     fake_lora_rank=cfg.fake_lora_rank or None)
+    if cfg.gradient_checkpointing:
+        for m in trainable.values():
+            m.enable_gradient_checkpointing()
+    if cfg.fd_type in (0, 1):
+        try:
+            from rcm_diffusers.attention import enable_jvp_attention
+        except ImportError as e:
+            raise SystemExit(f"fd_type {cfg.fd_type} needs rcm_diffusers.attention.enable_jvp_attention ({e}); use --fd_type 2") from e
+        for m in {id(m): m for m in nets.modules.values()}.values():
+            enable_jvp_attention(m)
+
+    # ---- optimizers: separate for student and fake score (SPEC §4.4)
+    def adamw(params, lr):
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+
+    roles = ["student"] + (["fake"] if nets.has_fake else [])
+    opts = {r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr) for r in roles}
+    scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, T.lr_warmup_lambda(cfg.lr_warmup_steps)) for r, o in opts.items()}
+    names = list(trainable)
+    prepared = accelerator.prepare(*[trainable[n] for n in names], *[opts[r] for r in roles], *[scheds[r] for r in roles])
+    nets.replace_modules(dict(zip(names, prepared[: len(names)])))
+    opts = dict(zip(roles, prepared[len(names): len(names) + len(roles)]))
+    scheds = dict(zip(roles, prepared[len(names) + len(roles):]))
+    sync_module = {r: nets.modules[r] for r in roles}
+    params = {r: list(nets.trainable_parameters(r).values()) for r in roles}
+
+    # ---- checkpointed state: counters, EMA, trainable weights only (no frozen base)
+    state = T.TrainState()
+    accelerator.register_for_checkpointing(state)
+    ema = None
+    if cfg.ema_rate > 0:
+        ema = PowerEMA(nets.trainable_parameters("student"), s=cfg.ema_rate)
+        accelerator.register_for_checkpointing(ema)
+
+    def save_hook(models, weights, out_dir):
+        if accelerator.is_main_process:
+            T.save_trainable(models, names, os.path.join(out_dir, "trainable.safetensors"))
+        weights.clear()
+
+    def load_hook(models, in_dir):
+        T.load_trainable(models, names, os.path.join(in_dir, "trainable.safetensors"))
+        models.clear()
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    ckpt = T.latest_checkpoint(cfg.output_dir) if cfg.resume == "latest" else (cfg.resume or None)
+    if ckpt:
+        accelerator.load_state(ckpt)
+        accelerator.print(f"resumed from {ckpt} at iteration {state.step}")
+
+    # ---- data, logging, guards
+    data = LatentDataset(cfg.data_dir)
+    if cfg.synthetic:
+        raise SystemExit("--synthetic is not implemented yet: precompute latents with training/prepare_data.py")
+    if accelerator.is_main_process:
+        T.env_snapshot(os.path.join(cfg.output_dir, "env.json"), cfg,
+                       {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device)})
+    if cfg.report_to != "none":
+        accelerator.init_trackers("rcm", config={k: str(v) for k, v in vars(cfg).items()})
+    metrics = T.MetricsWriter(os.path.join(cfg.output_dir, "metrics.jsonl"), state.step, accelerator.is_main_process)
+    guard = T.SpikeGuard(state.guard, cfg.spike_factor, cfg.spike_patience)
+
+    bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
+               disable=not (cfg.progress and accelerator.is_local_main_process), desc="rCM")
+    for i in bar:
+        t0 = time.perf_counter()
+        plan = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, nets.has_fake)
+        role = "student" if plan.student else "fake"
+        ids = batch_indices(len(data), cfg.batch_size, i, rank, world, cfg.seed)
+        x0, cond, uncond = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
+                                        if getattr(transformer.config, "guidance_embeds", False) else None)
+        gen = step_generator(cfg.seed, i, rank, device=device.type if device.type != "mps" else "cpu")
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+
+        def backward(loss, last):
+            with T.no_sync_unless(accelerator, sync_module[role], last):
+                accelerator.backward(loss)
+
+        if plan.student:
+            nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
+            logs = T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm)
+        else:
+            logs = T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device)
+
+        # clip, guard, step
+        if cfg.max_grad_norm > 0:
+            norm = float(accelerator.clip_grad_norm_(params[role], cfg.max_grad_norm))
+        else:
+            norm = T.grad_norm(params[role])
+        finite = math.isfinite(norm)
+        if finite or not cfg.skip_nonfinite:
+            opts[role].step()
+            scheds[role].step()
+            if plan.student and ema is not None:
+                ema.update(nets.trainable_parameters("student"), plan.student_eff)
+        else:
+            state.skipped += 1
+        if guard.check(role, norm) and accelerator.is_main_process:
+            with open(os.path.join(cfg.output_dir, "spikes.jsonl"), "a") as f:
+                f.write(json.dumps({"step": i, "net": role, "grad_norm": norm, "batch_ids": ids,
+                                      "seed": step_seed(cfg.seed, i, rank, 0), **logs}) + "\n")
+        state.step = i + 1
+
+        record = {"step": i, "net": role, "student_eff": plan.student_eff, "fake_eff": plan.fake_eff,
+                  "lr": scheds[role].get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
+                  "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
+        if i % cfg.log_every == 0 or i == cfg.max_steps - 1:
+            metrics.write(record)
+            if cfg.report_to != "none":
+                accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=i)
+        bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k.startswith("loss")})
+
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
+            T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+        if cfg.sample_every and state.step % cfg.sample_every == 0 and accelerator.is_main_process:
+            T.write_samples(nets, data, cfg, state.step, device, transformer)
+        if cfg.exit_after_step == i:
+            accelerator.print(f"exit_after_step {i}: hard exit")
+            sys.stdout.flush()
+            os._exit(17)
+
+    # ---- final checkpoint and exports
+    T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+    if accelerator.is_main_process:
+        base = accelerator.unwrap_model(nets.modules["student"])
+        if cfg.mode == "shared":
+            lora_cfg = base.peft_config["student"]
+            T.save_student_lora(pipeline_cls, cfg.output_dir, base, lora_cfg)
+            if ema is not None:
+                T.save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, "ema"), base, lora_cfg, weights=ema.shadow)
+        else:
+            base.save_pretrained(os.path.join(cfg.output_dir, "student_transformer"))
+            if ema is not None:
+                with torch.no_grad():
+                    live = nets.trainable_parameters("student")
+                    backup = {k: p.detach().clone() for k, p in live.items()}
+                    for k, p in live.items():
+                        p.copy_(ema.shadow[k])
+                    base.save_pretrained(os.path.join(cfg.output_dir, "ema", "student_transformer"))
+                    for k, p in live.items():
+                        p.copy_(backup[k])
+        if cfg.sample_every:
+            T.write_samples(nets, data, cfg, state.step, device, transformer)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
