@@ -1,0 +1,199 @@
+"""Save and load LoRA files in the diffusers or the ComfyUI layout, with metadata in the header.
+
+``format="diffusers"``: ``transformer.<module>.lora_A/lora_B.weight`` (+ ``lora_B.bias``), alphas in
+diffusers' own ``lora_adapter_metadata`` header entry, so ``pipe.load_lora_weights(file)`` applies
+them. ``format="comfyui"``: ``diffusion_model.<original module>.lora_down/lora_up.weight``,
+``.alpha``, ``.diff``, ``.diff_b``, as ComfyUI's LoRA loader reads them.
+Our own metadata (rank, alpha, target modules, base model, how it was made) is the JSON
+header entry ``rcm_lora``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .keys import detect_arch, from_any, lora_modules, to_comfy_keys
+
+__all__ = ["FORMATS", "save_lora", "load_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
+           "not_applied_by_comfyui"]
+
+logger = logging.getLogger(__name__)
+FORMATS = ("diffusers", "comfyui")
+METADATA_KEY = "rcm_lora"
+DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> Path:
+    """Write a safetensors file via a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _summary(state_dict) -> dict:
+    groups = lora_modules(state_dict)
+    ranks = {t: g["lora_A.weight"].shape[0] for t, g in groups.items() if "lora_A.weight" in g}
+    alphas = {t: float(g["alpha"]) for t, g in groups.items() if "alpha" in g}
+    kinds = sorted({re.sub(r"^.*blocks\.\d+\.", "", t) for t in ranks})
+    return {
+        "rank": Counter(ranks.values()).most_common(1)[0][0] if ranks else None,
+        "ranks_min_max": [min(ranks.values()), max(ranks.values())] if ranks else None,
+        "alpha": Counter(alphas.values()).most_common(1)[0][0] if alphas else None,
+        "target_modules": kinds,
+        "n_lora_modules": len(ranks),
+        "n_full_deltas": sum(1 for g in groups.values() for k in g if k in ("diff", "diff_b")),
+    }
+
+
+def not_applied_by_comfyui(state_dict, arch: str) -> list[str]:
+    """Keys of a ComfyUI-layout dict that stock ComfyUI registers but does not apply (Wan modulation)."""
+    if arch != "wan":
+        return []
+    return sorted(k for k in state_dict if k.endswith(("modulation.diff", "modulation")))
+
+
+def diffusers_loadable(state_dict, arch: str | None = None):
+    """Split any-layout LoRA into what ``load_lora_weights`` applies and what it cannot.
+
+    Returns ``(tensors, adapter_metadata, not_applied)``: ``tensors`` in diffusers names
+    (``transformer.`` prefix, ``lora_B.bias`` for bias deltas of LoRA modules), the peft
+    ``LoraConfig`` fields for diffusers' ``lora_adapter_metadata`` header (None when every
+    alpha equals its rank), and the sorted keys peft cannot load (full deltas of norms,
+    modulation, bias deltas of modules without a LoRA).
+    """
+    arch = arch or detect_arch(state_dict)
+    groups = lora_modules(from_any(state_dict, arch))
+    tensors, not_applied = {}, []
+    ranks, alphas, bias = {}, {}, False
+    for t, g in groups.items():
+        has_lora = "lora_A.weight" in g
+        for k, v in g.items():
+            if k in ("lora_A.weight", "lora_B.weight"):
+                tensors[f"transformer.{t}.{k}"] = v
+            elif k == "diff_b" and has_lora:
+                tensors[f"transformer.{t}.lora_B.bias"] = v
+                bias = True
+            elif k != "alpha":
+                not_applied.append(f"transformer.{t}.{k}" if k else f"transformer.{t}")
+        if has_lora:
+            ranks[t] = g["lora_A.weight"].shape[0]
+            alphas[t] = float(g["alpha"]) if "alpha" in g else float(ranks[t])
+    meta = None
+    if ranks and (bias or any(alphas[t] != ranks[t] for t in ranks)):
+        r = Counter(ranks.values()).most_common(1)[0][0]
+        a = Counter(alphas.values()).most_common(1)[0][0]
+        meta = {
+            "r": r,
+            "lora_alpha": a,
+            # exact module names (a regex string is full-matched by peft)
+            "target_modules": "^(?:" + "|".join(re.escape(t) for t in sorted(ranks)) + ")$",
+            "rank_pattern": {f"^{t}": v for t, v in ranks.items() if v != r},
+            "alpha_pattern": {f"^{t}": v for t, v in alphas.items() if v != a},
+            "lora_bias": bias,
+        }
+    return tensors, meta, sorted(not_applied)
+
+
+def save_lora(path, state_dict, arch: str | None = None, format: str = "diffusers",
+              metadata: dict | None = None) -> dict:
+    """Write a LoRA (any input layout) as ``format`` to ``path`` atomically; returns the header summary.
+
+    ``metadata`` (e.g. ``{"base_model": ..., "made_by": ...}``) is stored in the ``rcm_lora``
+    header entry. Keys the target loader would not apply are dropped from a diffusers file and
+    listed (warning + ``not_applied`` in the header); a ComfyUI file keeps them all and lists the
+    ones stock ComfyUI ignores.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    arch = arch or detect_arch(state_dict)
+    header = {"format": "pt"}
+    if format == "comfyui":
+        tensors = to_comfy_keys(state_dict, arch)
+        not_applied = not_applied_by_comfyui(tensors, arch)
+        note = "kept; stock ComfyUI does not apply them (RCMLoraLoader does)"
+    else:
+        tensors, adapter_meta, not_applied = diffusers_loadable(state_dict, arch)
+        if adapter_meta is not None:
+            header[DIFFUSERS_METADATA_KEY] = json.dumps({f"transformer.{k}": v for k, v in adapter_meta.items()},
+                                                        sort_keys=True)
+        note = "dropped; peft/diffusers cannot load them (use format='comfyui' or merge)"
+    if not_applied:
+        logger.warning("%d delta(s) %s: %s", len(not_applied), note, ", ".join(not_applied[:10]))
+    summary = {"arch": arch, "format": format, **_summary(from_any(state_dict, arch)),
+               "not_applied": not_applied, **(metadata or {})}
+    header[METADATA_KEY] = json.dumps(summary, sort_keys=True, default=str)
+    atomic_save_safetensors(tensors, path, header)
+    return summary
+
+
+def read_metadata(path) -> dict[str, str]:
+    """The raw safetensors header metadata of ``path`` (empty dict when none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def _alphas_from_adapter_metadata(tensors: dict, raw: str) -> dict:
+    cfg = {k.split(".", 1)[1] if k.startswith("transformer.") else k: v for k, v in json.loads(raw).items()}
+    out = dict(tensors)
+    for key, A in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")].removeprefix("transformer.")
+        alpha = cfg.get("lora_alpha", A.shape[0])
+        for pat, v in (cfg.get("alpha_pattern") or {}).items():
+            if re.match(rf"(.*\.)?({pat})$", module):
+                alpha = v
+        out[f"transformer.{module}.alpha"] = torch.tensor(float(alpha))
+    for key in list(out):
+        if key.endswith(".lora_B.bias"):
+            out[key[: -len("lora_B.bias")] + "diff_b"] = out.pop(key)
+    return out
+
+
+def load_lora(path, format: str = "diffusers", arch: str | None = None):
+    """Read a LoRA file of any layout and return ``(state_dict, rcm_metadata)`` in ``format`` names.
+
+    Alphas stored in diffusers' header come back as ``.alpha`` keys; ``.pt`` files go through
+    the safe loader. Raises ValueError for a corrupt file or unknown keys.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"LoRA file not found: {path}")
+    meta: dict[str, str] = {}
+    if path.suffix == ".safetensors":
+        try:
+            tensors = load_file(str(path))
+            meta = read_metadata(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+    else:
+        from .checkpoint import load_state_dict
+
+        tensors = load_state_dict(path, unwrap=False)
+    if DIFFUSERS_METADATA_KEY in meta:
+        tensors = _alphas_from_adapter_metadata(tensors, meta[DIFFUSERS_METADATA_KEY])
+    arch = arch or detect_arch(tensors)
+    out = to_comfy_keys(tensors, arch) if format == "comfyui" else from_any(tensors, arch)
+    info = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
+    return out, info
