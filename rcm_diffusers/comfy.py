@@ -33,7 +33,6 @@ __all__ = [
     "split_sigmas_at_boundary",
     "model_arch",
     "load_lora_file",
-    "lora_for_comfy",
     "lora_targets_missing",
 ]
 
@@ -227,43 +226,40 @@ def model_arch(comfy_model) -> str:
     )
 
 
-def load_lora_file(path: str) -> dict[str, torch.Tensor]:
-    """Read a LoRA ``.safetensors`` file; clear errors for a missing or unreadable file."""
+def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
+    """Read a Wan or Flux LoRA file (diffusers or ComfyUI layout) into ComfyUI keys for a model of ``arch``.
+
+    Goes through the LoRA tooling (:func:`rcm_diffusers.lora.io.load_lora`, the one key converter;
+    it also restores alphas kept in a diffusers file's header). Raises FileNotFoundError for a missing
+    file, ValueError for an unreadable file, a LoRA of another architecture, or keys no rule maps.
+    """
+    from .lora import io as lora_io
+    from .lora import keys as lora_keys
+
     if not path or not os.path.isfile(path):
         raise FileNotFoundError(
             f"LoRA file not found: {path!r}; put the .safetensors file in ComfyUI's models/loras folder "
             "(or a folder listed under 'loras' in extra_model_paths.yaml) and refresh."
         )
-    if not path.endswith(".safetensors"):
-        raise ValueError(f"{os.path.basename(path)}: RCMLoraLoader reads .safetensors LoRA files only.")
     from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        raw = load_file(path)
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"cannot read LoRA file {path!r} as safetensors ({e}); is the file complete?") from e
-
-
-def lora_for_comfy(state_dict: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
-    """Any supported LoRA layout (diffusers or ComfyUI/original, Wan or Flux) -> ComfyUI keys for ``arch``.
-
-    Goes through the one key converter, :mod:`rcm_diffusers.lora.keys`. Raises ValueError when the
-    LoRA belongs to another architecture or holds keys that no rule maps (listing them).
-    """
-    from .lora import keys as lora_keys
-
-    if not state_dict:
-        raise ValueError("the LoRA file holds no tensors.")
+    if not raw:
+        raise ValueError(f"{path}: the LoRA file holds no tensors.")
     try:
-        lora_arch = lora_keys.detect_arch(state_dict)
+        lora_arch = lora_keys.detect_arch(raw)
     except ValueError as e:
-        raise ValueError(f"this file is not a Wan or Flux LoRA: {e}") from e
+        raise ValueError(f"{os.path.basename(path)} is not a Wan or Flux LoRA: {e}") from e
     if lora_arch != arch:
         raise ValueError(
-            f"this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
+            f"{os.path.basename(path)}: this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
             f"load a {arch.capitalize()} LoRA (or connect a {lora_arch.capitalize()} model)."
         )
-    return lora_keys.to_comfy_keys(state_dict, arch)
+    state_dict, _ = lora_io.load_lora(path, format="comfyui", arch=arch)
+    return state_dict
 
 
 def lora_targets_missing(comfy_state_dict: dict[str, torch.Tensor], key_map: dict) -> list[str]:

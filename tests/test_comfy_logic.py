@@ -258,33 +258,41 @@ def _wan_diffusers_lora(rank=2, dim=8):
     return sd
 
 
-def test_lora_for_comfy_converts_diffusers_wan_keys():
+def test_load_lora_file_diffusers_and_comfy_layouts(tmp_path):
+    from rcm_diffusers.lora.io import save_lora
+
     sd = _wan_diffusers_lora()
-    out = comfy.lora_for_comfy(sd, "wan")
-    assert set(out) == {
-        f"diffusion_model.blocks.0.{t}.{s}.weight"
-        for t in ("self_attn.q", "cross_attn.o", "ffn.0") for s in ("lora_down", "lora_up")
-    }
-    torch.testing.assert_close(out["diffusion_model.blocks.0.self_attn.q.lora_down.weight"],
-                               sd["transformer.blocks.0.attn1.to_q.lora_A.weight"], atol=0, rtol=0)
-    # ComfyUI-layout input passes through unchanged in content
-    again = comfy.lora_for_comfy(out, "wan")
-    assert set(again) == set(out)
+    sd["transformer.blocks.0.attn1.to_q.alpha"] = torch.tensor(1.0)  # alpha != rank: kept in the header
+    for fmt in ("diffusers", "comfyui"):
+        save_lora(tmp_path / f"{fmt}.safetensors", sd, arch="wan", format=fmt)
+        out = comfy.load_lora_file(str(tmp_path / f"{fmt}.safetensors"), "wan")
+        lora = {k: v for k, v in out.items() if not k.endswith(".alpha")}
+        assert set(lora) == {
+            f"diffusion_model.blocks.0.{t}.{s}.weight"
+            for t in ("self_attn.q", "cross_attn.o", "ffn.0") for s in ("lora_down", "lora_up")
+        }, fmt
+        torch.testing.assert_close(out["diffusion_model.blocks.0.self_attn.q.lora_down.weight"],
+                                   sd["transformer.blocks.0.attn1.to_q.lora_A.weight"], atol=0, rtol=0)
+        assert float(out["diffusion_model.blocks.0.self_attn.q.alpha"]) == 1.0, fmt
     key_map = {"diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight",
                "diffusion_model.blocks.0.ffn.0": "diffusion_model.blocks.0.ffn.0.weight"}
     assert comfy.lora_targets_missing(out, key_map) == ["blocks.0.cross_attn.o"]
 
 
-def test_lora_for_comfy_wrong_architecture_and_files(tmp_path):
+def test_load_lora_file_wrong_architecture_and_bad_files(tmp_path):
+    from safetensors.torch import save_file
+
     flux = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
             "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2)}
+    save_file(flux, tmp_path / "flux.safetensors")
     with pytest.raises(ValueError, match="this LoRA is for Flux but the model is Wan"):
-        comfy.lora_for_comfy(flux, "wan")
+        comfy.load_lora_file(str(tmp_path / "flux.safetensors"), "wan")
+    save_file({"text_model.encoder.layers.0.q.lora_A.weight": torch.zeros(2, 8)}, tmp_path / "clip.safetensors")
     with pytest.raises(ValueError, match="not a Wan or Flux LoRA"):
-        comfy.lora_for_comfy({"text_model.encoder.layers.0.q.lora_A.weight": torch.zeros(2, 8)}, "wan")
+        comfy.load_lora_file(str(tmp_path / "clip.safetensors"), "wan")
     with pytest.raises(FileNotFoundError, match="models/loras"):
-        comfy.load_lora_file(str(tmp_path / "nope.safetensors"))
+        comfy.load_lora_file(str(tmp_path / "nope.safetensors"), "wan")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read LoRA file"):
-        comfy.load_lora_file(str(bad))
+        comfy.load_lora_file(str(bad), "wan")
