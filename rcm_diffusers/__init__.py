@@ -26,6 +26,10 @@ _LAZY = {
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
+# DiffusionPipeline.from_pretrained resolves a component declared as ["rcm_diffusers", "RCMScheduler"]
+# by looking up the diffusers base classes *in this package* to pick the loading method.
+_LAZY.update({"SchedulerMixin": "diffusers", "ModelMixin": "diffusers"})
+
 
 def __getattr__(name):
     if name in _LAZY:

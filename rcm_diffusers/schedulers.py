@@ -83,6 +83,11 @@ class _FlowTimesMixin:
         self._begin_index = None
 
     @property
+    def rf_times(self) -> np.ndarray | None:
+        """float64 RF times of the current grid, ending at 0."""
+        return self._rf
+
+    @property
     def step_index(self):
         """Index of the next step (``None`` before the first ``step``)."""
         return self._step_index
@@ -228,11 +233,6 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         self._set_grid(r, device)
         self.init_noise_sigma = float(r[0])
         self._noise_generator = None
-
-    @property
-    def rf_times(self) -> np.ndarray | None:
-        """float64 RF times of the current grid, ending at 0."""
-        return self._rf
 
     def scale_initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
         """``x = r_0 * noise``: the official sampler's first input (SPEC §2.1). Call after ``set_timesteps``,
@@ -457,3 +457,9 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         if self._solver.step_index is not None and self._solver.step_index >= self.num_inference_steps:
             raise ValueError("step() called past the end of the grid; call set_timesteps() again to start a new run.")
         return self._solver.step(model_output, timestep, sample, return_dict=return_dict)
+
+
+# diffusers records a custom component as (its class's __module__, class name) in model_index.json;
+# the public path makes that ["rcm_diffusers", "RCMScheduler"], stable across internal moves.
+for _cls in (RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler):
+    _cls.__module__ = "rcm_diffusers"

@@ -1,0 +1,188 @@
+"""The schedulers inside stock diffusers pipelines (tiny random Wan 2.1/2.2 and Flux, no downloads)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+from PIL import Image
+
+from rcm_diffusers import RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler
+
+from tiny import flux_embeds, tiny_flux_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline, wan_embeds
+
+SPEC_RF_4 = [0.98765, 0.93378, 0.85289, 0.60898]
+WAN_KW = dict(height=16, width=16, num_frames=5, output_type="latent")
+
+
+class CallRecorder:
+    """Forward pre-hook that records the transformer's inputs."""
+
+    def __init__(self, module):
+        self.calls = []
+        self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.calls.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
+
+    def remove(self):
+        self.handle.remove()
+
+
+def _rf(t):
+    return math.sin(t) / (math.sin(t) + math.cos(t))
+
+
+def test_wan_official_sampler_exact():
+    """4 steps, guidance 1: 4 calls at 1000*r_i, first input r_0*noise, output = float64 SPEC §2.1 loop."""
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
+    pipe.scheduler.set_generator(torch.Generator().manual_seed(7))
+    noise = torch.randn(1, 4, 2, 2, 2, generator=torch.Generator().manual_seed(3))
+    embeds = wan_embeds()
+    rec = CallRecorder(pipe.transformer)
+    out = pipe(
+        prompt_embeds=embeds, num_inference_steps=4, guidance_scale=1.0, latents=pipe.scheduler.scale_initial_noise(noise), **WAN_KW
+    ).frames
+    rec.remove()
+    assert len(rec.calls) == 4
+    seen_t = torch.stack([c["timestep"][0] for c in rec.calls]).double()
+    assert torch.allclose(seen_t, 1000 * torch.tensor(SPEC_RF_4, dtype=torch.float64), atol=1e-2)
+    r = [_rf(a) for a in [math.atan(80.0), 1.5, 1.4, 1.0]] + [0.0]
+    assert torch.allclose(rec.calls[0]["hidden_states"].double(), r[0] * noise.double(), atol=1e-7)
+
+    # plain float64 loop of SPEC §2.1 with the same transformer, noise and fresh-noise generator
+    g = torch.Generator().manual_seed(7)
+    x = r[0] * noise.double()
+    with torch.no_grad():
+        for i in range(4):
+            v = pipe.transformer(
+                hidden_states=x.float(), timestep=torch.tensor([1000 * r[i]]), encoder_hidden_states=embeds, return_dict=False
+            )[0].double()
+            x0 = x - r[i] * v
+            if r[i + 1] > 0:
+                x = (1 - r[i + 1]) * x0 + r[i + 1] * torch.randn(x.shape, generator=g, dtype=torch.float32).double()
+            else:
+                x = x0
+    assert torch.allclose(out.double(), x, atol=1e-5, rtol=1e-5)
+
+
+def test_wan_seed_reproduces_sample():
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
+    embeds = wan_embeds()
+
+    def run(seed):
+        return pipe(
+            prompt_embeds=embeds, num_inference_steps=4, guidance_scale=1.0, generator=torch.Generator().manual_seed(seed), **WAN_KW
+        ).frames
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_wan_rcm_step_counts_and_decode(n):
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, stochastic=(n % 2 == 0))
+    rec = CallRecorder(pipe.transformer)
+    video = pipe(prompt_embeds=wan_embeds(), num_inference_steps=n, guidance_scale=1.0, height=16, width=16, num_frames=5, output_type="np").frames
+    assert len(rec.calls) == n
+    assert video.shape == (1, 5, 16, 16, 3) and np.isfinite(video).all()
+
+
+def test_wan_rcm_with_cfg_calls_twice_per_step():
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
+    rec = CallRecorder(pipe.transformer)
+    pipe(prompt_embeds=wan_embeds(), negative_prompt_embeds=wan_embeds(seed=9), num_inference_steps=2, guidance_scale=3.0, **WAN_KW)
+    assert len(rec.calls) == 4
+
+
+def test_wan_pipeline_bad_step_count_is_clear():
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
+    with pytest.raises(ValueError, match="num_inference_steps=4"):
+        pipe(prompt_embeds=wan_embeds(), guidance_scale=1.0, **WAN_KW)  # the pipeline's default is 50 steps
+
+
+def _image():
+    return Image.fromarray((np.random.default_rng(0).random((16, 16, 3)) * 255).astype("uint8"))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_wan21_i2v_rcm(n):
+    pipe = tiny_wan_i2v_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=200.0)
+    rec = CallRecorder(pipe.transformer)
+    out = pipe(image=_image(), prompt_embeds=wan_embeds(), num_inference_steps=n, guidance_scale=1.0, **WAN_KW).frames
+    assert len(rec.calls) == n and torch.isfinite(out).all()
+    assert rec.calls[0]["encoder_hidden_states_image"] is not None
+    assert float(rec.calls[0]["timestep"][0]) == pytest.approx(1000 * 200 / 201, abs=1e-2)
+
+
+def test_wan22_two_experts_boundary_switch():
+    pipe = tiny_wan_i2v_pipeline(two_experts=True)
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=200.0)
+    high, low = CallRecorder(pipe.transformer), CallRecorder(pipe.transformer_2)
+    pipe(image=_image(), prompt_embeds=wan_embeds(), num_inference_steps=4, guidance_scale=1.0, **WAN_KW)
+    # RF times 0.995, 0.934 >= boundary 0.9 -> high-noise expert; 0.853, 0.609 -> low-noise expert
+    assert [float(c["timestep"][0]) for c in high.calls] == pytest.approx([1000 * 200 / 201, 933.78], abs=1e-2)
+    assert [float(c["timestep"][0]) for c in low.calls] == pytest.approx([852.90, 608.98], abs=1e-2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_flux_rcm(n):
+    pipe = tiny_flux_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
+    rec = CallRecorder(pipe.transformer)
+    pe, pp = flux_embeds()
+    img = pipe(prompt_embeds=pe, pooled_prompt_embeds=pp, num_inference_steps=n, height=16, width=16, guidance_scale=1.0, output_type="np").images
+    assert len(rec.calls) == n and np.isfinite(img).all() and img.shape == (1, 16, 16, 3)
+    # FluxPipeline divides timesteps by 1000: the transformer sees the RF time itself
+    expected = [_rf(a) for a in [math.atan(80.0), 1.5, 1.4, 1.0][:n]]
+    assert [float(c["timestep"][0]) for c in rec.calls] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("cls", [TrigFlowEulerScheduler, TrigFlowUniPCScheduler])
+def test_teacher_schedulers_in_pipelines(cls):
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = cls.from_config(pipe.scheduler.config)
+    rec = CallRecorder(pipe.transformer)
+    out = pipe(prompt_embeds=wan_embeds(), negative_prompt_embeds=wan_embeds(seed=9), num_inference_steps=4, guidance_scale=5.0, **WAN_KW).frames
+    assert len(rec.calls) == 8 and torch.isfinite(out).all()
+    assert float(rec.calls[0]["timestep"][0]) == pytest.approx(1000 * 5000 / 5001, abs=1e-2)
+
+    fpipe = tiny_flux_pipeline()
+    fpipe.scheduler = cls.from_config(fpipe.scheduler.config)
+    frec = CallRecorder(fpipe.transformer)
+    pe, pp = flux_embeds()
+    img = fpipe(prompt_embeds=pe, pooled_prompt_embeds=pp, num_inference_steps=3, height=16, width=16, output_type="np").images
+    assert len(frec.calls) == 3 and np.isfinite(img).all()
+    assert float(frec.calls[0]["timestep"][0]) == pytest.approx(5000 / 5001, abs=1e-5)
+
+
+def test_pipeline_save_load_names_rcm_diffusers(tmp_path):
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=200.0, mid_t=[1.3, 0.9])
+    pipe.save_pretrained(tmp_path / "p")
+    index = json.loads((tmp_path / "p" / "model_index.json").read_text())
+    assert index["scheduler"] == ["rcm_diffusers", "RCMScheduler"]
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "p", text_encoder=None, tokenizer=None)
+    assert isinstance(loaded.scheduler, RCMScheduler)
+    assert loaded.scheduler.config.sigma_max == 200.0 and list(loaded.scheduler.config.mid_t) == [1.3, 0.9]
+    assert loaded.scheduler.config.flow_shift == 3.0
+    out = loaded(prompt_embeds=wan_embeds(), num_inference_steps=3, guidance_scale=1.0, **WAN_KW).frames
+    assert torch.isfinite(out).all()
+
+    plain = tiny_wan_pipeline()
+    plain.save_pretrained(tmp_path / "q")
+    swapped = DiffusionPipeline.from_pretrained(
+        tmp_path / "q", scheduler=RCMScheduler(sigma_max=120.0), text_encoder=None, tokenizer=None
+    )
+    assert isinstance(swapped.scheduler, RCMScheduler) and swapped.scheduler.config.sigma_max == 120.0
+    swapped.scheduler.set_timesteps(2)
+    assert swapped.scheduler.rf_times[0] == pytest.approx(120 / 121, abs=1e-12)

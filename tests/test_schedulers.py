@@ -1,0 +1,294 @@
+"""RCMScheduler and TrigFlow teacher schedulers (SPEC §2) against float64 references and diffusers."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from rcm_diffusers import RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler
+from rcm_diffusers.sampling import rcm_rf_times, shift_family, teacher_rf_grid
+
+from tiny import flux_scheduler_config, wan_scheduler_config
+
+SPEC_RF_4 = [0.98765, 0.93378, 0.85289, 0.60898, 0.0]
+
+
+def _rf(t):
+    return math.sin(t) / (math.sin(t) + math.cos(t))
+
+
+# ----------------------------------------------------------------------------- RCMScheduler grid
+
+
+def test_rcm_times_match_spec_numbers():
+    s = RCMScheduler()
+    s.set_timesteps(4)
+    assert np.allclose(s.sigmas.numpy(), SPEC_RF_4, atol=1e-5)
+    assert abs(s.rf_times[0] - 80 / 81) < 1e-12
+    assert torch.allclose(s.timesteps, torch.tensor(SPEC_RF_4[:-1]) * 1000, atol=1e-2)
+    assert s.init_noise_sigma == pytest.approx(80 / 81, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_rcm_times_each_step_count(n):
+    s = RCMScheduler()
+    s.set_timesteps(n)
+    angles = [math.atan(80.0), 1.5, 1.4, 1.0][:n]
+    expected = [_rf(a) for a in angles] + [0.0]
+    assert len(s.timesteps) == n
+    assert np.allclose(s.rf_times, expected, atol=1e-14)
+
+
+def test_custom_angles_and_sigma_max():
+    s = RCMScheduler(sigma_max=200.0, mid_t=[1.3, 1.1, 0.7, 0.3])
+    s.set_timesteps(5)
+    expected = [_rf(a) for a in [math.atan(200.0), 1.3, 1.1, 0.7, 0.3]] + [0.0]
+    assert np.allclose(s.rf_times, expected, atol=1e-14)
+
+
+def test_explicit_rf_times_and_timesteps():
+    s = RCMScheduler()
+    s.set_timesteps(sigmas=[0.99, 0.7, 0.3])
+    assert np.allclose(s.rf_times, [0.99, 0.7, 0.3, 0.0]) and s.num_inference_steps == 3
+    s.set_timesteps(timesteps=[990.0, 500.0])
+    assert np.allclose(s.rf_times, [0.99, 0.5, 0.0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, call, match",
+    [
+        ({}, dict(num_inference_steps=0), r"1\.\.4"),
+        ({}, dict(num_inference_steps=5), r"1\.\.4"),
+        ({}, dict(num_inference_steps=50), r"num_inference_steps=4"),
+        ({}, dict(), "num_inference_steps"),
+        ({}, dict(sigmas=[0.5, 0.7]), "strictly decreasing"),
+        ({}, dict(sigmas=[0.9, float("nan")]), "NaN or inf"),
+        ({}, dict(sigmas=[1.5, 0.5]), r"\(0, 1\]"),
+        ({}, dict(timesteps=[float("inf"), 10.0]), "NaN or inf"),
+        ({}, dict(num_inference_steps=3, sigmas=[0.9, 0.5]), "disagrees"),
+        ({}, dict(sigmas=[0.9], timesteps=[900.0]), "not both"),
+    ],
+)
+def test_rcm_set_timesteps_bad_input(kwargs, call, match):
+    s = RCMScheduler(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        s.set_timesteps(**call)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sigma_max=0.0), "sigma_max"),
+        (dict(sigma_max=-3.0), "sigma_max"),
+        (dict(sigma_max=float("nan")), "sigma_max"),
+        (dict(mid_t=[1.0, 1.4]), "strictly decreasing"),
+        (dict(mid_t=[1.6, 1.0]), r"\(0, pi/2\)|strictly decreasing"),
+        (dict(mid_t=[1.0, 0.0]), r"\(0, pi/2\)"),
+        (dict(sigma_max=1.0, mid_t=[1.5]), "arctan"),
+        (dict(mid_t=[1.5, float("inf")]), "finite"),
+        (dict(stochastic="yes"), "stochastic"),
+    ],
+)
+def test_rcm_config_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RCMScheduler(**kwargs)
+
+
+def test_step_before_set_timesteps_and_past_end():
+    s = RCMScheduler()
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="set_timesteps"):
+        s.step(x, 987.0, x)
+    s.set_timesteps(1)
+    s.step(x, s.timesteps[0], x)
+    with pytest.raises(ValueError, match="set_timesteps"):
+        s.step(x, s.timesteps[0], x)
+    s.set_timesteps(2)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        s.step(torch.full_like(x, float("nan")), s.timesteps[0], x)
+
+
+# ----------------------------------------------------------------------------- RCMScheduler step
+
+
+def _velocity(x, r):
+    return torch.sin(2.0 * x) + r * x
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_rcm_step_equals_float64_loop(stochastic):
+    s = RCMScheduler(stochastic=stochastic)
+    s.set_timesteps(4)
+    g_ref = torch.Generator().manual_seed(11)
+    noise = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(5))
+    # scheduler
+    x = s.scale_initial_noise(noise)
+    s.set_generator(torch.Generator().manual_seed(11))
+    for i, t in enumerate(s.timesteps):
+        out = s.step(_velocity(x, float(s.sigmas[i])), t, x)
+        x = out.prev_sample
+    # reference: SPEC §2.1 written out in float64
+    r = [_rf(a) for a in [math.atan(80.0), 1.5, 1.4, 1.0]] + [0.0]
+    y = r[0] * noise.double()
+    for i in range(4):
+        v = _velocity(y.float(), float(np.float32(r[i]))).double()
+        x0 = y - r[i] * v
+        if stochastic:
+            fresh = torch.randn(y.shape, generator=g_ref, dtype=torch.float32).double() if r[i + 1] > 0 else 0
+            y = (1 - r[i + 1]) * x0 + r[i + 1] * fresh
+        else:
+            y = y - (r[i] - r[i + 1]) * v
+    assert torch.allclose(x.double(), y, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.pred_original_sample, x)  # the last step returns x0
+
+
+def test_rcm_stochastic_seeding_from_latents():
+    """Without a generator, the fresh noise is a function of the run's first latents."""
+
+    def run(seed):
+        s = RCMScheduler()
+        s.set_timesteps(4)
+        x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(seed))
+        for i, t in enumerate(s.timesteps):
+            x = s.step(_velocity(x, float(s.sigmas[i])), t, x).prev_sample
+        return x
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_from_config_keeps_wan_and_flux_keys(tmp_path):
+    wan = RCMScheduler.from_config(wan_scheduler_config())
+    assert wan.config.flow_shift == 3.0 and wan.config.sigma_max == 80.0
+    flux = RCMScheduler.from_config(flux_scheduler_config())
+    assert flux.config.use_dynamic_shifting is True and flux.config.shift == 3.0 and flux.config.max_shift == 1.15
+    # and back: FlowMatchEuler recovers Flux's keys from an RCMScheduler config
+    back = FlowMatchEulerDiscreteScheduler.from_config(flux.config)
+    assert back.config.use_dynamic_shifting and back.config.shift == 3.0 and back.config.base_image_seq_len == 256
+    custom = RCMScheduler.from_config(wan_scheduler_config(), sigma_max=200.0, mid_t=[1.2, 0.9], stochastic=False)
+    custom.save_pretrained(tmp_path)
+    loaded = RCMScheduler.from_pretrained(tmp_path)
+    assert loaded.config.sigma_max == 200.0 and list(loaded.config.mid_t) == [1.2, 0.9]
+    assert loaded.config.stochastic is False and loaded.config.flow_shift == 3.0
+    loaded.set_timesteps(3)
+    custom.set_timesteps(3)
+    assert np.array_equal(loaded.rf_times, custom.rf_times)
+
+
+@pytest.mark.parametrize("cls", [TrigFlowEulerScheduler, TrigFlowUniPCScheduler])
+def test_teacher_config_round_trip(cls, tmp_path):
+    s = cls.from_config(wan_scheduler_config(), spacing="karras", rho=5.0)
+    assert s.effective_shift == 3.0
+    s.save_pretrained(tmp_path)
+    t = cls.from_pretrained(tmp_path)
+    assert t.config.spacing == "karras" and t.config.rho == 5.0 and t.config.flow_shift == 3.0
+    s.set_timesteps(6)
+    t.set_timesteps(6)
+    assert torch.equal(s.sigmas, t.sigmas)
+
+
+# ----------------------------------------------------------------------------- teacher grids
+
+
+def test_teacher_linear_grid_shift_and_unshift():
+    n, s, smax = 8, 3.0, 5000.0
+    r = teacher_rf_grid(n, sigma_max=smax, shift=s)
+    r_max = smax / (1 + smax)
+    assert len(r) == n + 1 and r[-1] == 0.0 and abs(r[0] - r_max) < 1e-15
+    u_max = r_max / (s - (s - 1) * r_max)  # SPEC §2.2 un-shifted start
+    u = np.linspace(u_max, 0.0, n + 1)
+    assert np.allclose(r, s * u / (1 + (s - 1) * u), atol=1e-14)
+
+
+def test_teacher_karras_and_exponential_grids():
+    n, smax, smin, rho = 6, 5000.0, 0.002, 7.0
+    i = np.arange(n)
+    sig_k = (smax ** (1 / rho) + i / (n - 1) * (smin ** (1 / rho) - smax ** (1 / rho))) ** rho
+    assert np.allclose(teacher_rf_grid(n, smax, "karras", rho=rho, sigma_min=smin), np.append(sig_k / (1 + sig_k), 0.0), atol=1e-14)
+    sig_e = np.exp(np.log(smax) + i / (n - 1) * (np.log(smin) - np.log(smax)))
+    assert np.allclose(teacher_rf_grid(n, smax, "exponential", sigma_min=smin), np.append(sig_e / (1 + sig_e), 0.0), atol=1e-14)
+
+
+def test_teacher_dynamic_shift_uses_mu():
+    s = TrigFlowEulerScheduler.from_config(flux_scheduler_config())
+    with pytest.raises(ValueError, match="mu"):
+        s.set_timesteps(4)
+    s.set_timesteps(4, mu=0.7)
+    a = math.exp(0.7)
+    r_max = 5000 / 5001
+    u_max = 1 / (1 + a * (1 / r_max - 1))
+    u = np.linspace(u_max, 0, 5)
+    assert np.allclose(s.rf_times, np.append(shift_family(u[:-1], a), 0.0), atol=1e-6)
+    assert abs(s.rf_times[0] - r_max) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(sigma_max=-1.0), "sigma_max"), (dict(spacing="cosine"), "spacing"), (dict(shift=0.0), "shift"), (dict(time_shift_type="x"), "time_shift_type")],
+)
+def test_teacher_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrigFlowEulerScheduler(**kwargs)
+
+
+def test_teacher_step_before_set_timesteps():
+    for cls in (TrigFlowEulerScheduler, TrigFlowUniPCScheduler):
+        with pytest.raises(ValueError, match="set_timesteps"):
+            cls().step(torch.zeros(1), 999.0, torch.zeros(1))
+
+
+# ----------------------------------------------------------------------------- teacher vs diffusers
+
+
+def _solve(sched, x):
+    for i, t in enumerate(sched.timesteps):
+        x = sched.step(_velocity(x, float(sched.sigmas[i])), t, x).prev_sample
+    return x
+
+
+@pytest.mark.parametrize("n", [4, 10, 25])
+def test_trigflow_euler_matches_flowmatch_euler(n):
+    ref = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    ref.set_timesteps(n)
+    ours = TrigFlowEulerScheduler()
+    ours.set_timesteps(sigmas=ref.sigmas[:-1])
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(n))
+    a, b = _solve(ref, x.clone()), _solve(ours, x.clone())
+    assert ((a - b).norm() / a.norm()).item() <= 1e-5
+    # and our own config grid equals diffusers' once both start at the same point
+    u = np.linspace(1.0, 0.0, n + 1)
+    ref.set_timesteps(sigmas=u[:-1])
+    ours_cfg = TrigFlowEulerScheduler(sigma_max=1e12, shift=3.0)
+    ours_cfg.set_timesteps(n)
+    assert np.allclose(ours_cfg.rf_times, ref.sigmas.double().numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("order, n", [(2, 8), (3, 12), (2, 30)])
+def test_trigflow_unipc_matches_diffusers_unipc(order, n):
+    ref = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, solver_order=order)
+    ref.set_timesteps(n)
+    ours = TrigFlowUniPCScheduler(solver_order=order)
+    ours.set_timesteps(sigmas=ref.sigmas[:-1])
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(n))
+    a, b = _solve(ref, x.clone()), _solve(ours, x.clone())
+    assert ((a - b).norm() / a.norm()).item() <= 1e-5
+
+
+def test_teacher_solvers_converge_on_linear_flow():
+    """On v = eps - x0 with a fixed pair, every grid lands exactly on x0 (straight RF paths)."""
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(1, 3, 4, 4, generator=g), torch.randn(1, 3, 4, 4, generator=g)
+    for cls in (TrigFlowEulerScheduler, TrigFlowUniPCScheduler):
+        for spacing in ("linear", "karras", "exponential"):
+            s = cls(spacing=spacing, shift=3.0)
+            s.set_timesteps(7)
+            x = (1 - s.sigmas[0]) * x0 + s.sigmas[0] * eps
+            for t in s.timesteps:
+                x = s.step(eps - x0, t, x).prev_sample
+            assert torch.allclose(x, x0, atol=1e-5), (cls.__name__, spacing)
