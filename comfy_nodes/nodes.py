@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import comfy.lora
 import comfy.samplers
+import comfy.utils
 import folder_paths
+import torch
 from comfy_api.latest import io
 
 from rcm_diffusers import comfy as rcm
@@ -146,10 +148,18 @@ class RCMLoraLoader(io.ComfyNode):
         if strength_model == 0 or not patches:
             return io.NodeOutput(model)
         patched = model.clone()
-        applied = set(patched.add_patches(patches, strength_model))
-        not_applied = sorted(str(k) for k in patches if k not in applied)
+        module_patches, raw_patches = rcm.split_parameter_patches(patches)
+        applied = set(patched.add_patches(module_patches, strength_model))
+        not_applied = sorted(str(k) for k in module_patches if k not in applied)
         if not_applied:
             raise ValueError(f"{lora_name}: ComfyUI did not apply {len(not_applied)} patch(es): {not_applied[:20]}.")
+        # raw parameters (Wan modulation): ComfyUI registers but never applies these patches; swap in
+        # the patched parameter as an object patch instead (the shared base model stays untouched)
+        for key, patch in raw_patches.items():
+            base = comfy.utils.get_attr(model.model, key)
+            new = comfy.lora.calculate_weight([(strength_model, patch, 1.0, None, None)],
+                                              base.detach().to(torch.float32, copy=True), key)
+            patched.add_object_patch(key, torch.nn.Parameter(new.to(base.dtype), requires_grad=False))
         return io.NodeOutput(patched)
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "model_arch",
     "load_lora_file",
     "lora_targets_missing",
+    "split_parameter_patches",
 ]
 
 DEFAULT_MID_T_TEXT = ", ".join(str(m) for m in DEFAULT_MID_T)
@@ -275,3 +276,17 @@ def lora_targets_missing(comfy_state_dict: dict[str, torch.Tensor], key_map: dic
         if name not in key_map and f"{name}.weight" not in key_map:
             missing.append(target)
     return sorted(missing)
+
+
+def split_parameter_patches(patches: dict) -> tuple[dict, dict]:
+    """Split ComfyUI LoRA patches into module weight/bias patches and raw-parameter patches.
+
+    Stock ComfyUI registers patches on raw parameters (Wan's ``blocks.N.modulation``,
+    ``head.modulation``) but never applies them when it patches the model; the loader applies
+    those as object patches instead. Keys are ComfyUI model paths (``diffusion_model....``).
+    """
+    module, raw = {}, {}
+    for key, patch in patches.items():
+        name = key[0] if isinstance(key, tuple) else key
+        (module if str(name).endswith((".weight", ".bias")) else raw)[key] = patch
+    return module, raw

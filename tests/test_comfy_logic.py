@@ -296,3 +296,11 @@ def test_load_lora_file_wrong_architecture_and_bad_files(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read LoRA file"):
         comfy.load_lora_file(str(bad), "wan")
+
+
+def test_split_parameter_patches():
+    patches = {"diffusion_model.blocks.0.self_attn.q.weight": 1, "diffusion_model.blocks.0.ffn.0.bias": 2,
+               "diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}
+    module, raw = comfy.split_parameter_patches(patches)
+    assert set(module) == {"diffusion_model.blocks.0.self_attn.q.weight", "diffusion_model.blocks.0.ffn.0.bias"}
+    assert raw == {"diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}

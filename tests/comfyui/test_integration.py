@@ -125,6 +125,21 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
     assert (got - expected).abs().max().item() < 1e-5
     assert (B @ A).abs().max().item() > 1e-3
 
+    # full-weight deltas on Wan's modulation parameters: stock ComfyUI registers but never applies
+    # them; RCMLoraLoader does (object patch), and the shared base model is left as it was
+    mod_key = "diffusion_model.blocks.0.modulation"
+    save_file({f"{mod_key}.diff": torch.full((1, 6, DIM), 0.5)}, root / "loras" / "modulation.safetensors")
+    base_mod = model_sd["model." + mod_key]
+    for loader, change in (("LoraLoaderModelOnly", 0.0), ("RCMLoraLoader", 0.5)):
+        (m,) = call(nodes, loader, model=model, lora_name="modulation.safetensors", strength_model=1.0)
+        m.patch_model()
+        try:
+            got_mod = m.model.diffusion_model.blocks[0].modulation.detach().clone()
+        finally:
+            m.unpatch_model()
+        assert abs((got_mod - base_mod).abs().max().item() - change) < 1e-6, loader
+    assert torch.equal(model.model.diffusion_model.blocks[0].modulation.detach(), base_mod)
+
     # bad input: a missing file, a LoRA of another architecture
     with pytest.raises(FileNotFoundError, match="models/loras"):
         call(nodes, "RCMLoraLoader", model=model, lora_name="missing.safetensors", strength_model=1.0)
