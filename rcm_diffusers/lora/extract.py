@@ -1,0 +1,167 @@
+"""LoRA extraction from a full fine-tuned checkpoint and its base, by truncated SVD per linear layer.
+
+Streams one parameter pair at a time (memory ~ one layer), with a tqdm bar. For a 2-D weight
+``delta = W_ft - W_base = U S V^T``; rank ``r`` keeps ``lora_B = U_r sqrt(S_r)``,
+``lora_A = sqrt(S_r) V_r^T`` (alpha = r, scale 1), with relative Frobenius error
+``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``. Every other delta (biases, norms, Wan modulation, conv
+patch embedding) is *non-linear* for a LoRA: kept as a full ``diff``/``diff_b`` or dropped, and
+reported either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = ["TensorSource", "LayerReport", "extract_lora", "choose_rank"]
+
+
+class TensorSource:
+    """Read-one-tensor-at-a-time view of a state dict, a .safetensors file or a .pt/.pth file."""
+
+    def __init__(self, src, prefer: str | None = None):
+        self._handle = None
+        if isinstance(src, (str, Path)) and str(src).endswith(".safetensors"):
+            from .checkpoint import open_safetensors
+
+            if not Path(src).is_file():
+                raise FileNotFoundError(f"checkpoint not found: {src}")
+            self._handle = open_safetensors(src)
+            raw = list(self._handle.keys())
+            self._names = {_strip(k): k for k in raw}
+        else:
+            if isinstance(src, (str, Path)):
+                from .checkpoint import load_state_dict  # mmap'ed for zip .pt files: pages in lazily
+
+                src = load_state_dict(src, prefer=prefer)
+            self._dict = src
+            self._names = {_strip(k): k for k in src}
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, k) -> bool:
+        return k in self._names
+
+    def shape(self, k) -> tuple:
+        if self._handle is not None:
+            return tuple(self._handle.get_slice(self._names[k]).get_shape())
+        return tuple(self._dict[self._names[k]].shape)
+
+    def __getitem__(self, k) -> torch.Tensor:
+        if self._handle is not None:
+            return self._handle.get_tensor(self._names[k])
+        return self._dict[self._names[k]]
+
+
+def _strip(k: str) -> str:
+    for p in ("model.diffusion_model.", "diffusion_model.", "transformer."):
+        if k.startswith(p):
+            return k[len(p):]
+    return k
+
+
+@dataclass
+class LayerReport:
+    name: str  # parameter name in the source layout
+    kind: str  # "lora", "diff", "diff_b", "zero", "dropped"
+    shape: tuple
+    rank: int | None = None
+    rel_error: float | None = None  # ||delta - B A||_F / ||delta||_F
+    energy: float | None = None  # retained fraction of sum S^2
+
+
+def choose_rank(S: torch.Tensor, rank: int | None, energy: float | None, max_rank: int | None = None) -> int:
+    """Rank from singular values: fixed ``rank``, or the smallest keeping ``energy`` of sum S^2."""
+    n = S.numel()
+    if rank is not None:
+        r = min(rank, n)
+    elif energy is not None:
+        if not 0 < energy <= 1:
+            raise ValueError(f"energy must be in (0, 1], got {energy}")
+        e = S.double().pow(2)
+        frac = e.cumsum(0) / e.sum().clamp_min(1e-300)
+        r = int(torch.searchsorted(frac, torch.tensor(energy - 1e-12, dtype=frac.dtype)).item()) + 1
+    else:
+        raise ValueError("pass rank= or energy=")
+    if max_rank is not None:
+        r = min(r, max_rank)
+    return max(1, min(r, n))
+
+
+def _diff_key(name: str) -> tuple[str, str]:
+    if name.endswith(".bias"):
+        return name[: -len(".bias")], "diff_b"
+    if name.endswith(".weight"):
+        return name[: -len(".weight")], "diff"
+    return name, "diff"
+
+
+def extract_lora(finetuned, base, rank: int | None = None, energy: float | None = None,
+                 max_rank: int | None = None, nonlinear: str = "keep", dtype: torch.dtype | None = None,
+                 device: str = "cpu", progress: bool = True, prefer: str | None = None):
+    """LoRA (+ full diffs) of ``finetuned - base``; returns ``(state_dict, [LayerReport])``.
+
+    Inputs are dicts or checkpoint paths in the same layout (either naming); the result uses
+    that layout's names with canonical suffixes (``lora_A/lora_B.weight``, ``alpha``, ``diff``,
+    ``diff_b``), ready for ``save_lora``. ``nonlinear="keep"|"drop"`` decides for non-2-D deltas.
+    Raises ValueError listing keys or shapes that differ between the two checkpoints.
+    """
+    if nonlinear not in ("keep", "drop"):
+        raise ValueError("nonlinear must be 'keep' or 'drop'")
+    ft, bs = TensorSource(finetuned, prefer), TensorSource(base, prefer)
+    missing = sorted(set(ft.keys()) ^ set(bs.keys()))
+    bad = [f"{k}: {ft.shape(k)} vs {bs.shape(k)}" for k in ft.keys() if k in bs and ft.shape(k) != bs.shape(k)]
+    if missing or bad:
+        raise ValueError(
+            f"fine-tuned and base checkpoints differ: {len(missing)} key(s) in only one "
+            f"({missing[:10]}), {len(bad)} shape mismatch(es) ({bad[:10]})"
+        )
+    out: dict[str, torch.Tensor] = {}
+    report: list[LayerReport] = []
+    for name in tqdm(ft.keys(), desc="extract", disable=not progress, unit="layer"):
+        w_ft = ft[name]
+        out_dtype = dtype or w_ft.dtype
+        delta = w_ft.to(device=device, dtype=torch.float32) - bs[name].to(device=device, dtype=torch.float32)
+        shape = tuple(delta.shape)
+        if not torch.any(delta):
+            report.append(LayerReport(name, "zero", shape))
+            continue
+        if delta.dim() == 2 and name.endswith(".weight"):
+            U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
+            r = choose_rank(S, rank, energy, max_rank)
+            e = S.double().pow(2)
+            total = float(e.sum())
+            kept = float(e[:r].sum())
+            root = S[:r].sqrt()
+            target = name[: -len(".weight")]
+            out[f"{target}.lora_B.weight"] = (U[:, :r] * root).to(out_dtype).contiguous()
+            out[f"{target}.lora_A.weight"] = (root[:, None] * Vh[:r]).to(out_dtype).contiguous()
+            out[f"{target}.alpha"] = torch.tensor(float(r), dtype=out_dtype)
+            rel = math.sqrt(max(total - kept, 0.0) / total) if total > 0 else 0.0
+            report.append(LayerReport(name, "lora", shape, r, rel, kept / total if total > 0 else 1.0))
+        elif nonlinear == "keep":
+            target, kind = _diff_key(name)
+            out[f"{target}.{kind}"] = delta.to(out_dtype)
+            report.append(LayerReport(name, kind, shape))
+        else:
+            report.append(LayerReport(name, "dropped", shape))
+    return out, report
+
+
+def report_table(report: list[LayerReport]) -> list[dict]:
+    """The report as JSON-ready dicts."""
+    return [asdict(r) for r in report]
+
+
+def iter_pairs(finetuned, base) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, finetuned tensor, base tensor) one pair at a time, for streaming tools."""
+    ft, bs = TensorSource(finetuned), TensorSource(base)
+    for k in ft.keys():
+        if k in bs:
+            yield k, ft[k], bs[k]
