@@ -55,7 +55,8 @@ def main(argv=None):
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     os.makedirs(cfg.output_dir, exist_ok=True)
 
-    # ---- teacher, student, fake score (SPEC §6)
+    # ---- teacher, student, fake score (SPEC §6); adapter init (lora_A) draws from the global RNG: same on every rank
+    torch.manual_seed(cfg.seed)
     index = diffusers.DiffusionPipeline.load_config(cfg.pretrained)
     pipeline_cls = getattr(diffusers, index["_class_name"] if cfg.pipeline_class == "auto" else cfg.pipeline_class)
     transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
