@@ -189,3 +189,29 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
     split_diff = (end["samples"] - end_lcm["samples"]).abs().max().item()
     print(f"two-expert split (0.9): high {high.tolist()}, low {low.tolist()}, rCM vs lcm max|diff| = {split_diff:.3e}")
     assert split_diff < 1e-5
+
+
+@pytest.mark.parametrize("name", ["wan21_t2v_rcm_4step_api.json", "wan22_i2v_two_expert_rcm_api.json",
+                                  "flux_rcm_4step_api.json"])
+def test_example_workflows_match_node_definitions(comfy_env, name):
+    """Every node of the API workflow exists, gets all its required inputs and only known ones, links are typed right."""
+    import json
+
+    _, nodes, _ = comfy_env
+    wf = json.load(open(os.path.join(REPO, "comfy_nodes", "workflows", name)))
+
+    def spec(cls_name):
+        cls = nodes.NODE_CLASS_MAPPINGS[cls_name]
+        it = cls.INPUT_TYPES()
+        return cls, {**it.get("required", {}), **it.get("optional", {})}, set(it.get("required", {}))
+
+    for node_id, node in wf.items():
+        assert node["class_type"] in nodes.NODE_CLASS_MAPPINGS, f"{name}: unknown node {node['class_type']}"
+        _, inputs, required = spec(node["class_type"])
+        assert required <= set(node["inputs"]), f"{name} node {node_id}: missing {required - set(node['inputs'])}"
+        assert set(node["inputs"]) <= set(inputs), f"{name} node {node_id}: unknown {set(node['inputs']) - set(inputs)}"
+        for inp, value in node["inputs"].items():
+            if isinstance(value, list):
+                src_cls, _, _ = spec(wf[value[0]]["class_type"])
+                out_type = str(src_cls.RETURN_TYPES[value[1]])
+                assert out_type == str(inputs[inp][0]), f"{name} node {node_id}.{inp}: {out_type} vs {inputs[inp][0]}"
