@@ -189,3 +189,21 @@ def test_triton_rejects_what_it_cannot_compute():
     q, k, v, tq, tk, tv = inputs(1, 3, 5, 2, 16, torch.float64, seed=0)
     with pytest.raises(ValueError, match="float64"):
         jvp_attention(q, k, v, tq, tk, tv, backend="triton")
+
+
+def test_benchmark_smoke_mode(capsys):
+    """benchmarks/jvp_attention.py --smoke runs on CPU, prints the markdown table, and its
+    torch.func.jvp row calls the fused kernel exactly once per iteration."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "jvp_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_jvp_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "| H | S | method | median ms |" in out
+    assert [r["method"] for r in rows[:4]] == ["sdpa_fwd", "fused_jvp", "func_jvp_ours", "func_jvp_math"]
+    assert len(rows) == 8 and all(r["ms"] > 0 for r in rows)
+    assert all(r["note"] == "fused calls/iter 1" for r in rows if r["method"] == "func_jvp_ours")
