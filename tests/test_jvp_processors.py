@@ -163,3 +163,7 @@ def test_time_embedding_runs_in_float32_during_jvp():
             forced = _embed(model, t, text)
         assert all(torch.equal(a, b) for a, b in zip(forced, o))
         assert all(torch.equal(a, b) for a, b in zip(_embed(model, t, text), s))
+    # as from_pretrained(torch_dtype=bf16) leaves it: time_embedder float32, the rest bf16
+    model.condition_embedder.time_embedder.float()
+    (m, tm) = torch.func.jvp(lambda s: _embed(model, s, text), (t,), (dt,))
+    assert all(torch.equal(a, w.to(torch.bfloat16)) for a, w in zip((*m, *tm), (*r, *tr)))

@@ -184,7 +184,8 @@ def _install_fp32(model, jvp_only: bool):
 
     def forward(*args, **kwargs):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        dtype = next(module.parameters()).dtype
+        # the model dtype: diffusers may keep parts (Wan's time_embedder) in float32 already
+        dtype = next((p.dtype for p in module.parameters() if p.dtype != torch.float32), torch.float32)
         if state["inside"] or dtype == torch.float32 or (state["jvp_only"] and not has_tangent(*tensors)):
             return stock_forward(*args, **kwargs)
 
