@@ -134,20 +134,30 @@ class Networks:
             yield self._den[role]
             return
         base = _base_model(self.modules[role])
-        if role == "teacher":
-            base.disable_adapters()
-            try:
-                yield self._den[role]
-            finally:
-                base.enable_adapters()
-            return
-        base.set_adapter(role)
-        # peft's set_adapter freezes inactive adapters; keep both trainable so optimizer and DDP
-        # see a fixed parameter set (inactive ones simply get no gradient).
-        for r in ("student", "fake"):
-            for p in lora_parameters(base, r).values():
-                p.requires_grad_(True)
-        yield self._den[role]
+        layers = self._tuner_layers(base)
+        before = [(m._disable_adapters, m._active_adapter) for m in layers]
+        # Plain attribute switches (no requires_grad_ as peft's set_adapter does), so a role can be
+        # activated inside torch.func.jvp and the optimizer/DDP parameter sets never change.
+        for m in layers:
+            if role == "teacher":
+                m._disable_adapters = True
+            else:
+                m._disable_adapters = False
+                m._active_adapter = [role]
+        try:
+            yield self._den[role]
+        finally:
+            for m, (d, a) in zip(layers, before):
+                m._disable_adapters, m._active_adapter = d, a
+
+    def _tuner_layers(self, base):
+        key = id(base)
+        if getattr(self, "_layers_key", None) != key:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self._layers = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+            self._layers_key = key
+        return self._layers
 
     def F(self, role: str, x_t, t, cond):
         """TrigFlow velocity ``F_hat`` of ``role`` at ``(x_t, t)`` (SPEC §1)."""
