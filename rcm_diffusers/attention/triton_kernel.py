@@ -10,7 +10,6 @@ Softmax runs in base 2 (``exp2``) with ``log2(e)`` folded into the score scale.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -19,7 +18,6 @@ import triton.language as tl
 
 __all__ = ["jvp_attention_triton", "interpreting"]
 
-LOG2E = 1.4426950408889634
 
 
 def interpreting() -> bool:
@@ -65,7 +63,7 @@ def _jvp_attn_fwd(
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :], mask=qmask, other=0.0)
     if HAS_TQ:
         tq = tl.load(TQ + b * stq_b + h * stq_h + offs_m[:, None] * stq_s + offs_d[None, :], mask=qmask, other=0.0)
-    qk_scale = scale * 1.4426950408889634  # scores in log2 units for exp2
+    qk_scale = scale * 1.4426950408889634  # log2(e): scores in log2 units for exp2
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # l = sum P~
