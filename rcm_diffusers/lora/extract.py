@@ -2,8 +2,8 @@
 
 Streams one parameter pair at a time (memory ~ one layer), with a tqdm bar. For a 2-D weight
 ``delta = W_ft - W_base = U S V^T``; rank ``r`` keeps ``lora_B = U_r sqrt(S_r)``,
-``lora_A = sqrt(S_r) V_r^T`` (alpha = r, scale 1), with relative Frobenius error
-``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``. Every other delta (biases, norms, Wan modulation, conv
+``lora_A = sqrt(S_r) V_r^T`` (alpha = r, scale 1); the report gives the measured relative
+Frobenius error ``||delta - B A|| / ||delta||`` (optimum: ``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``). Every other delta (biases, norms, Wan modulation, conv
 patch embedding) is *non-linear* for a LoRA: kept as a full ``diff``/``diff_b`` or dropped, and
 reported either way.
 """
@@ -104,12 +104,15 @@ def _diff_key(name: str) -> tuple[str, str]:
 
 def extract_lora(finetuned, base, rank: int | None = None, energy: float | None = None,
                  max_rank: int | None = None, nonlinear: str = "keep", dtype: torch.dtype | None = None,
-                 device: str = "cpu", progress: bool = True, prefer: str | None = None):
+                 device: str = "cpu", progress: bool = True, prefer: str | None = None,
+                 oversample: int = 8, niter: int = 2):
     """LoRA (+ full diffs) of ``finetuned - base``; returns ``(state_dict, [LayerReport])``.
 
     Inputs are dicts or checkpoint paths in the same layout (either naming); the result uses
     that layout's names with canonical suffixes (``lora_A/lora_B.weight``, ``alpha``, ``diff``,
     ``diff_b``), ready for ``save_lora``. ``nonlinear="keep"|"drop"`` decides for non-2-D deltas.
+    Fixed ``rank`` uses a randomized SVD (``rank + oversample`` columns, ``niter`` power
+    iterations); ``energy`` needs the full spectrum (exact SVD). The reported error is measured.
     Raises ValueError listing keys or shapes that differ between the two checkpoints.
     """
     if nonlinear not in ("keep", "drop"):
@@ -133,17 +136,24 @@ def extract_lora(finetuned, base, rank: int | None = None, energy: float | None 
             report.append(LayerReport(name, "zero", shape))
             continue
         if delta.dim() == 2 and name.endswith(".weight"):
-            U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
+            total = float(delta.double().pow(2).sum())
+            if rank is not None and rank + oversample < min(shape):
+                # fixed rank: randomized SVD on a (rank + oversample)-dim range; exact for rank <= rank
+                U, S, V = torch.svd_lowrank(delta, q=rank + oversample, niter=niter)
+                Vh = V.T
+            else:
+                U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
             r = choose_rank(S, rank, energy, max_rank)
-            e = S.double().pow(2)
-            total = float(e.sum())
-            kept = float(e[:r].sum())
             root = S[:r].sqrt()
             target = name[: -len(".weight")]
-            out[f"{target}.lora_B.weight"] = (U[:, :r] * root).to(out_dtype).contiguous()
-            out[f"{target}.lora_A.weight"] = (root[:, None] * Vh[:r]).to(out_dtype).contiguous()
+            B = U[:, :r] * root
+            A = root[:, None] * Vh[:r]
+            out[f"{target}.lora_B.weight"] = B.to(out_dtype).contiguous()
+            out[f"{target}.lora_A.weight"] = A.to(out_dtype).contiguous()
             out[f"{target}.alpha"] = torch.tensor(float(r), dtype=out_dtype)
-            rel = math.sqrt(max(total - kept, 0.0) / total) if total > 0 else 0.0
+            resid = float((delta - B @ A).double().pow(2).sum())  # measured, not estimated
+            rel = math.sqrt(resid / total) if total > 0 else 0.0
+            kept = total - resid
             report.append(LayerReport(name, "lora", shape, r, rel, kept / total if total > 0 else 1.0))
         elif nonlinear == "keep":
             target, kind = _diff_key(name)
