@@ -22,6 +22,11 @@ _LAZY = {
     "enable_jvp_attention": "rcm_diffusers.attention",
     "disable_jvp_attention": "rcm_diffusers.attention",
     "jvp_attention": "rcm_diffusers.attention",
+    "save_lora": "rcm_diffusers.lora.io",
+    "load_lora": "rcm_diffusers.lora.io",
+    "to_comfy_keys": "rcm_diffusers.lora",
+    "from_any": "rcm_diffusers.lora",
+    "extract_lora": "rcm_diffusers.lora.extract",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
