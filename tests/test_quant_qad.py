@@ -96,7 +96,6 @@ def test_blockwise_warm_start_one_block_graph_and_error_drop():
     for _, b in transformer_blocks(student):
         b.requires_grad_(True)
     t_before = {k: v.clone() for k, v in teacher.state_dict().items()}
-    all_params = {id(p): n for n, p in student.named_parameters()}
     seen = []
 
     class CheckingAdam(torch.optim.AdamW):
@@ -124,4 +123,3 @@ def test_blockwise_warm_start_one_block_graph_and_error_drop():
     assert [s.steps for s in stats] == [30, 30]
     assert all(a < b for a, b in zip(after, before)) and sum(after) < 0.7 * sum(before), (before, after)
     assert all(torch.equal(v, t_before[k]) for k, v in teacher.state_dict().items())
-    assert len(all_params) > 0

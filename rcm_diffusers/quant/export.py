@@ -163,7 +163,7 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
         k = k.replace(".base_layer.", ".")
         if k.rpartition(".")[0] in layers:
             continue
-        if not torch.isfinite(v).all() if v.is_floating_point() else False:
+        if v.is_floating_point() and not torch.isfinite(v).all():
             raise ValueError(f"non-finite values in {k}")
         sd[k] = v.detach()
     qlayers, shapes = {}, {}
