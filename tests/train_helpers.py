@@ -79,15 +79,32 @@ def make_dataset(root: str, family: str, n: int = 16, classes: int = 3) -> str:
     return write_latent_dataset(root, samples, family=family, tables=tables, table_index=index)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True):
     """``accelerate launch --cpu --num_processes N training/rcm.py args`` in a subprocess."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(num_processes),
+    # several CPU processes: accelerate's torchrun launcher (--multi_gpu); training/rcm.py then asks
+    # accelerate for gloo on CPU (`accelerate launch --cpu` would need mpirun for more than one process)
+    mode = ["--multi_gpu", "--main_process_port", str(_free_port())] if num_processes > 1 else ["--cpu"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(num_processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    if num_processes > 1:
-        cmd += ["--multi_gpu", "--main_process_port", "29517"]
     cmd += [os.path.join(REPO, "training", "rcm.py"), *args]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    # own session so a timeout kills the launcher's worker processes too
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        raise AssertionError(f"trainer timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}")
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and p.returncode != 0:
         raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p

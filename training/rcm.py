@@ -46,6 +46,8 @@ def peak_memory_mb(device) -> float:
 def main(argv=None):
     cfg = load_config(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     accelerator = Accelerator(
+        # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
+        cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=cfg.output_dir,
@@ -186,6 +188,16 @@ def main(argv=None):
             accelerator.print(f"exit_after_step {i}: hard exit")
             sys.stdout.flush()
             os._exit(17)
+
+    # ---- replicas must agree (DDP keeps them in sync; a drift here is a bug worth stopping for)
+    with torch.no_grad():
+        checksum = torch.stack([p.double().sum() for p in nets.trainable_parameters("student").values()]).sum()
+    sums = accelerator.gather(checksum.reshape(1).to(device)).tolist()
+    if accelerator.is_main_process:
+        with open(os.path.join(cfg.output_dir, "final.json"), "w") as f:
+            json.dump({"step": state.step, "skipped": state.skipped, "student_checksum_per_rank": sums}, f)
+    if len(set(sums)) != 1:
+        raise RuntimeError(f"student weights differ across ranks: {sums}")
 
     # ---- final checkpoint and exports
     T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
