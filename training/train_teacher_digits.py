@@ -1,0 +1,105 @@
+"""Train the embedded digits teacher: ``python training/train_teacher_digits.py [--steps N] [--out DIR]``.
+
+Class-conditional rectified flow (SPEC §1: ``x_r = (1 - r) x0 + r eps``, ``r ~ U[0, 1)``, loss
+``||v - (eps - x0)||^2``) on the sklearn digits train split with a tiny ``WanTransformer3DModel``
+and a learned class-embedding table (class dropped to the null row with ``--p_uncond`` for CFG).
+Seeded; writes the EMA weights as a diffusers ``WanPipeline`` directory (rcm_diffusers.digits.save_teacher),
+the evaluator classifier, and the train split in the trainer's latent format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from safetensors.torch import save_file  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from rcm_diffusers import digits as D  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=D.TEACHER_DIR, help="teacher pipeline directory to write")
+    p.add_argument("--classifier_out", default=D.CLASSIFIER_PATH, help="evaluator classifier file to write ('' = skip)")
+    p.add_argument("--data_out", default=os.path.join(D.ASSETS, "digits_latents"), help="latent dataset of the train split ('' = skip)")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch_size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the shipped weights")
+    p.add_argument("--p_uncond", type=float, default=0.1, help="probability of the null class (CFG training)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default; 1 is much faster on a busy 2-core box)")
+    p.add_argument("--eval_samples", type=int, default=500, help="samples for the closing FD check (0 = skip)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    data = D.load_digits_split()
+    x_tr, y_tr = data["x_train"], data["y_train"]
+    if a.classifier_out:
+        clf = D.train_classifier(x_tr, y_tr, seed=a.seed)
+        save_file(clf.state_dict(), a.classifier_out + ".tmp")
+        os.replace(a.classifier_out + ".tmp", a.classifier_out)
+        print(f"classifier: held-out accuracy {D.Evaluator(clf).accuracy(data['x_test'], data['y_test']):.4f}")
+
+    model = D.build_teacher(seed=a.seed).train()
+    emb = D.init_class_embeddings(seed=a.seed)
+    ema_model, ema_emb = copy.deepcopy(model).requires_grad_(False), emb.detach().clone()
+    params = list(model.parameters()) + [emb]
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / a.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, a.steps) / a.steps)))
+    g = torch.Generator().manual_seed(a.seed + 1)
+    t0 = time.perf_counter()
+    bar = tqdm(range(a.steps), desc="teacher")
+    for step in bar:
+        idx = torch.randint(len(x_tr), (a.batch_size,), generator=g)
+        x0, y = x_tr[idx], y_tr[idx].clone()
+        y[torch.rand(a.batch_size, generator=g) < a.p_uncond] = D.NULL_CLASS
+        eps = torch.randn(x0.shape, generator=g)
+        r = torch.rand(a.batch_size, generator=g)
+        x_r = (1 - r.view(-1, 1, 1, 1, 1)) * x0 + r.view(-1, 1, 1, 1, 1) * eps
+        v = model(x_r, r * 1000.0, emb[y], return_dict=False)[0]
+        loss = (v - (eps - x0)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        decay = min(a.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, pm in zip(ema_model.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - decay)
+            ema_emb.lerp_(emb.detach(), 1 - decay)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    train_s = time.perf_counter() - t0
+
+    meta = {"steps": a.steps, "batch_size": a.batch_size, "lr": a.lr, "ema": a.ema, "p_uncond": a.p_uncond, "seed": a.seed,
+            "train_seconds": round(train_s, 1), "threads": torch.get_num_threads(),
+            "params": sum(p.numel() for p in model.parameters()), "split_seed": D.SPLIT_SEED}
+    D.save_teacher(a.out, ema_model, ema_emb, extra_meta=meta)
+    print(f"teacher: {meta['params']} parameters, {a.steps} steps in {train_s:.0f} s -> {a.out}")
+    if a.data_out:
+        D.write_latent_dataset_for(a.data_out, x_tr, y_tr, ema_emb)
+        print(f"latent dataset (train split) -> {a.data_out}")
+    if a.eval_samples:
+        tr, e = D.load_teacher(a.out)
+        labels = torch.arange(a.eval_samples) % D.NUM_CLASSES
+        ev = D.Evaluator()
+        for s in (1.0, 2.0):
+            x = D.sample_teacher(tr, e, labels, steps=50, solver="euler", guidance_scale=s, seed=1234)
+            print(f"teacher 50 Euler steps, CFG {s}: {ev.evaluate(x, labels)}")
+
+
+if __name__ == "__main__":
+    main()
