@@ -143,6 +143,11 @@ def _coerce(name: str, value: Any):
             raise ValueError(f"option {name} expects an integer, got {value!r}")
         return value
     if isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads '3e-5' (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"option {name} expects a number, got {value!r}")
         return float(value)

@@ -1,0 +1,122 @@
+"""Trainer building blocks: config parsing, the latent format, deterministic batches, shared-base roles."""
+
+import math
+
+import pytest
+import torch
+
+from rcm_diffusers import losses as L
+from rcm_diffusers.adapters import Networks
+from rcm_diffusers.config import RCMConfig, format_help, load_config
+from rcm_diffusers.data import LatentDataset, batch_indices, pack_flux_latents, unpack_flux_latents, write_latent_dataset
+from rcm_diffusers.trainer import SpikeGuard
+from train_helpers import TEXT_DIM, tiny_wan_transformer
+
+
+def test_config_overrides_help_and_errors(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("pretrained: p\ndata_dir: d\nlr: 1.0e-4\nadam_betas: [0.0, 0.99]\n")
+    c = load_config(["--config", str(y), "--lr", "3e-5", "--use_dmd", "false", "--fd_type=1"])
+    assert c.lr == 3e-5 and c.use_dmd is False and c.fd_type == 1 and c.adam_betas == [0.0, 0.99]
+    h = format_help()
+    for name in RCMConfig.__dataclass_fields__:
+        assert f"--{name} " in h
+    with pytest.raises(ValueError, match="unknown config option"):
+        load_config(["--config", str(y), "--learning_rate", "1"])
+    with pytest.raises(ValueError, match="fd_type"):
+        load_config(["--config", str(y), "--fd_type", "3"])
+    with pytest.raises(ValueError, match="expects an integer"):
+        load_config(["--config", str(y), "--max_steps", "ten"])
+
+
+def test_latent_format_roundtrip_and_tables(tmp_path):
+    lat = torch.randn(5, 4, 1, 2, 2)
+    emb = torch.randn(3, 2, 8)
+    write_latent_dataset(str(tmp_path), {"latents": lat, "prompt_index": torch.tensor([2, 0, 1, 2, 0])}, family="wan",
+                         tables={"prompt_embeds": emb, "negative_prompt_embeds": torch.zeros(1, 2, 8)},
+                         table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}, shard_size=2)
+    ds = LatentDataset(str(tmp_path))
+    assert len(ds) == 5 and len(ds.meta["shards"]) == 3
+    b = ds.get([4, 1, 3])
+    torch.testing.assert_close(b["latents"], lat[[4, 1, 3]])
+    torch.testing.assert_close(b["prompt_embeds"], emb[[0, 0, 2]])
+    assert b["negative_prompt_embeds"].shape == (3, 2, 8) and b["index"].tolist() == [4, 1, 3]
+
+
+def test_batches_cover_each_epoch_once_across_ranks():
+    N, B, W = 10, 2, 2
+    seen = [i for step in range(5) for r in range(W) for i in batch_indices(N, B, step, r, W, seed=3)]
+    assert sorted(seen[:10]) == list(range(10))  # epoch 0 (5 steps x 2 ranks x 2 = 20 = two epochs)
+    assert sorted(seen[10:]) == list(range(10))
+    assert batch_indices(N, B, 7, 1, W, 3) == batch_indices(N, B, 7, 1, W, 3)
+    assert batch_indices(N, B, 0, 0, W, 3) != batch_indices(N, B, 0, 0, W, 4)
+
+
+def test_flux_packing_matches_pipeline():
+    from diffusers import FluxPipeline
+
+    x = torch.randn(2, 4, 6, 8)
+    ref = FluxPipeline._pack_latents(x, 2, 4, 6, 8)
+    torch.testing.assert_close(pack_flux_latents(x), ref)
+    torch.testing.assert_close(unpack_flux_latents(ref, 6, 8), x)
+
+
+def test_spike_guard_fires_after_patience():
+    g = SpikeGuard({}, factor=5, patience=3)
+    assert not any(g.check("student", 1.0 + 0.01 * k) for k in range(10))
+    assert [g.check("student", 100.0) for _ in range(3)] == [False, False, True]
+    assert not g.check("student", 1.0)
+    assert not g.check("fake", math.inf)  # its own history, too short to judge
+
+
+@pytest.fixture(scope="module")
+def nets():
+    tr = tiny_wan_transformer()
+    n, trainable = Networks.build(tr, "shared", with_fake=True, lora_rank=4)
+    return n, tr
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 1, 4, 4, dtype=torch.float64, generator=g)
+    t = torch.tensor([0.3, 1.2], dtype=torch.float64)
+    return x, t, {"encoder_hidden_states": torch.randn(2, 3, TEXT_DIM, generator=g)}
+
+
+def test_shared_base_roles(nets):
+    n, tr = nets
+    x, t, cond = _inputs()
+    with torch.no_grad():
+        F_t, F_s, F_f = (n.F(r, x, t, cond) for r in ("teacher", "student", "fake"))
+        torch.testing.assert_close(F_s, F_t)  # lora_B = 0: student and fake start as the teacher
+        torch.testing.assert_close(F_f, F_t)
+        for p in n.trainable_parameters("student").values():
+            if ".lora_B." in next(k for k, q in n.trainable_parameters("student").items() if q is p):
+                p.add_(0.05)
+        F_s2, F_t2, F_f2 = (n.F(r, x, t, cond) for r in ("student", "teacher", "fake"))
+        for p_name, p in n.trainable_parameters("student").items():
+            if ".lora_B." in p_name:
+                p.sub_(0.05)
+    assert (F_s2 - F_t).abs().max() > 1e-3
+    torch.testing.assert_close(F_t2, F_t, rtol=0, atol=0)
+    torch.testing.assert_close(F_f2, F_t, rtol=0, atol=0)
+    s, f = n.trainable_parameters("student"), n.trainable_parameters("fake")
+    assert s and f and not set(s) & set(f)
+    assert all(p.requires_grad for p in (*s.values(), *f.values()))
+    assert not any(p.requires_grad for k, p in tr.named_parameters() if "lora_" not in k)
+
+
+def test_fd2_approaches_fd0_on_wan(nets):
+    """fd_type 2 -> fd_type 0 as h -> 0 through the real (tiny) Wan with JVP attention and LoRA roles.
+    The time embedding sees 1000 t, so h must be small (1e-3 in t is a timestep change of ~1)."""
+    from rcm_diffusers.attention import enable_jvp_attention
+
+    n, tr = nets
+    enable_jvp_attention(tr)
+    x, t, cond = _inputs()
+    F_T = n.F("teacher", x, t, cond).detach()
+    F_stu = n.F_fn("student", cond)
+    _, dF0 = L.scm_dF(F_stu, x, t, F_T, fd_type=0)
+    errs = [float((L.scm_dF(F_stu, x, t, F_T, fd_type=2, h=h)[1] - dF0).abs().max()) for h in (1e-3, 1e-4)]
+    scale = float(dF0.abs().max())
+    assert errs[1] < errs[0] / 3 and errs[1] < 0.05 * scale, (errs, scale)
