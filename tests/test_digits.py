@@ -1,0 +1,150 @@
+"""The embedded digits benchmark: data split, evaluator metrics, shipped teacher, samplers, report, trainer smoke."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rcm_diffusers import digits as D
+from train_helpers import REPO, run_trainer
+
+
+@pytest.fixture(scope="module")
+def split():
+    return D.load_digits_split()
+
+
+@pytest.fixture(scope="module")
+def ev():
+    return D.Evaluator()
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    return D.load_teacher()
+
+
+def test_split_is_fixed_stratified_and_scaled(split):
+    assert split["x_train"].shape == (1347, 1, 1, 8, 8) and split["x_test"].shape == (450, 1, 1, 8, 8)
+    assert float(split["x_train"].min()) == -1.0 and float(split["x_train"].max()) == 1.0
+    counts = np.bincount(split["y_test"].numpy(), minlength=10)
+    assert counts.min() >= 43 and counts.max() <= 47  # stratified: ~45 per class
+    again = D.load_digits_split()
+    assert torch.equal(again["y_test"], split["y_test"]) and torch.equal(again["x_train"], split["x_train"])
+    # no image of the held-out split is in the train split
+    tr = {tuple(v) for v in split["x_train"].reshape(-1, 64).tolist()}
+    dup = sum(tuple(v) in tr for v in split["x_test"].reshape(-1, 64).tolist())
+    assert dup <= 3  # sklearn digits hold a handful of exact duplicate images
+
+
+def test_frechet_distance_exact_identities():
+    g = np.random.default_rng(0)
+    f = g.standard_normal((500, 8)) @ g.standard_normal((8, 8))
+    assert abs(D.frechet_distance(f, f)) < 1e-8
+    # f2 = 2 f + c: S2 = 4 S1, (S1 S2)^(1/2) = 2 S1, so FD = |2 mu + c - mu|^2 + Tr(S1)
+    c = g.standard_normal(8)
+    want = float(((f.mean(0) + c) ** 2).sum() + np.trace(np.cov(f, rowvar=False)))
+    assert D.frechet_distance(f, 2 * f + c) == pytest.approx(want, rel=1e-9)
+
+
+def test_evaluator_real_vs_noise(split, ev):
+    assert ev.accuracy(split["x_test"], split["y_test"]) >= 0.90
+    real = ev.evaluate(split["x_test"], split["y_test"])
+    assert abs(real["fd"]) < 1e-6 and real["diversity"] == pytest.approx(1.0) and real["accuracy"] >= 0.90
+    noise = ev.evaluate(torch.rand(450, 1, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1, split["y_test"])
+    assert noise["fd"] > 50 * max(ev.fd_to(split["x_train"]), 1.0) and noise["accuracy"] < 0.3
+    # mode collapse: one image per class -> zero within-class diversity
+    first = torch.stack([split["x_test"][split["y_test"] == c][0] for c in range(10)])
+    y = torch.arange(10).repeat(5)
+    assert ev.evaluate(first[y], y)["diversity"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_classifier_training_is_seeded(split):
+    a = D.train_classifier(split["x_train"][:200], split["y_train"][:200], seed=3, epochs=2)
+    b = D.train_classifier(split["x_train"][:200], split["y_train"][:200], seed=3, epochs=2)
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(va, vb), k
+
+
+def test_shipped_teacher_loads_as_wan_pipeline():
+    from diffusers import DiffusionPipeline, WanTransformer3DModel
+
+    index = DiffusionPipeline.load_config(D.TEACHER_DIR)
+    assert index["_class_name"] == "WanPipeline" and index["transformer"] == ["diffusers", "WanTransformer3DModel"]
+    tr, emb = D.load_teacher()
+    assert isinstance(tr, WanTransformer3DModel) and tr.config.in_channels == 1
+    assert emb.shape == (11, D.TEXT_LEN, D.TEXT_DIM)
+    assert 0.5e6 < sum(p.numel() for p in tr.parameters()) < 2e6
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(D.TEACHER_DIR) for f in fs)
+    assert size < 8 * 2**20
+
+
+def test_latent_dataset_matches_split_and_table(split):
+    from rcm_diffusers.data import LatentDataset, model_inputs
+
+    data = LatentDataset(os.path.join(D.ASSETS, "digits_latents"))
+    assert len(data) == 1347
+    b = data.get([0, 5])
+    assert torch.equal(b["latents"], split["x_train"][[0, 5]]) and torch.equal(b["label"], split["y_train"][[0, 5]])
+    _, emb = D.load_teacher()
+    x0, cond, uncond = model_inputs("wan", b, "cpu", torch.float32)
+    assert torch.equal(cond["encoder_hidden_states"], emb[b["label"]])
+    assert torch.equal(uncond["encoder_hidden_states"], emb[[10, 10]])
+
+
+def test_teacher_samples_are_digits(teacher, ev):
+    tr, emb = teacher
+    y = torch.arange(200) % 10
+    x50 = D.sample_teacher(tr, emb, y, steps=50, solver="euler", seed=0)
+    m50 = ev.evaluate(x50, y)
+    x1 = D.sample_teacher(tr, emb, y, steps=1, solver="euler", seed=0)
+    m1 = ev.evaluate(x1, y)
+    assert m50["accuracy"] >= 0.85 and m50["fd"] < 15.0, m50  # 200 samples: FD biased up vs the 1000-sample table
+    assert m1["fd"] > 2 * m50["fd"], (m1, m50)  # the few-step gap that rCM closes
+    xu = D.sample_teacher(tr, emb, y, steps=8, solver="unipc", seed=0, guidance_scale=2.0)
+    assert ev.evaluate(xu, y)["accuracy"] >= 0.85
+    # same seed, same samples; the student sampler runs the same model (undistilled: blurry but finite)
+    torch.testing.assert_close(D.sample_teacher(tr, emb, y[:20], steps=50, seed=0), x50[:20], rtol=0, atol=1e-5)
+    xs = D.sample_student(tr, emb, y[:20], steps=2, seed=0)
+    assert xs.shape == (20, 1, 1, 8, 8) and torch.isfinite(xs).all()
+    torch.testing.assert_close(D.sample_student(tr, emb, y[:20], steps=2, seed=0), xs, rtol=0, atol=0)
+
+
+def test_report_and_grid(tmp_path, split):
+    rows = [D.Row("teacher euler", 50, 50, 1.234, 0.95, 0.98, 1.5, 100.0), D.Row("student rcm", 1, 1, 2.5, 0.9, 0.9, 0.1, 100.0, 1.1)]
+    table = D.write_report(str(tmp_path / "report.md"), rows, "# t")
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# t") and "| teacher euler | 50 | 50 | 1.23 | — | 0.950 |" in table and "| 1.10 |" in table
+    from PIL import Image
+
+    D.save_grid(str(tmp_path / "g.png"), [("real", split["x_test"][:10]), ("real2", split["x_test"][10:20])], scale=2)
+    img = Image.open(tmp_path / "g.png")
+    assert img.size == (150 + 10 * 18, 2 * 18 + 2)
+
+
+@pytest.mark.slow
+def test_digits_trainer_smoke_then_eval(tmp_path):
+    """A dozen rCM iterations on the shipped teacher with the default config, then the eval script with the LoRA."""
+    out = tmp_path / "run"
+    run_trainer(["--output_dir", str(out), "--max_steps", "12", "--tangent_warmup", "4", "--student_update_freq", "2",
+                 "--batch_size", "8", "--checkpoint_every", "0", "--log_every", "1", "--progress", "false"], timeout=600)
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(recs) == 12 and any("loss_dmd" in r for r in recs) and any(r["net"] == "fake" for r in recs)
+    assert os.path.exists(out / "pytorch_lora_weights.safetensors")
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "training"))
+    import eval_digits
+
+    rows = eval_digits.main(["--student", f"rcm={out}", "--out", str(tmp_path / "eval"), "--samples", "40",
+                             "--ref_steps", "8", "--teacher_steps", "1", "--student_steps", "1,2"])
+    assert [(r.method, r.steps) for r in rows][-2:] == [("student rcm", 1), ("student rcm", 2)]
+    assert all(np.isfinite(r.fd) and 0 <= r.accuracy <= 1 for r in rows)
+    assert (tmp_path / "eval" / "report.md").exists() and (tmp_path / "eval" / "samples.png").exists()
+    # the LoRA changed the network: 1-step student samples differ from the un-adapted teacher's
+    tr, emb = D.load_teacher()
+    st, _ = D.load_student(D.TEACHER_DIR, str(out))
+    y = torch.arange(10)
+    assert (D.sample_student(st, emb, y, 1) - D.sample_student(tr, emb, y, 1)).abs().max() > 1e-4
