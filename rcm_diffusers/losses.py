@@ -101,11 +101,15 @@ def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor,
 
 def scm_g(x_t, t, F_minus, F_T, dF, r: float) -> torch.Tensor:
     """Un-normalised sCM target direction (SPEC §4.1), float64:
-    ``g = -cos t sqrt(1 - r^2 sin^2 t) (F_minus - F_T) - (r cos t sin t x_t + dF)``."""
+    ``g = -cos t sqrt(1 - r^2 sin^2 t) (F_minus - F_T) - r (cos t sin t x_t + dF)``.
+
+    The warm-up ratio ``r`` scales the whole tangent term, ``dF`` included, as in the sCM paper
+    and the reference rCM code; SPEC §4.1's text puts ``r`` on ``cos t sin t x_t`` alone. The two
+    agree once the warm-up is over (``r = 1``); during it, this form ramps the tangent in from 0."""
     t = _bcast(t.to(F64), x_t)
     c, s = torch.cos(t), torch.sin(t)
     F_minus, F_T, dF, x_t = (a.to(F64) for a in (F_minus, F_T, dF, x_t))
-    return -c * torch.sqrt(1.0 - (r * s) ** 2) * (F_minus - F_T) - (r * c * s * x_t + dF)
+    return -c * torch.sqrt(1.0 - (r * s) ** 2) * (F_minus - F_T) - r * (c * s * x_t + dF)
 
 
 def normalize_g(g: torch.Tensor, c: float = 0.1) -> torch.Tensor:

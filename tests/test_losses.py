@@ -38,7 +38,8 @@ def ref_g(W, b, x, t, F_T, r):
     cs = math.cos(t) * math.sin(t)
     Fm = np_F(W, b, x, t)
     dF = np_dF(W, b, x, t, cs * F_T, cs)
-    return -math.cos(t) * math.sqrt(1 - r**2 * math.sin(t) ** 2) * (Fm - F_T) - (r * cs * x + dF)
+    # r scales the whole tangent term (sCM paper, reference rCM code); see losses.scm_g
+    return -math.cos(t) * math.sqrt(1 - r**2 * math.sin(t) ** 2) * (Fm - F_T) - r * (cs * x + dF)
 
 
 @pytest.fixture
@@ -103,6 +104,18 @@ def test_warmup_changes_target(case):
     l0, _ = L.scm_loss(net, x, t, F_T, step=0, tangent_warmup=10)
     l1, _ = L.scm_loss(net, x, t, F_T, step=10, tangent_warmup=10)
     assert (l0 - l1).abs().max() > 1e-3
+
+
+def test_warmup_start_has_no_tangent_term():
+    """At r = 0 the target is the plain consistency direction -cos t (F_minus - F_T), whatever dF is."""
+    g = torch.Generator().manual_seed(0)
+    x, Fm, FT, dF = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    t = torch.tensor([0.3, 0.9, 1.4], dtype=torch.float64)
+    out = L.scm_g(x, t, Fm, FT, dF, r=0.0)
+    assert torch.allclose(out, -torch.cos(t)[:, None] * (Fm - FT), atol=1e-14)
+    full = L.scm_g(x, t, Fm, FT, dF, r=1.0)
+    cs = (torch.cos(t) * torch.sin(t))[:, None]
+    assert torch.allclose(full, -torch.cos(t)[:, None] ** 2 * (Fm - FT) - (cs * x + dF), atol=1e-14)
 
 
 def test_normalisation_per_sample_float64():
