@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["RCMConfig", "load_config", "format_help"]
+__all__ = ["RCMConfig", "QADConfig", "load_config", "format_help"]
 
 
 def opt(default, help: str, **kw):
@@ -123,12 +123,149 @@ class RCMConfig:
         return self
 
 
-def _fields():
-    return {f.name: f for f in dataclasses.fields(RCMConfig)}
+
+@dataclass
+class QADConfig:
+    """All knobs of ``training/qad.py`` (quantization-aware distillation, SPEC §7)."""
+
+    # teacher (bf16 base model, or an rCM few-step student = base + its LoRA fused in)
+    pretrained: str = opt("", "diffusers pipeline directory or hub id holding the teacher transformer")
+    transformer_subfolder: str = opt("transformer", "subfolder of the transformer (Wan2.2 A14B: 'transformer' or 'transformer_2')")
+    teacher_lora: str = opt("", "'' = the base model is the teacher; else an rCM student LoRA (training/rcm.py output dir or .safetensors) fused into it")
+    weight_dtype: str = opt("float32", "dtype of teacher and student weights: float32 | bfloat16")
+    mixed_precision: str = opt("no", "accelerate mixed precision: no | bf16 | fp16")
+    flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored without a guidance embedding)")
+    data_dir: str = opt("", "latent dataset (rcm_diffusers.data): x0 of the flow-matching term and of the noised inputs x_r")
+    # quantization (SPEC §7)
+    format: str = opt("nvfp4", "weight format: nvfp4 | mxfp4 | fp8_e4m3 | int8")
+    act_format: str = opt("", "activation format ('' = weight-only); static per-tensor range calibrated on calibration_batches")
+    per_channel: bool = opt(False, "fp8_e4m3: per-output-channel weight scales (no ComfyUI field; export refuses it)")
+    calibration_batches: int = opt(4, "batches run to calibrate activation ranges (act_format only)")
+    exclude: list = opt([], "extra fnmatch patterns of Linear names kept in high precision (added to rcm_diffusers.quant.modules.DEFAULT_EXCLUDE)")
+    overrides: list = opt([], "'pattern=format' entries, first match wins ('pattern=none' keeps a layer unquantized)")
+    # trainable scope
+    scope: str = opt("all", "'all' = every student weight trains (fake-quantized); 'lora' = frozen quantized base + bf16 LoRA")
+    lora_rank: int = opt(32, "LoRA rank (scope lora)")
+    lora_alpha: float = opt(0.0, "LoRA alpha (0 = equal to rank)")
+    lora_target_modules: list = opt([], "module names to adapt ([] = family default, rcm_diffusers.adapters.DEFAULT_LORA_TARGETS)")
+    # objective (SPEC §7): L = alpha L_FM + (1 - alpha) L_distill
+    alpha: float = opt(0.1, "weight of flow matching on real data; 1 - alpha weighs distillation of the guided teacher velocity")
+    guidance: list = opt([[0.0, 2.0], [0.5, 5.0], [1.0, 4.0]], "teacher CFG schedule s(r): piecewise-linear [[r, s], ...] knots (a single number = constant; 1 = no CFG)")
+    r_source: str = opt("shifted", "training times: 'shifted' = shifted uniform r (shift); 'rcm' = the rCM student's rcm_steps sampling times")
+    shift: float = opt(3.0, "flow shift s of r = s u / (1 + (s - 1) u) (r_source shifted)")
+    rcm_steps: int = opt(4, "number of RCMScheduler steps whose times r is drawn from (r_source rcm)")
+    sigma_max: float = opt(80.0, "RCMScheduler sigma_max of those times (r_source rcm)")
+    mid_t: list = opt([], "RCMScheduler intermediate TrigFlow angles ([] = SPEC §2.1 default; r_source rcm)")
+    # block-wise warm start (SPEC §7)
+    warm_start_batches: int = opt(0, "batches of block-wise warm start before end-to-end QAD (0 = off)")
+    warm_start_steps_per_batch: int = opt(1, "optimizer steps per block and warm-start batch")
+    warm_start_lr: float = opt(1e-4, "warm-start learning rate")
+    # optimisation
+    lr: float = opt(1e-5, "learning rate (scope lora wants larger, e.g. 1e-4)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_betas: list = opt([0.9, 0.999], "AdamW betas")
+    adam_eps: float = opt(1e-8, "AdamW eps")
+    lr_warmup_steps: int = opt(0, "linear learning-rate warm-up steps")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
+    batch_size: int = opt(1, "samples per process and iteration")
+    max_steps: int = opt(1000, "total iterations")
+    seed: int = opt(0, "base seed; every random draw is a function of (seed, step, rank)")
+    eval_batches: int = opt(2, "fixed-seed batches of the distillation-loss probe logged before/after warm start and at the end")
+    # outputs and guards
+    output_dir: str = opt("outputs/qad", "run directory: checkpoints/, metrics.jsonl, env.json, final.json, the exports")
+    export_layout: str = opt("auto", "quantized checkpoint layout: auto (comfyui for Wan, diffusers for Flux) | comfyui | diffusers")
+    resume: str = opt("", "'' = fresh, 'latest' = newest checkpoint in output_dir (fresh if none), or a checkpoint path")
+    checkpoint_every: int = opt(500, "save an accelerate checkpoint every N iterations (0 = only at the end)")
+    checkpoints_total_limit: int = opt(3, "keep this many checkpoints (0 = all)")
+    log_every: int = opt(1, "write metrics every N iterations")
+    report_to: str = opt("none", "accelerate tracker: none | tensorboard | wandb | all")
+    skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (counted in metrics)")
+    exit_after_step: int = opt(-1, "testing: hard-exit (os._exit) right after this iteration, as if killed")
+    progress: bool = opt(True, "tqdm progress bar on the main process")
+
+    def guidance_knots(self) -> list:
+        """``guidance`` as ``[(r, s), ...]`` knots (a bare number or ``[s]`` = constant ``s``)."""
+        g = self.guidance
+        if len(g) == 1 and isinstance(g[0], (int, float)):
+            return [(0.0, float(g[0]))]
+        return [tuple(k) for k in g]
+
+    def quant_overrides(self) -> dict:
+        """``overrides`` as ``{pattern: format or None}``."""
+        out = {}
+        for e in self.overrides:
+            pat, sep, fmt = str(e).rpartition("=")
+            if not sep or not pat:
+                raise ValueError(f"config option overrides entry {e!r}: use 'pattern=format' or 'pattern=none'")
+            out[pat] = None if fmt.lower() == "none" else fmt
+        return out
+
+    def validate(self) -> "QADConfig":
+        """Raise ``ValueError`` with the offending option on an invalid setting."""
+        from .quant.formats import check_format
+        from .quant.qad import GuidanceSchedule
+
+        def bad(key, why):
+            raise ValueError(f"config option {key} = {getattr(self, key)!r}: {why}")
+
+        if not self.pretrained:
+            bad("pretrained", "set the teacher pipeline directory or hub id")
+        if not self.data_dir:
+            bad("data_dir", "set a latent dataset directory (see rcm_diffusers.data)")
+        for key in ("format", "act_format"):
+            if getattr(self, key) or key == "format":
+                try:
+                    check_format(getattr(self, key))
+                except ValueError as e:
+                    bad(key, str(e))
+        try:
+            for f in self.quant_overrides().values():
+                if f is not None:
+                    check_format(f)
+        except ValueError as e:
+            bad("overrides", str(e))
+        try:
+            GuidanceSchedule(self.guidance_knots())
+        except (ValueError, TypeError) as e:
+            bad("guidance", f"{e} (use [[r, s], ...] or one number)")
+        if self.scope not in ("all", "lora"):
+            bad("scope", "use 'all' or 'lora'")
+        if self.r_source not in ("shifted", "rcm"):
+            bad("r_source", "use 'shifted' or 'rcm'")
+        if self.export_layout not in ("auto", "comfyui", "diffusers"):
+            bad("export_layout", "use auto, comfyui or diffusers")
+        if self.weight_dtype not in ("float32", "bfloat16", "float16"):
+            bad("weight_dtype", "use float32, bfloat16 or float16")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            bad("mixed_precision", "use no, bf16 or fp16")
+        if not 0.0 <= self.alpha <= 1.0:
+            bad("alpha", "must lie in [0, 1]")
+        for k in ("lora_rank", "batch_size", "max_steps", "log_every", "rcm_steps", "warm_start_steps_per_batch", "calibration_batches"):
+            if getattr(self, k) < 1:
+                bad(k, "must be >= 1")
+        for k in ("checkpoint_every", "lr_warmup_steps", "warm_start_batches", "eval_batches"):
+            if getattr(self, k) < 0:
+                bad(k, "must be >= 0")
+        for k in ("lr", "warm_start_lr", "shift", "sigma_max"):
+            if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
+                bad(k, "must be a positive finite number")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            bad("adam_betas", "two numbers in [0, 1)")
+        if self.per_channel and self.format != "fp8_e4m3":
+            bad("per_channel", "only fp8_e4m3 has a per-channel option (int8 is always per-channel)")
+        return self
+
+# the script each config drives (kept off the dataclass fields)
+RCMConfig.script = "training/rcm.py"
+QADConfig.script = "training/qad.py"
 
 
-def _coerce(name: str, value: Any):
-    f = _fields()[name]
+def _fields(config_cls=None):
+    return {f.name: f for f in dataclasses.fields(config_cls or RCMConfig)}
+
+
+def _coerce(name: str, value: Any, config_cls=None):
+    f = _fields(config_cls)[name]
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if isinstance(value, str) and not isinstance(default, str):
         value = yaml.safe_load(value)
@@ -160,21 +297,23 @@ def _coerce(name: str, value: Any):
     return str(value)
 
 
-def format_help() -> str:
-    """One line per option: ``--name (default): meaning``."""
-    lines = ["usage: accelerate launch training/rcm.py [--config FILE.yaml] [--key value ...]", "",
+def format_help(config_cls=None) -> str:
+    """One line per option of ``config_cls`` (default ``RCMConfig``): ``--name (default): meaning``."""
+    config_cls = config_cls or RCMConfig
+    lines = [f"usage: accelerate launch {config_cls.script} [--config FILE.yaml] [--key value ...]", "",
              "Options (YAML keys or --key value; later wins):"]
-    for name, f in _fields().items():
+    for name, f in _fields(config_cls).items():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  --{name} ({default!r}): {f.metadata['help']}")
     return "\n".join(lines)
 
 
-def load_config(argv: list[str] | None = None, default_config: str | None = None) -> RCMConfig:
-    """Build the config from ``--config FILE`` (else ``default_config``) and ``--key value`` overrides."""
+def load_config(argv: list[str] | None = None, default_config: str | None = None, config_cls=None):
+    """Build a ``config_cls`` (default ``RCMConfig``) from ``--config FILE`` (else ``default_config``) and ``--key value`` overrides."""
+    config_cls = config_cls or RCMConfig
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(format_help())
+        print(format_help(config_cls))
         raise SystemExit(0)
     values: dict[str, Any] = {}
     path = default_config
@@ -199,10 +338,10 @@ def load_config(argv: list[str] | None = None, default_config: str | None = None
     if path:
         with open(path) as fh:
             values.update(yaml.safe_load(fh) or {})
-    fields = _fields()
+    fields = _fields(config_cls)
     for k, v in overrides:
         values[k] = v
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(f"unknown config option(s) {unknown}; see --help")
-    return RCMConfig(**{k: _coerce(k, v) for k, v in values.items()}).validate()
+    return config_cls(**{k: _coerce(k, v, config_cls) for k, v in values.items()}).validate()
