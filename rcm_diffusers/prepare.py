@@ -1,0 +1,394 @@
+"""Build SPEC §8 latent datasets with a pipeline's own VAE and text encoder (``training/prepare_data.py``).
+
+Two sources, one output format (:func:`rcm_diffusers.data.write_latent_dataset`):
+
+- **real**: image/video + caption pairs, from a folder (``clip.gif`` + ``clip.txt``), a JSONL manifest
+  (``{"file": ..., "caption": ...}`` per line) or a CSV manifest (columns ``file,caption``); media are
+  encoded with ``pipe.vae.encode`` (distribution mode) and normalised as the pipeline denormalises at
+  decode time: Wan ``(z - latents_mean) / latents_std``, Flux ``(z - shift_factor) * scaling_factor``
+  (stored unpacked ``[C, H, W]``; the trainer packs). Captions go through ``pipe.encode_prompt``.
+- **synthetic**: teacher samples from prompts, ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler``
+  + CFG (SPEC §8: Euler 100 steps, shift 3, CFG 5). Sample ``i`` starts from
+  ``randn(latent shape, generator=torch.Generator().manual_seed(seed + i))``, so it equals
+  ``pipe(prompt_i, generator=..., output_type="latent")`` with the same scheduler and guidance scale.
+
+Unique captions are stored once (``prompt_embeds`` table indexed by ``prompt_index``); the negative
+prompt is one broadcast table row. Wan I2V adds per-sample ``condition`` (mask + first-frame latents,
+as ``WanImageToVideoPipeline.prepare_latents`` builds them) and, with a CLIP image encoder, ``image_embeds``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .data import pack_flux_latents, unpack_flux_latents, write_latent_dataset
+
+__all__ = ["IMAGE_EXTS", "VIDEO_EXTS", "Item", "read_items", "read_prompts", "load_media", "family_of", "PipelineEncoder",
+           "teacher_samples", "prepare_real", "prepare_synthetic"]
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_EXTS = (".gif", ".mp4", ".webm", ".mov", ".mkv", ".avi")
+_FILE_KEYS = ("file", "path", "media", "video", "image")
+_TEXT_KEYS = ("caption", "text", "prompt")
+
+
+@dataclass
+class Item:
+    """One training pair: a media file (``None`` for prompt-only lists) and its caption."""
+
+    media: str | None
+    caption: str
+
+
+def _pick(row: dict, keys, what: str, where: str):
+    for k in keys:
+        if row.get(k) not in (None, ""):
+            return row[k]
+    raise ValueError(f"{where}: no {what} column/key; expected one of {list(keys)}, got {sorted(row)}")
+
+
+def read_items(source: str, caption_ext: str = ".txt") -> list[Item]:
+    """Media + caption pairs from a folder (each media file with a same-stem ``caption_ext`` file),
+    a ``.jsonl`` or a ``.csv`` manifest (paths relative to the manifest); sorted folder order."""
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"data source {source!r} does not exist")
+    items: list[Item] = []
+    if os.path.isdir(source):
+        names = sorted(n for n in os.listdir(source) if n.lower().endswith(IMAGE_EXTS + VIDEO_EXTS))
+        if not names:
+            raise ValueError(f"{source}: no image/video files ({', '.join(IMAGE_EXTS + VIDEO_EXTS)})")
+        missing = [n for n in names if not os.path.exists(os.path.join(source, os.path.splitext(n)[0] + caption_ext))]
+        if missing:
+            raise FileNotFoundError(f"{source}: {len(missing)} media file(s) without a {caption_ext} caption, e.g. "
+                                    f"{missing[:3]}; write <name>{caption_ext} next to each or use a manifest")
+        for n in names:
+            with open(os.path.join(source, os.path.splitext(n)[0] + caption_ext), encoding="utf-8") as f:
+                items.append(Item(os.path.join(source, n), f.read().strip()))
+        return items
+    root = os.path.dirname(os.path.abspath(source))
+    if source.endswith(".jsonl"):
+        with open(source, encoding="utf-8") as f:
+            rows = [(k + 1, json.loads(ln)) for k, ln in enumerate(f) if ln.strip()]
+    elif source.endswith(".csv"):
+        with open(source, encoding="utf-8", newline="") as f:
+            rows = [(k + 2, r) for k, r in enumerate(csv.DictReader(f))]
+    else:
+        raise ValueError(f"{source}: expected a folder, a .jsonl or a .csv manifest")
+    for line, r in rows:
+        where = f"{source}:{line}"
+        media = str(_pick(r, _FILE_KEYS, "file", where))
+        items.append(Item(media if os.path.isabs(media) else os.path.join(root, media), str(_pick(r, _TEXT_KEYS, "caption", where))))
+    for it in items:
+        if not os.path.exists(it.media):
+            raise FileNotFoundError(f"{source}: media file {it.media} does not exist")
+    return items
+
+
+def read_prompts(source: str) -> list[str]:
+    """Prompts for synthetic data: a ``.txt`` file (one per line), or the captions of a folder/manifest."""
+    if source.endswith(".txt") and os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            prompts = [ln.strip() for ln in f if ln.strip()]
+        if not prompts:
+            raise ValueError(f"{source}: no prompts (one per line)")
+        return prompts
+    return [it.caption for it in read_items(source)]
+
+
+# ----------------------------------------------------------------------------- media
+
+
+def _frames(path: str) -> list:
+    """All frames of an image/video file as RGB PIL images."""
+    from PIL import Image, ImageSequence, UnidentifiedImageError
+
+    ext = os.path.splitext(path)[1].lower()
+    if ext in IMAGE_EXTS + (".gif",):
+        try:
+            with Image.open(path) as im:
+                return [f.convert("RGB") for f in ImageSequence.Iterator(im)]
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+    try:
+        import imageio.v3 as iio
+    except ImportError as e:
+        raise ValueError(f"cannot read {path}: {ext} video needs `pip install imageio[pyav]` (GIF and images need only Pillow)") from e
+    try:
+        return [Image.fromarray(np.asarray(a)).convert("RGB") for a in iio.imiter(path)]
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a bad file for the user
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+def _fit(img, height: int, width: int, resize: str, path: str):
+    from PIL import Image
+
+    if img.size == (width, height):
+        return img
+    if resize == "error":
+        raise ValueError(f"{path} is {img.size[0]}x{img.size[1]} (WxH), expected {width}x{height}; "
+                         "resize the data or pass --resize crop (scale + centre crop) or --resize stretch")
+    if resize == "stretch":
+        return img.resize((width, height), Image.BICUBIC)
+    s = max(width / img.size[0], height / img.size[1])
+    w, h = max(width, round(img.size[0] * s)), max(height, round(img.size[1] * s))
+    img = img.resize((w, h), Image.BICUBIC)
+    left, top = (w - width) // 2, (h - height) // 2
+    return img.crop((left, top, left + width, top + height))
+
+
+def load_media(path: str, height: int, width: int, num_frames: int = 1, resize: str = "error") -> torch.Tensor:
+    """Pixels ``[3, num_frames, height, width]`` in ``[-1, 1]`` (the pipelines' ``2 x - 1``): the first
+    ``num_frames`` frames of a video, or an image as one frame."""
+    frames = _frames(path)
+    if len(frames) < num_frames:
+        raise ValueError(f"{path} has {len(frames)} frame(s), --num_frames asks for {num_frames}")
+    arr = np.stack([np.asarray(_fit(f, height, width, resize, path), dtype=np.float32) for f in frames[:num_frames]])
+    return torch.from_numpy(arr).permute(3, 0, 1, 2) / 127.5 - 1.0
+
+
+# ----------------------------------------------------------------------------- pipeline encoders
+
+
+def family_of(pipe) -> str:
+    """Data family of a diffusers pipeline: ``wan``, ``wan_i2v`` or ``flux``."""
+    name = type(pipe).__name__
+    if name == "WanImageToVideoPipeline":
+        if getattr(pipe.config, "expand_timesteps", False):
+            raise ValueError("WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B) is not supported by the rCM trainer's condition format")
+        return "wan_i2v"
+    if name.startswith("Wan"):
+        return "wan"
+    if name.startswith("Flux"):
+        return "flux"
+    raise ValueError(f"unsupported pipeline {name}; expected WanPipeline, WanImageToVideoPipeline or FluxPipeline")
+
+
+class PipelineEncoder:
+    """The pipeline's own text encoder(s) and VAE, producing tensors in the SPEC §8 layout."""
+
+    def __init__(self, pipe, height: int, width: int, num_frames: int = 1, max_sequence_length: int | None = None,
+                 device="cpu", dtype=torch.float32):
+        self.pipe, self.family, self.device, self.dtype = pipe, family_of(pipe), torch.device(device), dtype
+        self.height, self.width, self.num_frames = height, width, num_frames
+        self.max_sequence_length = max_sequence_length or (512 if self.family == "flux" else 226)
+        vae = pipe.vae
+        if self.family == "flux":
+            self.sf = 2 ** (len(vae.config.block_out_channels) - 1)
+            if height % (2 * self.sf) or width % (2 * self.sf):
+                raise ValueError(f"Flux needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 packing); got {height}x{width}")
+            if num_frames != 1:
+                raise ValueError("Flux is an image model: use --num_frames 1")
+        else:
+            self.sf, self.tf = vae.config.scale_factor_spatial, vae.config.scale_factor_temporal
+            if height % self.sf or width % self.sf:
+                raise ValueError(f"Wan needs height/width divisible by {self.sf}; got {height}x{width}")
+            if (num_frames - 1) % self.tf:
+                raise ValueError(f"Wan needs num_frames = {self.tf} k + 1 (1, 5, 9, ..., 81); got {num_frames}")
+            z = vae.config.z_dim
+            if len(vae.config.latents_mean) != z or len(vae.config.latents_std) != z:
+                raise ValueError(f"VAE latents_mean/std have {len(vae.config.latents_mean)}/{len(vae.config.latents_std)} entries, z_dim is {z}")
+            self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
+            self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        """Per-sample latent shape in the dataset layout (Wan ``[C, T, h, w]``, Flux ``[C, h, w]``)."""
+        h, w = self.height // self.sf, self.width // self.sf
+        if self.family == "flux":
+            return (self.pipe.transformer.config.in_channels // 4, h, w)
+        z = self.pipe.transformer.config.out_channels
+        return (z, (self.num_frames - 1) // self.tf + 1, h, w)
+
+    @torch.no_grad()
+    def encode_text(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """``pipe.encode_prompt`` of ``prompts``: ``prompt_embeds`` ``[n, L, D]`` (+ Flux ``pooled_prompt_embeds``)."""
+        if self.pipe.text_encoder is None or self.pipe.tokenizer is None:
+            raise ValueError("the pipeline has no text encoder/tokenizer; load one that has (or precompute embeddings and call write_latent_dataset)")
+        if self.family == "flux":
+            pe, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
+                                                    max_sequence_length=self.max_sequence_length)
+            return {"prompt_embeds": pe.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
+        pe, _ = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
+                                        max_sequence_length=self.max_sequence_length, device=self.device)
+        return {"prompt_embeds": pe.float().cpu()}
+
+    def _vae_encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        return vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode().float().cpu()
+
+    @torch.no_grad()
+    def encode_media(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalised latents of pixels ``[B, 3, F, H, W]`` in [-1, 1] (Wan ``[B, C, T, h, w]``, Flux ``[B, C, h, w]``)."""
+        if self.family == "flux":
+            z = self._vae_encode(pixels[:, :, 0])
+            c = self.pipe.vae.config
+            return (z - c.shift_factor) * c.scaling_factor
+        return (self._vae_encode(pixels) - self.mean) / self.std
+
+    @torch.no_grad()
+    def encode_condition(self, first_frames: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Wan I2V conditions of first frames ``[B, 3, H, W]``: ``condition`` = 4-channel first-frame mask +
+        normalised latents of ``[image, zeros...]`` (``[B, 4 + C, T, h, w]``), and CLIP ``image_embeds`` when the
+        pipeline has an image encoder (penultimate hidden states, as ``WanImageToVideoPipeline.encode_image``)."""
+        B, F = first_frames.shape[0], self.num_frames
+        video = torch.cat([first_frames[:, :, None], first_frames.new_zeros(B, 3, F - 1, self.height, self.width)], dim=2)
+        lat = (self._vae_encode(video) - self.mean) / self.std
+        T, h, w = lat.shape[2:]
+        mask = torch.zeros(B, self.tf, T, h, w)
+        mask[:, :, 0] = 1.0  # frame 0 is repeated tf times in the pipeline's mask, then folded into channels
+        out = {"condition": torch.cat([mask, lat], dim=1)}
+        if getattr(self.pipe, "image_encoder", None) is not None:
+            from PIL import Image
+
+            imgs = [Image.fromarray(((f.permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()) for f in first_frames]
+            out["image_embeds"] = self.pipe.encode_image(imgs, device=self.device).float().cpu()
+        return out
+
+
+def _negative(enc: PipelineEncoder, negative_prompt: str | None) -> dict[str, torch.Tensor]:
+    if negative_prompt is None:
+        return {}
+    t = enc.encode_text([negative_prompt])
+    return {"negative_" + k: v for k, v in t.items()}
+
+
+def _text_tables(enc: PipelineEncoder, captions: list[str], batch_size: int, progress: bool):
+    from tqdm.auto import tqdm
+
+    unique = list(dict.fromkeys(captions))
+    rows: dict[str, list] = {}
+    for s in tqdm(range(0, len(unique), batch_size), desc="text", disable=not progress):
+        for k, v in enc.encode_text(unique[s:s + batch_size]).items():
+            rows.setdefault(k, []).append(v)
+    pos = {c: i for i, c in enumerate(unique)}
+    return unique, {k: torch.cat(v) for k, v in rows.items()}, torch.tensor([pos[c] for c in captions], dtype=torch.long)
+
+
+def _write(out_dir, enc, latents, prompt_index, tables, per_sample, unique, negative_prompt, extra_meta, neg=None):
+    table_index = {k: "prompt_index" for k in tables}
+    neg = _negative(enc, negative_prompt) if neg is None else neg
+    tables = {**tables, **neg}
+    table_index.update({k: None for k in neg})
+    meta = {"prompts": unique, "negative_prompt": negative_prompt, "height": enc.height, "width": enc.width,
+            "num_frames": enc.num_frames, **(extra_meta or {})}
+    return write_latent_dataset(out_dir, {"latents": latents, "prompt_index": prompt_index, **per_sample}, family=enc.family,
+                                tables=tables, table_index=table_index, extra_meta=meta)
+
+
+def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negative_prompt: str | None = "",
+                 resize: str = "error", batch_size: int = 4, progress: bool = True) -> str:
+    """Encode media + captions with the pipeline into a SPEC §8 dataset at ``out_dir`` (SPEC §8)."""
+    from tqdm.auto import tqdm
+
+    if not items:
+        raise ValueError("no data items")
+    for it in items:
+        if not it.caption:
+            raise ValueError(f"{it.media}: empty caption")
+    unique, tables, prompt_index = _text_tables(enc, [it.caption for it in items], batch_size, progress)
+    lat, cond = [], {}
+    for s in tqdm(range(0, len(items), batch_size), desc="vae", disable=not progress):
+        px = torch.stack([load_media(it.media, enc.height, enc.width, enc.num_frames, resize) for it in items[s:s + batch_size]])
+        lat.append(enc.encode_media(px))
+        if enc.family == "wan_i2v":
+            for k, v in enc.encode_condition(px[:, :, 0]).items():
+                cond.setdefault(k, []).append(v)
+    per_sample = {k: torch.cat(v) for k, v in cond.items()}
+    return _write(out_dir, enc, torch.cat(lat), prompt_index, tables, per_sample, unique, negative_prompt,
+                  {"source": "real", "files": [os.path.basename(it.media) for it in items]})
+
+
+# ----------------------------------------------------------------------------- synthetic teacher samples
+
+
+def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
+    from .schedulers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
+
+    cls = {"euler": TrigFlowEulerScheduler, "unipc": TrigFlowUniPCScheduler}.get(solver)
+    if cls is None:
+        raise ValueError(f"unknown solver {solver!r}; use 'euler' or 'unipc'")
+    sch = cls(shift=shift, sigma_max=sigma_max)
+    sch.set_timesteps(steps)
+    return sch
+
+
+@torch.no_grad()
+def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: list[int], *, steps: int = 100,
+                    shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler", sigma_max: float = 5000.0,
+                    flux_guidance: float | None = None, device="cpu") -> torch.Tensor:
+    """Teacher ODE samples ``x0`` in the dataset layout from conditions ``batch`` (SPEC §2.2, §8).
+
+    Noise of sample ``j``: ``randn(latent_shape, generator=manual_seed(seeds[j]))`` (float32, dataset layout;
+    Flux packs it as FluxPipeline does). Velocity ``v_u + s (v_c - v_u)`` (standard CFG scale ``s``; no CFG
+    without ``negative_prompt_embeds`` or at ``s = 1``), stepped by ``TrigFlowEulerScheduler`` /
+    ``TrigFlowUniPCScheduler`` (shift ``shift``, ``steps`` steps).
+    """
+    from .data import model_inputs
+    from .models import velocity_fn
+
+    dtype = next(transformer.parameters()).dtype
+    noise = torch.stack([torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+    _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
+    x = (pack_flux_latents(noise) if family == "flux" else noise).to(device)
+    use_cfg = uncond is not None and guidance_scale != 1.0
+    v_fn = velocity_fn(transformer)
+    sch = _scheduler(solver, steps, shift, sigma_max)
+    for ts in sch.timesteps:
+        r = ts.double() / sch.config.num_train_timesteps
+        v = v_fn(x.to(dtype), r, **cond)
+        if use_cfg:
+            v_u = v_fn(x.to(dtype), r, **uncond)
+            v = v_u + guidance_scale * (v - v_u)
+        x = sch.step(v, ts, x, return_dict=False)[0]
+    x = x.float().cpu()
+    return unpack_flux_latents(x, *latent_shape[-2:]) if family == "flux" else x
+
+
+def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *, num_samples: int, seed: int = 0,
+                      steps: int = 100, shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler",
+                      sigma_max: float = 5000.0, flux_guidance: float | None = 3.5, negative_prompt: str | None = "",
+                      images: list[str] | None = None, resize: str = "error", batch_size: int = 4, progress: bool = True) -> str:
+    """Synthetic dataset: sample ``i`` = teacher sample of ``prompts[i % P]`` with seed ``seed + i`` (SPEC §8).
+    Wan I2V needs ``images`` (first frames, one per prompt)."""
+    from tqdm.auto import tqdm
+
+    if num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {num_samples}")
+    if not prompts:
+        raise ValueError("synthetic data needs at least one prompt")
+    if enc.family == "wan_i2v" and (images is None or len(images) != len(prompts)):
+        raise ValueError("Wan I2V synthetic data needs one first-frame image per prompt (a folder or manifest of image + caption)")
+    captions = [prompts[i % len(prompts)] for i in range(num_samples)]
+    unique, tables, prompt_index = _text_tables(enc, captions, batch_size, progress)
+    neg = _negative(enc, negative_prompt)
+    first = None
+    if enc.family == "wan_i2v":
+        px = torch.stack([load_media(p, enc.height, enc.width, 1, resize)[:, 0] for p in images])
+        first = enc.encode_condition(px)  # one row per prompt
+    guide = flux_guidance if getattr(enc.pipe.transformer.config, "guidance_embeds", False) else None
+    lat, cond_rows = [], {}
+    for s in tqdm(range(0, num_samples, batch_size), desc="teacher", disable=not progress):
+        ids = list(range(s, min(num_samples, s + batch_size)))
+        batch = {k: v[prompt_index[ids]] for k, v in tables.items()}
+        batch.update({k: v.expand(len(ids), *v.shape[1:]) for k, v in neg.items()})
+        if first is not None:
+            per = {k: v[[i % len(prompts) for i in ids]] for k, v in first.items()}
+            batch.update(per)
+            for k, v in per.items():
+                cond_rows.setdefault(k, []).append(v)
+        lat.append(teacher_samples(enc.pipe.transformer, enc.family, batch, enc.latent_shape, [seed + i for i in ids],
+                                   steps=steps, shift=shift, guidance_scale=guidance_scale, solver=solver,
+                                   sigma_max=sigma_max, flux_guidance=guide, device=enc.device))
+    per_sample = {k: torch.cat(v) for k, v in cond_rows.items()}
+    meta = {"source": "synthetic", "seed": seed, "solver": solver, "steps": steps, "shift": shift,
+            "guidance_scale": guidance_scale, "sigma_max": sigma_max, "flux_guidance": guide}
+    if not math.isfinite(float(torch.cat(lat).abs().max())):
+        raise FloatingPointError("teacher samples contain NaN/inf; check the model dtype and the guidance scale")
+    return _write(out_dir, enc, torch.cat(lat), prompt_index, tables, per_sample, unique, negative_prompt, meta, neg)
