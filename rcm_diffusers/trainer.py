@@ -302,15 +302,17 @@ def no_sync_unless(accelerator, model, last: bool):
     return nullcontext() if last or accelerator.num_processes == 1 else accelerator.no_sync(model)
 
 
-def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4) -> str:
+def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4, decoder=None) -> str:
     """Student samples at each of ``cfg.sample_steps`` for the first ``n`` dataset conditions, fixed
-    seed, saved as ``samples/step-XXXXXXXX.safetensors`` (model-layout latents; decode with the VAE)."""
+    seed, saved as ``samples/step-XXXXXXXX.safetensors`` (model-layout latents) and, with a
+    ``previews.SampleDecoder``, a PNG grid (rows = step counts, columns = conditions; + GIF for video)."""
     from safetensors.torch import save_file
 
     from .data import model_inputs
 
     ids = list(range(min(n, len(data))))
-    x0, cond, _ = model_inputs(data.family, data.get(ids), device, nets.model_dtype,
+    batch = data.get(ids)
+    x0, cond, _ = model_inputs(data.family, batch, device, nets.model_dtype,
                                cfg.flux_guidance if getattr(transformer.config, "guidance_embeds", False) else None)
     out = {}
     for k in cfg.sample_steps:
@@ -321,4 +323,9 @@ def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4) -
     path = os.path.join(d, f"step-{step:08d}.safetensors")
     save_file({k: v.contiguous() for k, v in out.items()}, path + ".tmp")
     os.replace(path + ".tmp", path)
+    if decoder is not None:
+        from .previews import save_grid
+
+        hw = tuple(batch["latents"].shape[-2:])
+        save_grid(path[: -len(".safetensors")], [decoder.decode(out[f"steps_{k}"], hw) for k in cfg.sample_steps])
     return path

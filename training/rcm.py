@@ -118,9 +118,19 @@ def main(argv=None):
         accelerator.print(f"resumed from {ckpt} at iteration {state.step}")
 
     # ---- data, logging, guards
-    data = LatentDataset(cfg.data_dir)
     if cfg.synthetic:
-        raise SystemExit("--synthetic is not implemented yet: precompute latents with training/prepare_data.py")
+        raise SystemExit("--synthetic: the teacher samples are generated once, before training: run\n  python training/prepare_data.py "
+                         f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
+                         f"--shift {cfg.synthetic_shift} --height H --width W [--num_frames F] --output_dir DIR\n"
+                         "then train with --data_dir DIR (and without --synthetic)")
+    data = LatentDataset(cfg.data_dir)
+    decoder = None
+    if cfg.sample_every and accelerator.is_main_process:
+        from rcm_diffusers.previews import SampleDecoder
+
+        decoder = SampleDecoder.from_pretrained(cfg.pretrained, data.family, device, DTYPES[cfg.weight_dtype])
+        accelerator.print("sample grids: PNG decoded with the pipeline's VAE" if decoder is not None else
+                          f"sample grids: {cfg.pretrained} has no VAE, writing latents only (samples/*.safetensors)")
     if accelerator.is_main_process:
         T.env_snapshot(os.path.join(cfg.output_dir, "env.json"), cfg,
                        {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device)})
@@ -183,7 +193,7 @@ def main(argv=None):
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
             T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
         if cfg.sample_every and state.step % cfg.sample_every == 0 and accelerator.is_main_process:
-            T.write_samples(nets, data, cfg, state.step, device, transformer)
+            T.write_samples(nets, data, cfg, state.step, device, transformer, decoder=decoder)
         if cfg.exit_after_step == i:
             accelerator.print(f"exit_after_step {i}: hard exit")
             sys.stdout.flush()
@@ -220,7 +230,7 @@ def main(argv=None):
                     for k, p in live.items():
                         p.copy_(backup[k])
         if cfg.sample_every:
-            T.write_samples(nets, data, cfg, state.step, device, transformer)
+            T.write_samples(nets, data, cfg, state.step, device, transformer, decoder=decoder)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

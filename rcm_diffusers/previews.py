@@ -1,0 +1,87 @@
+"""Sample grids of the student during training: decode with the pipeline's VAE, tile, save PNG (+ GIF for video).
+
+Grid layout: one row per sampler step count (e.g. 1/2/4), one column per dataset condition; video
+samples show their first frame in the PNG and play all frames in the GIF. Without a VAE in the
+pretrained pipeline the trainer keeps latents only (``samples/step-*.safetensors``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .data import unpack_flux_latents
+
+__all__ = ["SampleDecoder", "grid_frames", "save_grid"]
+
+
+class SampleDecoder:
+    """The pipeline's VAE as a decoder of model-layout latents into pixels in ``[0, 1]``."""
+
+    def __init__(self, vae, family: str):
+        c = vae.config
+        if family != "flux" and (len(c.latents_mean) != c.z_dim or len(c.latents_std) != c.z_dim):
+            raise ValueError(f"VAE latents_mean/std have {len(c.latents_mean)}/{len(c.latents_std)} entries, z_dim is {c.z_dim}: "
+                             "fix the VAE config (sample grids decode with them)")
+        self.vae, self.family = vae.eval(), family
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str, family: str, device="cpu", dtype=torch.float32) -> "SampleDecoder | None":
+        """Load ``<pretrained>/vae`` (the class named in ``model_index.json``); ``None`` when the pipeline has none."""
+        import diffusers
+
+        index = diffusers.DiffusionPipeline.load_config(pretrained)
+        entry = index.get("vae")
+        if not entry or entry[0] is None or entry[1] is None:
+            return None
+        vae = getattr(diffusers, entry[1]).from_pretrained(pretrained, subfolder="vae", torch_dtype=dtype).to(device)
+        return cls(vae, family)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, latent_hw: tuple[int, int] | None = None) -> torch.Tensor:
+        """Pixels ``[B, 3, F, H, W]`` in [0, 1] from dataset-normalised latents (Wan ``[B, C, T, h, w]``:
+        ``z = x std + mean``; Flux packed tokens ``[B, L, 4C]``: unpack, ``z = x / scaling + shift``)."""
+        vae, p = self.vae, next(self.vae.parameters())
+        x = latents.float()
+        if self.family == "flux":
+            if x.dim() == 3:
+                x = unpack_flux_latents(x, *latent_hw)
+            c = vae.config
+            img = vae.decode((x / c.scaling_factor + c.shift_factor).to(p.device, p.dtype)).sample[:, :, None]
+        else:
+            z = vae.config.z_dim
+            mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
+            std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
+            img = vae.decode((x * std + mean).to(p.device, p.dtype)).sample
+        return (img.float().cpu() / 2 + 0.5).clamp(0, 1)
+
+
+def grid_frames(rows: list[torch.Tensor]) -> np.ndarray:
+    """Tile ``rows`` (each ``[B, 3, F, H, W]`` in [0, 1]) into uint8 frames ``[F, R H, B W, 3]``."""
+    R, (B, _, F, H, W) = len(rows), rows[0].shape
+    out = np.zeros((F, R * H, B * W, 3), dtype=np.uint8)
+    for i, r in enumerate(rows):
+        a = (r.permute(2, 3, 0, 4, 1).reshape(F, H, B * W, 3) * 255).round().to(torch.uint8).numpy()
+        out[:, i * H:(i + 1) * H] = a
+    return out
+
+
+def save_grid(path_stem: str, rows: list[torch.Tensor], gif: bool = True) -> list[str]:
+    """Write ``<stem>.png`` (first frame) and, for video, ``<stem>.gif`` (all frames, 8 fps); atomic."""
+    from PIL import Image
+
+    frames = grid_frames(rows)
+    written = []
+    tmp = path_stem + ".png.tmp"
+    Image.fromarray(frames[0]).save(tmp, format="PNG")
+    os.replace(tmp, path_stem + ".png")
+    written.append(path_stem + ".png")
+    if gif and frames.shape[0] > 1:
+        tmp = path_stem + ".gif.tmp"
+        ims = [Image.fromarray(f) for f in frames]
+        ims[0].save(tmp, format="GIF", save_all=True, append_images=ims[1:], duration=125, loop=0)
+        os.replace(tmp, path_stem + ".gif")
+        written.append(path_stem + ".gif")
+    return written
