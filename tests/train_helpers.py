@@ -87,15 +87,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True):
-    """``accelerate launch --cpu --num_processes N training/rcm.py args`` in a subprocess."""
+def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True, script: str = "rcm.py"):
+    """``accelerate launch --cpu --num_processes N training/<script> args`` in a subprocess."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     # several CPU processes: accelerate's torchrun launcher (--multi_gpu); training/rcm.py then asks
     # accelerate for gloo on CPU (`accelerate launch --cpu` would need mpirun for more than one process)
     mode = ["--multi_gpu", "--main_process_port", str(_free_port())] if num_processes > 1 else ["--cpu"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(num_processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += [os.path.join(REPO, "training", "rcm.py"), *args]
+    cmd += [os.path.join(REPO, "training", script), *args]
     # own session so a timeout kills the launcher's worker processes too
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:

@@ -1,0 +1,161 @@
+"""``training/qad.py`` end to end on a tiny random Wan (CPU, ``accelerate launch`` with one process) (SPEC §7)."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rcm_diffusers.config import QADConfig, format_help, load_config
+from rcm_diffusers.quant import trainer as Q
+from rcm_diffusers.quant.export import _rename_wan, load_quantized
+from rcm_diffusers.quant.modules import quantize_transformer
+from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
+
+CONFIG = os.path.join(REPO, "training", "configs", "qad-tiny-wan-test.yaml")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qad")
+    return make_tiny_wan(str(root / "pipe")), make_dataset(str(root / "data"), "wan"), root
+
+
+def _args(wan, out, *extra):
+    return ["--config", CONFIG, "--pretrained", wan[0], "--data_dir", wan[1], "--output_dir", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def lora_run(wan):
+    out = wan[2] / "run_lora"
+    run_trainer(_args(wan, out), script="qad.py")
+    return out
+
+
+def _teacher(pipe_dir):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel.from_pretrained(pipe_dir, subfolder="transformer").requires_grad_(False).eval()
+
+
+def _records(run):
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def test_lora_run_logs_and_distillation_loss_falls(lora_run):
+    recs = _records(lora_run)
+    assert [r["step"] for r in recs] == [-1, -1] + list(range(20))
+    ptq, warm = recs[0]["eval_distill"], recs[1]["eval_distill"]
+    final = json.load(open(lora_run / "final.json"))
+    assert recs[0]["phase"] == "ptq" and recs[1]["phase"] == "warm_start"
+    assert warm < 0.97 * ptq, (ptq, warm)  # block-wise warm start helps on its own
+    assert final["eval_distill"] < 0.8 * ptq, (ptq, final)  # measured: 0.0131 -> 0.0122 -> 0.0087
+    for r in recs[2:]:
+        assert 0 < r["loss_distill"] < 1 and 0 < r["loss_fm"] < 10 and r["grad_norm"] > 0
+        assert r["loss"] == pytest.approx(0.1 * r["loss_fm"] + 0.9 * r["loss_distill"], rel=1e-9)
+    blocks = json.load(open(lora_run / "warm_start.json"))
+    assert [b["steps"] for b in blocks] == [10, 10] and all(b["rel_err_last"] < b["rel_err_first"] for b in blocks)
+    env = json.load(open(lora_run / "env.json"))
+    assert env["config"]["scope"] == "lora" and set(env["quantized_layers"].values()) == {"nvfp4"}
+    assert sorted(os.listdir(lora_run / "checkpoints")) == ["step-00000010", "step-00000020"]
+
+
+def test_exports_reload_to_the_trained_student(wan, lora_run):
+    from rcm_diffusers.lora.io import load_lora
+
+    teacher = _teacher(wan[0])
+    student = copy.deepcopy(teacher)
+    layers = quantize_transformer(student, "nvfp4")
+    # quantized base, ComfyUI (original Wan) names: dequantizes exactly to the fake-quant weights
+    sd, meta = load_quantized(lora_run / "quantized_transformer.safetensors")
+    ren = _rename_wan([f"{n}.weight" for n in layers] + ["patch_embedding.weight"])
+    assert len(meta) == len(layers) == 20 and all(c["format"] == "nvfp4" for c in meta.values())
+    for n, q in layers.items():
+        assert torch.equal(sd[ren[f"{n}.weight"]], q.quantized_weight()), n
+    assert torch.equal(sd[ren["patch_embedding.weight"]], teacher.patch_embedding.weight)
+    # bf16 LoRA in both layouts carries the same numbers
+    d, _ = load_lora(lora_run / "pytorch_lora_weights.safetensors")
+    c, _ = load_lora(lora_run / "lora_comfyui.safetensors", format="diffusers")
+    alphas = {k: float(v) for k, v in c.items() if k.endswith(".alpha")}
+    assert len(alphas) == 20 and set(alphas.values()) == {4.0}  # lora_alpha = rank (diffusers omits it then)
+    assert set(d) == set(c) - set(alphas) and all(torch.equal(d[k], c[k]) for k in d)
+    assert {v.dtype for k, v in load_file(lora_run / "pytorch_lora_weights.safetensors").items()} == {torch.bfloat16}
+    # quantized base + exported LoRA reproduce the run's final probe (bf16 LoRA rounding only)
+    student.load_lora_adapter(str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="student")
+    cfg = load_config(_args(wan, lora_run), config_cls=QADConfig)
+    from rcm_diffusers.data import LatentDataset
+
+    probe = Q.fixed_batches(LatentDataset(wan[1]), cfg, cfg.eval_batches, 2, "cpu", torch.float32, None)
+    got = Q.distill_probe(student, teacher, probe, None, cfg)
+    final, ptq = json.load(open(lora_run / "final.json"))["eval_distill"], _records(lora_run)[0]["eval_distill"]
+    assert abs(got - final) < 0.05 * (ptq - final), (got, final, ptq)
+
+
+def test_kill_and_resume_is_bitwise(wan, lora_run):
+    out = wan[2] / "run_resume"
+    p = run_trainer(_args(wan, out, "--exit_after_step", "13"), check=False, script="qad.py")
+    assert p.returncode != 0 and "exit_after_step 13: hard exit" in p.stdout, p.stderr[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000010"]
+    run_trainer(_args(wan, out, "--resume", "latest"), script="qad.py")
+    a, b = load_file(lora_run / "pytorch_lora_weights.safetensors"), load_file(out / "pytorch_lora_weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    keys = ("step", "phase", "eval_distill", "loss", "loss_distill", "loss_fm", "r_mean", "grad_norm")
+    assert [[r.get(k) for k in keys] for r in _records(out)] == [[r.get(k) for k in keys] for r in _records(lora_run)]
+
+
+def test_rcm_student_teacher_scope_all_fp8_activations(wan, lora_run):
+    """A LoRA'd teacher (stands in for an rCM student), its 2-step sampling times, scope all, FP8 W+A."""
+    from rcm_diffusers.schedulers import RCMScheduler
+
+    out = wan[2] / "run_all"
+    run_trainer(_args(wan, out, "--scope", "all", "--teacher_lora", str(lora_run), "--r_source", "rcm", "--rcm_steps", "2",
+                      "--format", "fp8_e4m3", "--act_format", "fp8_e4m3", "--guidance", "1", "--alpha", "0",
+                      "--warm_start_batches", "0", "--max_steps", "6", "--lr", "1e-4", "--checkpoint_every", "0"), script="qad.py")
+    env = json.load(open(out / "env.json"))
+    sch = RCMScheduler(sigma_max=80.0)
+    sch.set_timesteps(2)
+    assert env["training_times"] == pytest.approx(list(sch.rf_times[:2]), abs=0) and len(env["training_times"]) == 2
+    recs = _records(out)
+    assert {round(r["r_mean"], 12) for r in recs[1:]} <= {round(sum(c) / 2, 12) for c in
+                                                            [(a, b) for a in env["training_times"] for b in env["training_times"]]}
+    _, meta = load_quantized(out / "quantized_transformer.safetensors")
+    raw = load_file(out / "quantized_transformer.safetensors")
+    assert {c["format"] for c in meta.values()} == {"float8_e4m3fn"}
+    assert all(raw[f"{n}.input_scale"].item() > 0 for n in meta)
+    assert not (out / "pytorch_lora_weights.safetensors").exists()
+    assert json.load(open(out / "final.json"))["eval_distill"] < recs[0]["eval_distill"]
+
+
+def test_fuse_lora_file_equals_unfused_adapter(wan, lora_run):
+    x = torch.randn(1, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    ehs = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(1))
+    fused, live = _teacher(wan[0]), _teacher(wan[0])
+    before = fused(x, torch.tensor([500.0]), ehs, return_dict=False)[0]
+    Q.fuse_lora_file(fused, str(lora_run))
+    live.load_lora_adapter(str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="a")
+    y_f = fused(x, torch.tensor([500.0]), ehs, return_dict=False)[0]
+    y_l = live(x, torch.tensor([500.0]), ehs, return_dict=False)[0]
+    torch.testing.assert_close(y_f, y_l, rtol=1e-5, atol=1e-5)
+    assert (y_f - before).abs().max() > 1e-3
+
+
+def test_bad_config_and_patterns(wan):
+    base = ["--pretrained", "p", "--data_dir", "d"]
+    for extra, match in ((["--format", "nvfp3"], "format = 'nvfp3'"), (["--act_format", "fp4"], "act_format"),
+                         (["--scope", "half"], "scope"), (["--overrides", "blocks.*=fp9"], "overrides"),
+                         (["--overrides", "blocks.*"], "overrides"), (["--guidance", "[[0.5, 1], [0.2, 2]]"], "guidance"),
+                         (["--alpha", "1.5"], "alpha"), (["--r_source", "karras"], "r_source"),
+                         (["--per_channel", "true"], "per_channel"), (["--lr_rate", "1"], "unknown config option")):
+        with pytest.raises(ValueError, match=match):
+            load_config(base + extra, config_cls=QADConfig)
+    with pytest.raises(ValueError, match="data_dir"):
+        load_config(["--pretrained", "p"], config_cls=QADConfig)
+    assert "accelerate launch training/qad.py" in format_help(QADConfig)
+    assert all(f"--{n} " in format_help(QADConfig) for n in QADConfig.__dataclass_fields__)
+    cfg = load_config(base + ["--exclude", "blocks.*.nomatch"], config_cls=QADConfig)
+    with pytest.raises(ValueError, match="match no Linear"):
+        Q.build_student(_teacher(wan[0]), cfg)
+    with pytest.raises(FileNotFoundError, match="teacher_lora"):
+        Q.fuse_lora_file(_teacher(wan[0]), str(wan[2] / "missing"))

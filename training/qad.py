@@ -1,0 +1,191 @@
+"""Quantization-aware distillation: ``accelerate launch training/qad.py --config training/configs/<name>.yaml [--key value ...]``.
+
+A frozen teacher (a base model, or an rCM few-step student: ``--teacher_lora``) is distilled into
+a student initialised from it whose Linear layers run through low-bit fake quantization (SPEC §7):
+``L = alpha ||v_S - (eps - x0)||^2 + (1 - alpha) ||v_S - v_T^g||^2``, with the teacher's CFG folded
+in by the schedule ``s(r)`` (the student runs one branch). Scope ``all`` trains every weight, scope
+``lora`` a bf16 LoRA on the frozen quantized base. Optional block-wise warm start first.
+``--help`` lists every option. Outputs in ``output_dir``: ``env.json``, ``metrics.jsonl`` (step -1
+rows: the distillation probe after quantization and after the warm start), ``warm_start.json``,
+``checkpoints/step-*`` (``--resume latest`` continues exactly), ``final.json``,
+``quantized_transformer.safetensors`` (ComfyUI layout for Wan) and, for scope ``lora``,
+``pytorch_lora_weights.safetensors`` + ``lora_comfyui.safetensors``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import diffusers  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from rcm_diffusers import trainer as T  # noqa: E402
+from rcm_diffusers.config import QADConfig, load_config  # noqa: E402
+from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator  # noqa: E402
+from rcm_diffusers.models import velocity_fn  # noqa: E402
+from rcm_diffusers.quant import trainer as Q  # noqa: E402
+from rcm_diffusers.quant.qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qad-digits.yaml")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None):
+    cfg = load_config(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None, config_cls=QADConfig)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+                              mixed_precision=cfg.mixed_precision, project_dir=cfg.output_dir,
+                              log_with=None if cfg.report_to == "none" else cfg.report_to)
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    dtype = DTYPES[cfg.weight_dtype]
+
+    # ---- teacher (frozen) and quantized student; LoRA init draws from the global RNG: same on every rank
+    torch.manual_seed(cfg.seed)
+    index = diffusers.DiffusionPipeline.load_config(cfg.pretrained)
+    transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
+    teacher = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder, torch_dtype=dtype).to(device)
+    if cfg.teacher_lora:
+        Q.fuse_lora_file(teacher, cfg.teacher_lora)
+    teacher.requires_grad_(False).eval()
+    student, layers = Q.build_student(teacher, cfg)
+    v_T = velocity_fn(teacher)
+    guidance = GuidanceSchedule(cfg.guidance_knots())
+    times = Q.training_times(cfg)
+
+    data = LatentDataset(cfg.data_dir)
+    flux_g = cfg.flux_guidance if getattr(teacher.config, "guidance_embeds", False) else None
+    probe = Q.fixed_batches(data, cfg, cfg.eval_batches, 2, device, dtype, flux_g)
+    if cfg.act_format:
+        Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, device, dtype, flux_g), times, cfg, accelerator)
+
+    ckpt = T.latest_checkpoint(cfg.output_dir) if cfg.resume == "latest" else (cfg.resume or None)
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if ckpt is None:
+        # fresh run: probe the naive post-training quantization, then the optional block-wise warm start
+        metrics = T.MetricsWriter(metrics_path, -1, accelerator.is_main_process)  # fresh file
+        metrics.write({"step": -1, "phase": "ptq", "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)})
+        if cfg.warm_start_batches:
+            warm = Q.fixed_batches(data, cfg, cfg.warm_start_batches, 3, device, dtype, flux_g)
+
+            def runner(k, x0, cond):
+                g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 13 * k)
+                r = sample_r(x0.shape[0], cfg.shift, times, g, x0.device)
+                eps = torch.randn(x0.shape, dtype=torch.float64, generator=g, device=x0.device)
+                rb = r.reshape(-1, *[1] * (x0.dim() - 1))
+                x_r = ((1 - rb) * x0 + rb * eps).to(dtype)
+                return lambda m: velocity_fn(m)(x_r, r.float(), **cond)
+
+            stats = blockwise_warm_start(student, teacher, [runner(k, x0, c) for k, (x0, c, _) in enumerate(warm)],
+                                         steps_per_batch=cfg.warm_start_steps_per_batch, lr=cfg.warm_start_lr,
+                                         max_grad_norm=cfg.max_grad_norm or 1.0)
+            if accelerator.is_main_process:
+                write_json(os.path.join(cfg.output_dir, "warm_start.json"), [dataclasses.asdict(s) for s in stats])
+            metrics.write({"step": -1, "phase": "warm_start", "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)})
+
+    # ---- optimizer, accelerate, checkpointed state (trainable weights only; the quantized base is rebuilt)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, T.lr_warmup_lambda(cfg.lr_warmup_steps))
+    student, opt, sched = accelerator.prepare(student, opt, sched)
+    params = [p for p in student.parameters() if p.requires_grad]
+    state = T.TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    def save_hook(models, weights, out_dir):
+        if accelerator.is_main_process:
+            T.save_trainable(models, ["student"], os.path.join(out_dir, "trainable.safetensors"))
+        weights.clear()
+
+    def load_hook(models, in_dir):
+        T.load_trainable(models, ["student"], os.path.join(in_dir, "trainable.safetensors"))
+        models.clear()
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    if ckpt:
+        accelerator.load_state(ckpt)
+        accelerator.print(f"resumed from {ckpt} at iteration {state.step}")
+        metrics = T.MetricsWriter(metrics_path, state.step, accelerator.is_main_process)  # keeps step -1 probes
+    if accelerator.is_main_process:
+        T.env_snapshot(os.path.join(cfg.output_dir, "env.json"), cfg,
+                       {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device),
+                        "quantized_layers": {n: m.fmt for n, m in sorted(layers.items())}, "training_times": times})
+    if cfg.report_to != "none":
+        accelerator.init_trackers("qad", config={k: str(v) for k, v in vars(cfg).items()})
+
+    v_S = velocity_fn(student)
+    bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
+               disable=not (cfg.progress and accelerator.is_local_main_process), desc="QAD")
+    for i in bar:
+        t0 = time.perf_counter()
+        ids = batch_indices(len(data), cfg.batch_size, i, rank, world, cfg.seed)
+        x0, cond, uncond = model_inputs(data.family, data.get(ids), device, dtype, flux_g)
+        gen = step_generator(cfg.seed, i, rank, device=device.type if device.type != "mps" else "cpu")
+        opt.zero_grad(set_to_none=True)
+        loss, logs = qad_loss(v_S, v_T, x0, cond, uncond, alpha=cfg.alpha, guidance=guidance, generator=gen,
+                              shift=cfg.shift, times=times, model_dtype=dtype)
+        accelerator.backward(loss.mean())
+        norm = float(accelerator.clip_grad_norm_(params, cfg.max_grad_norm)) if cfg.max_grad_norm > 0 else T.grad_norm(params)
+        if math.isfinite(norm) or not cfg.skip_nonfinite:
+            opt.step()
+            sched.step()
+        else:
+            state.skipped += 1
+        state.step = i + 1
+        record = {"step": i, "lr": sched.get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
+                  "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
+        if i % cfg.log_every == 0 or i == cfg.max_steps - 1:
+            metrics.write(record)
+            if cfg.report_to != "none":
+                accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=i)
+        bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k.startswith("loss")})
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
+            T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+        if cfg.exit_after_step == i:
+            accelerator.print(f"exit_after_step {i}: hard exit")
+            sys.stdout.flush()
+            os._exit(17)
+
+    # ---- replicas must agree; final probe, checkpoint and exports
+    with torch.no_grad():
+        checksum = torch.stack([p.double().sum() for p in params]).sum()
+    sums = accelerator.gather(checksum.reshape(1).to(device)).tolist()
+    if len(set(sums)) != 1:
+        raise RuntimeError(f"student weights differ across ranks: {sums}")
+    T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+    if accelerator.is_main_process:
+        base = accelerator.unwrap_model(student)
+        final = {"step": state.step, "skipped": state.skipped, "student_checksum_per_rank": sums,
+                 "eval_distill": Q.distill_probe(base, teacher, probe, times, cfg)}
+        final["exports"] = Q.export_student(base, cfg.output_dir, cfg)
+        write_json(os.path.join(cfg.output_dir, "final.json"), final)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def peak_memory_mb(device) -> float:
+    import resource
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+if __name__ == "__main__":
+    main()
