@@ -260,3 +260,36 @@ def test_sample_grid_png_and_gif(env, ds_img, ds_vid, tmp_path):
     assert gif.size == (64, 96) and gif.n_frames == 5
     # no VAE in the pipeline (the shipped digits teacher): latents only
     assert SampleDecoder.from_pretrained(os.path.join(REPO, "rcm_diffusers", "assets", "digits_teacher"), "wan") is None
+
+
+@torch.no_grad()
+def test_flux_latents_synthetic_and_decode():
+    """Flux: (z - shift) * scaling, unpacked [C, h, w]; teacher samples == FluxPipeline with the same scheduler,
+    true CFG and guidance embedding; the grid decoder inverts the normalisation on packed tokens."""
+    from tiny import flux_embeds, tiny_flux_pipeline
+
+    from rcm_diffusers import TrigFlowEulerScheduler
+    from rcm_diffusers.data import pack_flux_latents
+    from rcm_diffusers.prepare import PipelineEncoder, teacher_samples
+    from rcm_diffusers.previews import SampleDecoder
+
+    pipe = tiny_flux_pipeline()
+    enc = PipelineEncoder(pipe, 32, 32)
+    assert enc.family == "flux" and enc.latent_shape == (4, 16, 16)
+    px = torch.from_numpy(np.stack(_smooth(5))).permute(3, 0, 1, 2)[None].float() / 127.5 - 1  # [1, 3, 1, 32, 32]
+    lat = enc.encode_media(px)
+    ref = (pipe.vae.encode(px[:, :, 0]).latent_dist.mode() - 0.0609) * 1.5035
+    torch.testing.assert_close(lat, ref, rtol=1e-5, atol=1e-5)
+    img = SampleDecoder(pipe.vae, "flux").decode(pack_flux_latents(lat), (16, 16))
+    torch.testing.assert_close(img[:, :, 0], (pipe.vae.decode(ref / 1.5035 + 0.0609).sample / 2 + 0.5).clamp(0, 1))
+
+    pe, pooled = flux_embeds(seed=1)
+    ne, npooled = flux_embeds(seed=2)
+    batch = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": ne, "negative_pooled_prompt_embeds": npooled}
+    got = teacher_samples(pipe.transformer, "flux", batch, (4, 16, 16), [11], steps=4, shift=3.0, guidance_scale=2.0,
+                          flux_guidance=3.5)
+    pipe.scheduler = TrigFlowEulerScheduler(shift=3.0, sigma_max=5000.0)
+    want = pipe(prompt_embeds=pe, pooled_prompt_embeds=pooled, negative_prompt_embeds=ne, negative_pooled_prompt_embeds=npooled,
+                true_cfg_scale=2.0, guidance_scale=3.5, height=32, width=32, num_inference_steps=4,
+                generator=torch.Generator().manual_seed(11), output_type="latent").images
+    torch.testing.assert_close(pack_flux_latents(got), want, rtol=1e-4, atol=1e-5)
