@@ -293,3 +293,21 @@ def test_flux_latents_synthetic_and_decode():
                 true_cfg_scale=2.0, guidance_scale=3.5, height=32, width=32, num_inference_steps=4,
                 generator=torch.Generator().manual_seed(11), output_type="latent").images
     torch.testing.assert_close(pack_flux_latents(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_reads_prepared_data_and_writes_grid(env, ds_img, tmp_path):
+    """accelerate launch training/rcm.py on the prepared dataset: trains, and its sample grid is a decoded PNG."""
+    from train_helpers import run_trainer
+
+    root, _ = env
+    out = tmp_path / "run"
+    p = run_trainer(["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", str(root / "pipe"),
+                     "--data_dir", str(ds_img), "--output_dir", str(out), "--max_steps", "2", "--sample_every", "2",
+                     "--checkpoint_every", "0", "--sample_steps", "[1, 2]"])
+    assert "PNG decoded with the pipeline's VAE" in p.stdout + p.stderr
+    assert Image.open(out / "samples" / "step-00000002.png").size == (3 * 32, 2 * 32)
+    assert (out / "pytorch_lora_weights.safetensors").exists()
+    import rcm
+
+    with pytest.raises(SystemExit, match=r"prepare_data.py --pretrained .* --synthetic .* --steps 100 --shift 3.0"):
+        rcm.main(["--pretrained", str(root / "pipe"), "--data_dir", str(ds_img), "--synthetic", "true"])

@@ -45,6 +45,11 @@ def peak_memory_mb(device) -> float:
 
 def main(argv=None):
     cfg = load_config(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    if cfg.synthetic:
+        raise SystemExit("--synthetic: the teacher samples are generated once, before training: run\n  python training/prepare_data.py "
+                         f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
+                         f"--shift {cfg.synthetic_shift} --height H --width W [--num_frames F] --output_dir DIR\n"
+                         "then train with --data_dir DIR (and without --synthetic)")
     accelerator = Accelerator(
         # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
         cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
@@ -118,11 +123,6 @@ def main(argv=None):
         accelerator.print(f"resumed from {ckpt} at iteration {state.step}")
 
     # ---- data, logging, guards
-    if cfg.synthetic:
-        raise SystemExit("--synthetic: the teacher samples are generated once, before training: run\n  python training/prepare_data.py "
-                         f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
-                         f"--shift {cfg.synthetic_shift} --height H --width W [--num_frames F] --output_dir DIR\n"
-                         "then train with --data_dir DIR (and without --synthetic)")
     data = LatentDataset(cfg.data_dir)
     decoder = None
     if cfg.sample_every and accelerator.is_main_process:
