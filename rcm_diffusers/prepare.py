@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .data import pack_flux_latents, unpack_flux_latents, write_latent_dataset
+from .data import FORMAT, _atomic_save, pack_flux_latents, unpack_flux_latents
 
 __all__ = ["IMAGE_EXTS", "VIDEO_EXTS", "Item", "read_items", "read_prompts", "load_media", "family_of", "PipelineEncoder",
-           "teacher_samples", "prepare_real", "prepare_synthetic"]
+           "ShardWriter", "teacher_samples", "prepare_real", "prepare_synthetic"]
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTS = (".gif", ".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -259,32 +258,95 @@ def _negative(enc: PipelineEncoder, negative_prompt: str | None) -> dict[str, to
     return {"negative_" + k: v for k, v in t.items()}
 
 
-def _text_tables(enc: PipelineEncoder, captions: list[str], batch_size: int, progress: bool):
-    from tqdm.auto import tqdm
+class ShardWriter:
+    """Streams per-sample rows into the SPEC §8 format (``rcm_diffusers.data``): a shard file every
+    ``shard_size`` samples, then tables and ``meta.json`` last, so an interrupted run leaves no dataset."""
 
-    unique = list(dict.fromkeys(captions))
-    rows: dict[str, list] = {}
-    for s in tqdm(range(0, len(unique), batch_size), desc="text", disable=not progress):
-        for k, v in enc.encode_text(unique[s:s + batch_size]).items():
-            rows.setdefault(k, []).append(v)
-    pos = {c: i for i, c in enumerate(unique)}
-    return unique, {k: torch.cat(v) for k, v in rows.items()}, torch.tensor([pos[c] for c in captions], dtype=torch.long)
+    def __init__(self, out_dir: str, shard_size: int = 256, dtype: torch.dtype = torch.float32):
+        self.out_dir, self.shard_size, self.dtype = out_dir, shard_size, dtype
+        os.makedirs(out_dir, exist_ok=True)
+        if os.path.exists(os.path.join(out_dir, "meta.json")):
+            os.remove(os.path.join(out_dir, "meta.json"))  # the old dataset is gone from here on
+        self.buf: dict[str, list] = {}
+        self.shards: list[dict] = []
+        self.num_samples = 0
+
+    def add(self, rows: dict[str, torch.Tensor]) -> None:
+        """Append rows (leading dim = samples; floats stored in ``dtype``)."""
+        for k, v in rows.items():
+            self.buf.setdefault(k, []).append(v.to(self.dtype) if v.is_floating_point() else v)
+        while self._buffered() >= self.shard_size:
+            self._flush(self.shard_size)
+
+    def _buffered(self) -> int:
+        return sum(v.shape[0] for v in self.buf["latents"]) if self.buf else 0
+
+    def _flush(self, n: int) -> None:
+        cat = {k: torch.cat(v) for k, v in self.buf.items()}
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        _atomic_save({k: v[:n] for k, v in cat.items()}, os.path.join(self.out_dir, name))
+        self.shards.append({"file": name, "num_samples": n})
+        self.num_samples += n
+        self.buf = {k: [v[n:]] for k, v in cat.items()} if cat["latents"].shape[0] > n else {}
+
+    def close(self, family: str, tables: dict, table_index: dict, extra_meta: dict) -> str:
+        """Flush the last shard, write ``tables.safetensors`` and ``meta.json`` (atomic); returns ``out_dir``."""
+        if self._buffered():
+            self._flush(self._buffered())
+        if not self.num_samples:
+            raise ValueError("no samples were written")
+        meta = {"format": FORMAT, "version": 1, "family": family, "num_samples": self.num_samples, "shards": self.shards,
+                "tables": table_index, **extra_meta}
+        if tables:
+            _atomic_save({k: v.to(self.dtype) for k, v in tables.items()}, os.path.join(self.out_dir, "tables.safetensors"))
+            meta["tables_file"] = "tables.safetensors"
+        tmp = os.path.join(self.out_dir, "meta.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, os.path.join(self.out_dir, "meta.json"))
+        return self.out_dir
 
 
-def _write(out_dir, enc, latents, prompt_index, tables, per_sample, unique, negative_prompt, extra_meta, neg=None):
-    table_index = {k: "prompt_index" for k in tables}
-    neg = _negative(enc, negative_prompt) if neg is None else neg
-    tables = {**tables, **neg}
-    table_index.update({k: None for k in neg})
-    meta = {"prompts": unique, "negative_prompt": negative_prompt, "height": enc.height, "width": enc.width,
-            "num_frames": enc.num_frames, **(extra_meta or {})}
-    return write_latent_dataset(out_dir, {"latents": latents, "prompt_index": prompt_index, **per_sample}, family=enc.family,
-                                tables=tables, table_index=table_index, extra_meta=meta)
+class _Text:
+    """Caption embeddings: a ``prompt_embeds`` table + ``prompt_index`` when captions repeat (each unique
+    caption at most half of the samples), else per-sample rows encoded batch by batch (bounded memory)."""
+
+    def __init__(self, enc: PipelineEncoder, captions: list[str], batch_size: int, progress: bool):
+        from tqdm.auto import tqdm
+
+        self.enc, self.unique = enc, list(dict.fromkeys(captions))
+        self.as_table = 2 * len(self.unique) <= len(captions)
+        self.tables: dict[str, torch.Tensor] = {}
+        if self.as_table:
+            rows: dict[str, list] = {}
+            for s in tqdm(range(0, len(self.unique), batch_size), desc="text", disable=not progress):
+                for k, v in enc.encode_text(self.unique[s:s + batch_size]).items():
+                    rows.setdefault(k, []).append(v)
+            self.tables = {k: torch.cat(v) for k, v in rows.items()}
+            self.pos = {c: i for i, c in enumerate(self.unique)}
+
+    def rows(self, captions: list[str]) -> tuple[dict, dict]:
+        """``(stored per-sample fields, embeddings for the model)`` of a batch of captions."""
+        if self.as_table:
+            idx = torch.tensor([self.pos[c] for c in captions], dtype=torch.long)
+            return {"prompt_index": idx}, {k: v[idx] for k, v in self.tables.items()}
+        emb = self.enc.encode_text(captions)
+        return emb, emb
+
+    def table_index(self) -> dict:
+        return {k: "prompt_index" for k in self.tables}
+
+
+def _close(writer: ShardWriter, enc: PipelineEncoder, text: _Text, neg: dict, negative_prompt, extra_meta: dict) -> str:
+    meta = {"prompts": text.unique if text.as_table else None, "negative_prompt": negative_prompt, "height": enc.height,
+            "width": enc.width, "num_frames": enc.num_frames, **extra_meta}
+    return writer.close(enc.family, {**text.tables, **neg}, {**text.table_index(), **{k: None for k in neg}}, meta)
 
 
 def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negative_prompt: str | None = "",
-                 resize: str = "error", batch_size: int = 4, progress: bool = True) -> str:
-    """Encode media + captions with the pipeline into a SPEC §8 dataset at ``out_dir`` (SPEC §8)."""
+                 resize: str = "error", batch_size: int = 4, shard_size: int = 256, save_dtype=torch.float32,
+                 progress: bool = True) -> str:
+    """Encode media + captions with the pipeline into a SPEC §8 dataset at ``out_dir``, streamed shard by shard."""
     from tqdm.auto import tqdm
 
     if not items:
@@ -292,17 +354,17 @@ def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negat
     for it in items:
         if not it.caption:
             raise ValueError(f"{it.media}: empty caption")
-    unique, tables, prompt_index = _text_tables(enc, [it.caption for it in items], batch_size, progress)
-    lat, cond = [], {}
-    for s in tqdm(range(0, len(items), batch_size), desc="vae", disable=not progress):
-        px = torch.stack([load_media(it.media, enc.height, enc.width, enc.num_frames, resize) for it in items[s:s + batch_size]])
-        lat.append(enc.encode_media(px))
+    text = _Text(enc, [it.caption for it in items], batch_size, progress)
+    neg = _negative(enc, negative_prompt)
+    writer = ShardWriter(out_dir, shard_size, save_dtype)
+    for s in tqdm(range(0, len(items), batch_size), desc="encode", disable=not progress):
+        chunk = items[s:s + batch_size]
+        px = torch.stack([load_media(it.media, enc.height, enc.width, enc.num_frames, resize) for it in chunk])
+        rows = {"latents": enc.encode_media(px), **text.rows([it.caption for it in chunk])[0]}
         if enc.family == "wan_i2v":
-            for k, v in enc.encode_condition(px[:, :, 0]).items():
-                cond.setdefault(k, []).append(v)
-    per_sample = {k: torch.cat(v) for k, v in cond.items()}
-    return _write(out_dir, enc, torch.cat(lat), prompt_index, tables, per_sample, unique, negative_prompt,
-                  {"source": "real", "files": [os.path.basename(it.media) for it in items]})
+            rows.update(enc.encode_condition(px[:, :, 0]))
+        writer.add(rows)
+    return _close(writer, enc, text, neg, negative_prompt, {"source": "real", "files": [os.path.basename(it.media) for it in items]})
 
 
 # ----------------------------------------------------------------------------- synthetic teacher samples
@@ -354,7 +416,8 @@ def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: 
 def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *, num_samples: int, seed: int = 0,
                       steps: int = 100, shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler",
                       sigma_max: float = 5000.0, flux_guidance: float | None = 3.5, negative_prompt: str | None = "",
-                      images: list[str] | None = None, resize: str = "error", batch_size: int = 4, progress: bool = True) -> str:
+                      images: list[str] | None = None, resize: str = "error", batch_size: int = 4, shard_size: int = 256,
+                      save_dtype=torch.float32, progress: bool = True) -> str:
     """Synthetic dataset: sample ``i`` = teacher sample of ``prompts[i % P]`` with seed ``seed + i`` (SPEC §8).
     Wan I2V needs ``images`` (first frames, one per prompt)."""
     from tqdm.auto import tqdm
@@ -366,29 +429,28 @@ def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *,
     if enc.family == "wan_i2v" and (images is None or len(images) != len(prompts)):
         raise ValueError("Wan I2V synthetic data needs one first-frame image per prompt (a folder or manifest of image + caption)")
     captions = [prompts[i % len(prompts)] for i in range(num_samples)]
-    unique, tables, prompt_index = _text_tables(enc, captions, batch_size, progress)
+    text = _Text(enc, captions, batch_size, progress)
     neg = _negative(enc, negative_prompt)
     first = None
     if enc.family == "wan_i2v":
         px = torch.stack([load_media(p, enc.height, enc.width, 1, resize)[:, 0] for p in images])
         first = enc.encode_condition(px)  # one row per prompt
     guide = flux_guidance if getattr(enc.pipe.transformer.config, "guidance_embeds", False) else None
-    lat, cond_rows = [], {}
+    writer = ShardWriter(out_dir, shard_size, save_dtype)
     for s in tqdm(range(0, num_samples, batch_size), desc="teacher", disable=not progress):
         ids = list(range(s, min(num_samples, s + batch_size)))
-        batch = {k: v[prompt_index[ids]] for k, v in tables.items()}
-        batch.update({k: v.expand(len(ids), *v.shape[1:]) for k, v in neg.items()})
+        stored, emb = text.rows([captions[i] for i in ids])
+        batch = {**emb, **{k: v.expand(len(ids), *v.shape[1:]) for k, v in neg.items()}}
         if first is not None:
             per = {k: v[[i % len(prompts) for i in ids]] for k, v in first.items()}
             batch.update(per)
-            for k, v in per.items():
-                cond_rows.setdefault(k, []).append(v)
-        lat.append(teacher_samples(enc.pipe.transformer, enc.family, batch, enc.latent_shape, [seed + i for i in ids],
-                                   steps=steps, shift=shift, guidance_scale=guidance_scale, solver=solver,
-                                   sigma_max=sigma_max, flux_guidance=guide, device=enc.device))
-    per_sample = {k: torch.cat(v) for k, v in cond_rows.items()}
+            stored = {**stored, **per}
+        x0 = teacher_samples(enc.pipe.transformer, enc.family, batch, enc.latent_shape, [seed + i for i in ids],
+                             steps=steps, shift=shift, guidance_scale=guidance_scale, solver=solver,
+                             sigma_max=sigma_max, flux_guidance=guide, device=enc.device)
+        if not torch.isfinite(x0).all():
+            raise FloatingPointError(f"teacher samples {ids} contain NaN/inf; check the model dtype and the guidance scale")
+        writer.add({"latents": x0, **stored})
     meta = {"source": "synthetic", "seed": seed, "solver": solver, "steps": steps, "shift": shift,
             "guidance_scale": guidance_scale, "sigma_max": sigma_max, "flux_guidance": guide}
-    if not math.isfinite(float(torch.cat(lat).abs().max())):
-        raise FloatingPointError("teacher samples contain NaN/inf; check the model dtype and the guidance scale")
-    return _write(out_dir, enc, torch.cat(lat), prompt_index, tables, per_sample, unique, negative_prompt, meta, neg)
+    return _close(writer, enc, text, neg, negative_prompt, meta)

@@ -53,6 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--flux_guidance", type=float, default=3.5, help="--synthetic, Flux-dev: guidance-embedding value")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: base seed")
     ap.add_argument("--batch_size", type=int, default=4, help="samples per VAE / text-encoder / teacher batch")
+    ap.add_argument("--shard_size", type=int, default=256, help="samples per shard file (written as they are encoded; memory stays bounded)")
+    ap.add_argument("--save_dtype", default="float32", choices=sorted(DTYPES), help="dtype of the stored latents/embeddings (bfloat16 halves the disk; the trainer casts to float32 on load)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype the pipeline is loaded in (bfloat16 for 14B models on GPU)")
     ap.add_argument("--no_progress", action="store_true", help="no tqdm bars")
@@ -68,23 +70,23 @@ def main(argv=None):
     a = parse_args(argv)
     from diffusers import DiffusionPipeline
 
+    # read the sources before loading a (possibly 14B) pipeline, so their errors come first
+    if a.synthetic and a.prompts:
+        prompts, images = P.read_prompts(a.prompts), None
+    else:
+        items = P.read_items(a.source, a.caption_ext)
+        prompts, images = [it.caption for it in items], [it.media for it in items]
     pipe = DiffusionPipeline.from_pretrained(a.pretrained, torch_dtype=DTYPES[a.dtype]).to(a.device)
     enc = P.PipelineEncoder(pipe, a.height, a.width, a.num_frames, a.max_sequence_length or None, a.device, DTYPES[a.dtype])
     negative = None if a.no_negative_prompt else (a.negative_prompt if a.negative_prompt is not None else ("" if enc.family != "flux" else None))
-    progress = not a.no_progress
+    common = dict(negative_prompt=negative, resize=a.resize, batch_size=a.batch_size, shard_size=a.shard_size,
+                  save_dtype=DTYPES[a.save_dtype], progress=not a.no_progress)
     if a.synthetic:
-        if a.prompts:
-            prompts, images = P.read_prompts(a.prompts), None
-        else:
-            items = P.read_items(a.source, a.caption_ext)
-            prompts, images = [it.caption for it in items], [it.media for it in items]
         out = P.prepare_synthetic(enc, prompts, a.output_dir, num_samples=a.num_samples or len(prompts), seed=a.seed,
                                   steps=a.steps, shift=a.shift, guidance_scale=a.guidance_scale, solver=a.solver,
-                                  sigma_max=a.sigma_max, flux_guidance=a.flux_guidance, negative_prompt=negative,
-                                  images=images, resize=a.resize, batch_size=a.batch_size, progress=progress)
+                                  sigma_max=a.sigma_max, flux_guidance=a.flux_guidance, images=images, **common)
     else:
-        out = P.prepare_real(enc, P.read_items(a.source, a.caption_ext), a.output_dir, negative_prompt=negative,
-                             resize=a.resize, batch_size=a.batch_size, progress=progress)
+        out = P.prepare_real(enc, items, a.output_dir, **common)
     print(f"wrote {out} ({enc.family}, latents {enc.latent_shape})")
 
 
