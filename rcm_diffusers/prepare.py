@@ -12,8 +12,9 @@ Two sources, one output format (:func:`rcm_diffusers.data.write_latent_dataset`)
   ``randn(latent shape, generator=torch.Generator().manual_seed(seed + i))``, so it equals
   ``pipe(prompt_i, generator=..., output_type="latent")`` with the same scheduler and guidance scale.
 
-Unique captions are stored once (``prompt_embeds`` table indexed by ``prompt_index``); the negative
-prompt is one broadcast table row. Wan I2V adds per-sample ``condition`` (mask + first-frame latents,
+Shards are written as samples are encoded (:class:`ShardWriter`; ``meta.json`` last). Captions that repeat
+(each unique caption at most half the samples) are stored once in a ``prompt_embeds`` table indexed by
+``prompt_index``, otherwise per sample; the negative prompt is one broadcast table row. Wan I2V adds per-sample ``condition`` (mask + first-frame latents,
 as ``WanImageToVideoPipeline.prepare_latents`` builds them) and, with a CLIP image encoder, ``image_embeds``.
 """
 
