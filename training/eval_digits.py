@@ -35,7 +35,7 @@ def main(argv=None):
     p.add_argument("--student", action="append", default=[], help="[name=]DIR of a training/rcm.py run (LoRA or student_transformer)")
     p.add_argument("--out", default="outputs/digits", help="directory for report.md, results.json, samples.png")
     p.add_argument("--samples", type=int, default=1000, help="samples per row (classes cycle 0..9)")
-    p.add_argument("--guidance_scale", type=float, default=1.0, help="CFG scale s of the teacher rows (v_u + s (v_c - v_u)); 1 = off")
+    p.add_argument("--guidance_scale", default="1", help="CFG scales s of the teacher rows, comma-separated (v_u + s (v_c - v_u)); 1 = off; the first is the reference")
     p.add_argument("--student_guidance_scale", type=float, default=1.0, help="CFG of student rows (1: the student distils the guided teacher)")
     p.add_argument("--teacher_steps", default="1,2,4,8", help="few-step teacher rows (Euler and UniPC)")
     p.add_argument("--student_steps", default="1,2,4")
@@ -54,13 +54,12 @@ def main(argv=None):
 
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
-    s = a.guidance_scale
-    cfg_mult = 1 if s == 1.0 else 2
-    jobs = []  # (method, steps, nfe, callable(transformer, emb))
-    for solver in ("euler", "unipc"):
-        for n in [a.ref_steps] + _ints(a.teacher_steps):
-            jobs.append((f"teacher {solver}" + (f" cfg {s:g}" if s != 1 else ""), n, n * cfg_mult, "teacher",
-                         lambda tr, e, n=n, solver=solver: D.sample_teacher(tr, e, labels, n, solver, s, a.seed, shift=a.shift)))
+    jobs = []  # (method, steps, nfe, model key, callable(transformer, emb))
+    for s in [float(v) for v in a.guidance_scale.split(",")]:
+        for solver in ("euler", "unipc"):
+            for n in [a.ref_steps] + _ints(a.teacher_steps):
+                jobs.append((f"teacher {solver}" + (f" cfg {s:g}" if s != 1 else ""), n, n * (1 if s == 1.0 else 2), "teacher",
+                             lambda tr, e, n=n, solver=solver, s=s: D.sample_teacher(tr, e, labels, n, solver, s, a.seed, shift=a.shift)))
     students = []
     for spec in a.student:
         name, _, path = spec.rpartition("=")
@@ -81,7 +80,7 @@ def main(argv=None):
             ref = ev.features(x)  # first job: the reference teacher (Euler, ref_steps)
         fdt = D.frechet_distance(ev.features(x), ref)
         rows.append(D.Row(method, n, nfe, m["fd"], m["accuracy"], m["diversity"], 1000 * sec / a.samples, peak, fdt))
-        grid.append((f"{method} {n}", torch.cat([x[labels == c][:1] for c in range(D.NUM_CLASSES)])))
+        grid.append((f"{method} / {n}", torch.cat([x[labels == c][:1] for c in range(D.NUM_CLASSES)])))
         tqdm.write(f"{method:>28} {n:>3} steps: FD {m['fd']:.2f}  acc {m['accuracy']:.3f}  div {m['diversity']:.2f}  "
                    f"{1000 * sec / a.samples:.2f} ms/sample")
 
