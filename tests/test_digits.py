@@ -148,3 +148,26 @@ def test_digits_trainer_smoke_then_eval(tmp_path):
     st, _ = D.load_student(D.TEACHER_DIR, str(out))
     y = torch.arange(10)
     assert (D.sample_student(st, emb, y, 1) - D.sample_student(tr, emb, y, 1)).abs().max() > 1e-4
+
+
+def test_teacher_training_script_is_seeded(tmp_path):
+    """Two 3-step runs of training/train_teacher_digits.py write bit-identical weights and embeddings."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, os.path.join(REPO, "training"))
+    import train_teacher_digits
+
+    outs = []
+    for k in range(2):
+        out = str(tmp_path / f"t{k}")
+        train_teacher_digits.main(["--out", out, "--steps", "3", "--batch_size", "16", "--classifier_out", "",
+                                   "--data_out", "", "--eval_samples", "0"])
+        outs.append({**load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors")),
+                     **load_file(os.path.join(out, "class_embeddings.safetensors"))})
+    assert outs[0].keys() == outs[1].keys()
+    for k, v in outs[0].items():
+        assert torch.equal(v, outs[1][k]), k
+    tr, emb = D.load_teacher(str(tmp_path / "t0"))
+    assert emb.shape == (11, D.TEXT_LEN, D.TEXT_DIM)
