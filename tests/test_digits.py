@@ -81,6 +81,21 @@ def test_shipped_teacher_loads_as_wan_pipeline():
     assert size < 8 * 2**20
 
 
+def test_shipped_teacher_runs_in_wan_pipeline_like_sample_teacher(teacher):
+    """The directory is a working WanPipeline (no VAE: 64 px = 8x8 latents, output_type='latent'); its
+    TrigFlowEuler run equals ``digits.sample_teacher`` from the same seed."""
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    pipe = WanPipeline.from_pretrained(D.TEACHER_DIR, vae=None, text_encoder=None, tokenizer=None)
+    pipe.set_progress_bar_config(disable=True)
+    e = load_file(os.path.join(D.TEACHER_DIR, "class_embeddings.safetensors"))
+    lat = pipe(prompt_embeds=e["prompt_embeds"], height=64, width=64, num_frames=1, num_inference_steps=10,
+               guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(7)).frames
+    ref = D.sample_teacher(*teacher, torch.arange(10), steps=10, seed=7)
+    torch.testing.assert_close(lat, ref, rtol=0, atol=1e-4)
+
+
 def test_latent_dataset_matches_split_and_table(split):
     from rcm_diffusers.data import LatentDataset, model_inputs
 
