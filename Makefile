@@ -22,8 +22,12 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
+# rCM on the embedded digits teacher (training/configs/digits.yaml), then the evaluation table:
+# outputs/digits/{report.md,samples.png,pytorch_lora_weights.safetensors}. One torch thread: on a
+# small shared CPU box more threads are slower, not faster (docs/benchmarks.md).
 demo: setup
-	$(VENV)/bin/accelerate launch --num_processes 1 --cpu training/rcm.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --num_processes 1 --cpu --mixed_precision no --dynamo_backend no training/rcm.py
+	OMP_NUM_THREADS=1 $(PY) training/eval_digits.py --threads 1 --student rcm=outputs/digits --student rcm-ema=outputs/digits/ema --out outputs/digits
 
 clean:
 	rm -rf $(VENV) outputs
