@@ -194,6 +194,26 @@ def save_checkpoint(accelerator, output_dir: str, step: int, total_limit: int = 
     return final
 
 
+def end_of_step(accelerator, cfg, i: int, record: dict, metrics) -> None:
+    """Bookkeeping after iteration ``i`` shared by the trainers: ``metrics.jsonl`` (every ``log_every``
+    and the last), the accelerate tracker, and the periodic checkpoint at ``step = i + 1``."""
+    if i % cfg.log_every == 0 or i == cfg.max_steps - 1:
+        metrics.write(record)
+        if cfg.report_to != "none":
+            accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=i)
+    step = i + 1
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+        save_checkpoint(accelerator, cfg.output_dir, step, cfg.checkpoints_total_limit)
+
+
+def exit_if_asked(accelerator, cfg, i: int) -> None:
+    """Testing aid: hard-exit (``os._exit(17)``) right after iteration ``cfg.exit_after_step``, as if killed."""
+    if cfg.exit_after_step == i:
+        accelerator.print(f"exit_after_step {i}: hard exit")
+        sys.stdout.flush()
+        os._exit(17)
+
+
 def save_trainable(models: list, names: list[str], path: str) -> None:
     """Save only the trainable parameters (adapters or full copies) of ``models`` (safetensors)."""
     from safetensors.torch import save_file

@@ -184,20 +184,11 @@ def main(argv=None):
         record = {"step": i, "net": role, "student_eff": plan.student_eff, "fake_eff": plan.fake_eff,
                   "lr": scheds[role].get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
                   "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
-        if i % cfg.log_every == 0 or i == cfg.max_steps - 1:
-            metrics.write(record)
-            if cfg.report_to != "none":
-                accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=i)
         bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k.startswith("loss")})
-
-        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < cfg.max_steps:
-            T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+        T.end_of_step(accelerator, cfg, i, record, metrics)
         if cfg.sample_every and state.step % cfg.sample_every == 0 and accelerator.is_main_process:
             T.write_samples(nets, data, cfg, state.step, device, transformer, decoder=decoder)
-        if cfg.exit_after_step == i:
-            accelerator.print(f"exit_after_step {i}: hard exit")
-            sys.stdout.flush()
-            os._exit(17)
+        T.exit_if_asked(accelerator, cfg, i)
 
     # ---- replicas must agree (DDP keeps them in sync; a drift here is a bug worth stopping for)
     with torch.no_grad():
