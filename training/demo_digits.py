@@ -1,0 +1,195 @@
+"""The digits demo (``make demo``): rCM-distil the shipped digits teacher, then evaluate it in one report.
+
+    python training/demo_digits.py                 # rCM student (training/configs/digits.yaml), then the table
+    python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
+
+Each student is one ``accelerate launch --num_processes 1 --cpu training/rcm.py`` subprocess with
+``OMP_NUM_THREADS=1`` (on a small shared CPU box more threads are slower, docs/benchmarks.md), run from the
+repository root. Run directories: ``OUT`` (rCM), ``OUT-scm-only`` (``--use_dmd false``) and ``OUT-dmd-only``
+(``--scm_weight 0 --tangent_warmup 0``: see ``rcm_diffusers.digits.ABLATIONS``). A run whose ``final.json`` and
+LoRA exist is reused (unless ``--force``); an interrupted one resumes from its latest checkpoint. Then
+``training/eval_digits.py`` evaluates the teacher rows and every student (live and EMA weights) once and writes
+``OUT/report.md``, ``OUT/samples.png`` and ``OUT/results.json``; ``OUT/demo_timing.json`` holds the wall clock
+of each phase. Any other ``--key value`` is passed to every training run (see ``training/rcm.py --help``),
+e.g. ``--max_steps 30 --batch_size 8`` for a quick try.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rcm_diffusers import digits as D  # noqa: E402
+from rcm_diffusers.config import load_config  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
+
+
+def parse_args(argv=None):
+    """Demo options; unknown ``--key value`` pairs are returned as trainer overrides."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Trainer options not listed here (--max_steps, --batch_size, --lr, ...) go to every "
+                                       "training run; ablation switches are applied after them.")
+    p.add_argument("--ablations", action="store_true",
+                   help="also train the sCM-only (--use_dmd false) and DMD-only (--scm_weight 0 --tangent_warmup 0) "
+                        "students with the same iterations and put them in the same report")
+    p.add_argument("--out", default=None,
+                   help="rCM run directory, also where report.md/samples.png go (default: output_dir of the config, "
+                        "outputs/digits); ablations train into OUT-scm-only and OUT-dmd-only")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="trainer YAML (default: training/configs/digits.yaml)")
+    p.add_argument("--force", action="store_true",
+                   help="retrain even if a finished run exists (deletes that run directory first)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="ablation runs trained at the same time, after the rCM run (which always trains alone so its "
+                        "wall clock is the default demo's); >1 writes their output to RUN/train.log")
+    p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process (default 1)")
+    p.add_argument("--samples", type=int, default=1000, help="evaluation samples per table row (classes cycle 0..9)")
+    p.add_argument("--ref_steps", type=int, default=50, help="steps of the reference teacher rows")
+    p.add_argument("--teacher_steps", default="1,2,4,8", help="few-step teacher rows (Euler and UniPC)")
+    p.add_argument("--student_steps", default="1,2,4", help="student rows (RCMScheduler steps)")
+    p.add_argument("--skip_eval", action="store_true", help="train only")
+    p.add_argument("--dry_run", action="store_true", help="print what would run and exit")
+    a, rest = p.parse_known_args(argv)
+    if a.jobs < 1 or a.threads < 1 or a.samples < 10:
+        p.error("--jobs and --threads must be >= 1, --samples >= 10")
+    return a, rest
+
+
+def plan_runs(a, overrides: list[str]) -> list[dict]:
+    """One dict per student run: ``name``, ``dir`` (absolute), trainer ``args`` and the validated config."""
+    if any(o.split("=")[0] in ("--output_dir", "--resume") for o in overrides):
+        raise SystemExit("demo_digits: set the run directory with --out (not --output_dir); resuming is automatic")
+    try:
+        base_cfg = load_config(["--config", a.config, *overrides])
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"demo_digits: {e} (trainer options: python training/rcm.py --help)") from None
+    out = os.path.abspath(a.out or (base_cfg.output_dir if os.path.isabs(base_cfg.output_dir)
+                                    else os.path.join(REPO, base_cfg.output_dir)))
+    runs = []
+    for name in ["rcm", *(D.ABLATIONS if a.ablations else [])]:
+        run_dir = out if name == "rcm" else f"{out}-{name}"
+        args = ["--config", os.path.abspath(a.config), *overrides, *D.run_overrides(name), "--output_dir", run_dir]
+        try:
+            cfg = load_config(args)
+        except ValueError as e:
+            raise SystemExit(f"demo_digits: run {name!r}: {e}") from None
+        runs.append({"name": name, "dir": run_dir, "args": args, "config": dataclasses.asdict(cfg)})
+    return runs
+
+
+def launch_command(args: list[str]) -> list[str]:
+    """``accelerate launch`` of ``training/rcm.py`` on one CPU process with ``args``."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--cpu",
+            "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "rcm.py"), *args]
+
+
+def _env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+
+
+def train(runs: list[dict], a) -> dict:
+    """Train the runs that are not finished (rCM alone first, then the ablations ``--jobs`` at a time); returns
+    ``{name: wall seconds}`` of the runs trained here."""
+    todo = []
+    for r in runs:
+        if a.force and os.path.isdir(r["dir"]):
+            if not os.path.exists(os.path.join(r["dir"], "env.json")) and os.listdir(r["dir"]):
+                raise SystemExit(f"demo_digits: --force would delete {r['dir']}, which is not a training run (no env.json)")
+            print(f"[demo] --force: removing {r['dir']}", flush=True)
+            shutil.rmtree(r["dir"])
+        try:
+            state = D.run_state(r["dir"], r["config"])
+        except ValueError as e:
+            raise SystemExit(f"demo_digits: {e}") from None
+        if state == "finished":
+            print(f"[demo] {r['name']}: finished run in {r['dir']} (final.json), not retraining (--force to retrain)", flush=True)
+        else:
+            if state == "partial":
+                print(f"[demo] {r['name']}: unfinished run in {r['dir']}: resuming from its latest checkpoint", flush=True)
+            todo.append(r)
+    times = {}
+    groups = [[r] for r in todo if r["name"] == "rcm"]
+    rest = [r for r in todo if r["name"] != "rcm"]
+    groups += [rest[i:i + a.jobs] for i in range(0, len(rest), a.jobs)]
+    for group in groups:
+        procs = []
+        for r in group:
+            cmd = launch_command([*r["args"], "--resume", "latest"] + (["--progress", "false"] if len(group) > 1 else []))
+            print(f"[demo] training {r['name']} -> {r['dir']}\n  OMP_NUM_THREADS={a.threads} {' '.join(cmd)}", flush=True)
+            if a.dry_run:
+                continue
+            log = None
+            if len(group) > 1:
+                os.makedirs(r["dir"], exist_ok=True)
+                log = open(os.path.join(r["dir"], "train.log"), "a")
+            procs.append((r, subprocess.Popen(cmd, cwd=REPO, env=_env(a.threads), stdout=log, stderr=subprocess.STDOUT if log else None),
+                          time.perf_counter(), log))
+        for r, proc, t0, log in procs:
+            rc = proc.wait()
+            times[r["name"]] = time.perf_counter() - t0
+            if log:
+                log.close()
+            if rc != 0:
+                for _, other, _, _ in procs:
+                    if other.poll() is None:
+                        other.terminate()
+                tail = ""
+                if log:
+                    with open(log.name) as f:
+                        tail = "\n  log tail:\n" + "".join(f.readlines()[-20:])
+                raise SystemExit(f"demo_digits: training {r['name']} failed (exit {rc}); run dir {r['dir']}{tail}")
+            print(f"[demo] {r['name']} trained in {times[r['name']] / 60:.1f} min", flush=True)
+    return times
+
+
+def evaluate(runs: list[dict], a):
+    """One ``training/eval_digits.py`` pass with every student (live and EMA weights) as rows; returns its rows."""
+    students = []
+    for r in runs:
+        students += ["--student", f"{r['name']}={r['dir']}"]
+        if r["config"]["ema_rate"] > 0:
+            students += ["--student", f"{r['name']}-ema={os.path.join(r['dir'], 'ema')}"]
+    title = "Digits benchmark: rCM" + (" with sCM-only and DMD-only ablations" if len(runs) > 1 else "")
+    argv = [*students, "--out", runs[0]["dir"], "--samples", str(a.samples), "--ref_steps", str(a.ref_steps),
+            "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.threads), "--title", title]
+    print(f"[demo] evaluating: python training/eval_digits.py {' '.join(argv)}", flush=True)
+    if a.dry_run:
+        return []
+    sys.path.insert(0, os.path.join(REPO, "training"))
+    import eval_digits
+
+    return eval_digits.main(argv)
+
+
+def main(argv=None):
+    """Train (rCM, with ``--ablations`` also sCM-only and DMD-only) and evaluate; returns the report rows."""
+    a, overrides = parse_args(argv)
+    runs = plan_runs(a, overrides)
+    t0 = time.perf_counter()
+    train_s = train(runs, a)
+    t1 = time.perf_counter()
+    rows = [] if a.skip_eval else evaluate(runs, a)
+    eval_s = time.perf_counter() - t1
+    if a.dry_run:
+        return rows
+    timing = {"train_s": train_s, "eval_s": None if a.skip_eval else eval_s, "total_s": time.perf_counter() - t0,
+              "runs": {r["name"]: r["dir"] for r in runs}, "argv": sys.argv if argv is None else argv,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    D.atomic_write_text(os.path.join(runs[0]["dir"], "demo_timing.json"), json.dumps(timing, indent=1))
+    summary = ", ".join(f"{k} {v / 60:.1f} min" for k, v in train_s.items()) or "no training (all runs finished)"
+    print(f"[demo] done in {timing['total_s'] / 60:.1f} min (training: {summary}; evaluation {eval_s / 60:.1f} min); "
+          f"report: {os.path.join(runs[0]['dir'], 'report.md')}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
