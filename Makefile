@@ -23,11 +23,11 @@ test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
 # rCM on the embedded digits teacher (training/configs/digits.yaml), then the evaluation table:
-# outputs/digits/{report.md,samples.png,pytorch_lora_weights.safetensors}. One torch thread: on a
-# small shared CPU box more threads are slower, not faster (docs/benchmarks.md).
+# outputs/digits/{report.md,samples.png,pytorch_lora_weights.safetensors}. One torch thread per process: on a
+# small shared CPU box more threads are slower, not faster (docs/benchmarks.md). `make demo ABLATIONS=1` adds the
+# sCM-only and DMD-only students to the same table; DEMO_ARGS passes more (python training/demo_digits.py --help).
 demo: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --num_processes 1 --cpu --mixed_precision no --dynamo_backend no training/rcm.py
-	OMP_NUM_THREADS=1 $(PY) training/eval_digits.py --threads 1 --student rcm=outputs/digits --student rcm-ema=outputs/digits/ema --out outputs/digits
+	$(PY) training/demo_digits.py $(if $(ABLATIONS),--ablations) $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs
