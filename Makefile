@@ -27,7 +27,7 @@ test: setup
 # small shared CPU box more threads are slower, not faster (docs/benchmarks.md). `make demo ABLATIONS=1` adds the
 # sCM-only and DMD-only students to the same table; DEMO_ARGS passes more (python training/demo_digits.py --help).
 demo: setup
-	$(PY) training/demo_digits.py $(if $(ABLATIONS),--ablations) $(DEMO_ARGS)
+	$(PY) training/demo_digits.py $(if $(filter-out 0 no false,$(ABLATIONS)),--ablations) $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs
