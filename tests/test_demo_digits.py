@@ -1,0 +1,91 @@
+"""training/demo_digits.py (``make demo``): ablation switches, run reuse, and a tiny end-to-end run with ablations."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from rcm_diffusers import digits as D
+from rcm_diffusers.config import load_config
+from train_helpers import REPO
+
+sys.path.insert(0, os.path.join(REPO, "training"))
+import demo_digits  # noqa: E402
+
+TINY = ["--max_steps", "4", "--batch_size", "4", "--tangent_warmup", "1", "--student_update_freq", "2",
+        "--checkpoint_every", "0", "--log_every", "1", "--progress", "false",
+        "--samples", "20", "--ref_steps", "2", "--teacher_steps", "1", "--student_steps", "1"]
+
+
+def test_ablation_overrides_give_scm_only_and_dmd_only_configs():
+    assert D.run_overrides("rcm") == []
+    assert D.run_overrides("scm-only") == ["--use_dmd", "false"]
+    assert D.run_overrides("dmd-only") == ["--scm_weight", "0.0", "--tangent_warmup", "0"]
+    scm = load_config(D.run_overrides("scm-only"), default_config=demo_digits.DEFAULT_CONFIG)
+    dmd = load_config(D.run_overrides("dmd-only"), default_config=demo_digits.DEFAULT_CONFIG)
+    assert (scm.use_dmd, scm.scm_weight, scm.tangent_warmup, scm.max_steps) == (False, 1.0, 500, 2500)
+    assert (dmd.use_dmd, dmd.scm_weight, dmd.dmd_weight, dmd.tangent_warmup, dmd.max_steps) == (True, 0.0, 1.0, 0, 2500)
+    with pytest.raises(ValueError, match="unknown variant"):
+        D.run_overrides("dmd")
+
+
+def test_run_state_and_config_mismatch(tmp_path):
+    cfg = {"max_steps": 10, "lr": 1e-3, "output_dir": "a", "progress": True}
+    run = tmp_path / "run"
+    assert D.run_state(str(run), cfg) == "missing"
+    run.mkdir()
+    (run / "env.json").write_text(json.dumps({"config": {**cfg, "output_dir": "b", "progress": False}}))
+    assert D.run_state(str(run), cfg) == "partial"
+    (run / "final.json").write_text("{}")
+    assert D.run_state(str(run), cfg) == "partial"  # final.json precedes the export: not done yet
+    (run / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    assert D.run_state(str(run), cfg) == "finished"  # output_dir / progress do not change the training
+    with pytest.raises(ValueError, match=r"max_steps: 10 -> 11.*--force"):
+        D.run_state(str(run), {**cfg, "max_steps": 11})
+
+
+def test_bad_options_fail_before_training(tmp_path, capsys):
+    for argv, msg in [(["--max_steps", "0"], "max_steps = 0: must be >= 1"), (["--bogus", "1"], "unknown config option"),
+                      (["--output_dir", "x"], "--out"), (["--ablations", "--use_dmd", "false"], "run 'dmd-only'")]:
+        with pytest.raises(SystemExit, match=msg):
+            demo_digits.main(["--out", str(tmp_path / "r"), "--dry_run", *argv])
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(SystemExit) as e:
+        demo_digits.main(["--help"])
+    assert e.value.code == 0 and "--ablations" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_with_ablations_end_to_end(tmp_path):
+    """Three 4-iteration students (rCM, sCM-only, DMD-only) through accelerate launch, one report; a rerun reuses them."""
+    out = tmp_path / "digits"
+    rows = demo_digits.main(["--ablations", "--jobs", "2", "--out", str(out), *TINY])
+    names = ["rcm", "rcm-ema", "scm-only", "scm-only-ema", "dmd-only", "dmd-only-ema"]
+    assert [(r.method, r.steps) for r in rows] == ([("teacher euler", 2), ("teacher euler", 1), ("teacher unipc", 2),
+                                                    ("teacher unipc", 1)] + [(f"student {n}", 1) for n in names])
+    assert all(0 <= r.accuracy <= 1 and r.fd == r.fd and r.nfe == r.steps for r in rows)
+    report = (out / "report.md").read_text()
+    assert all(f"| student {n} | 1 | 1 |" in report for n in names) and (out / "samples.png").exists()
+
+    def metrics(run):
+        return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+    # the trainer's alternation (SPEC §4.3) per variant, with the loss terms each step computed
+    want = {out: [("student", {"loss_scm"}), ("student", {"loss_scm", "loss_dmd"}), ("fake", {"loss_fake"}), ("student", {"loss_scm", "loss_dmd"})],
+            tmp_path / "digits-scm-only": [("student", {"loss_scm"})] * 4,
+            tmp_path / "digits-dmd-only": [("student", {"loss_dmd"}), ("fake", {"loss_fake"})] * 2}
+    for run, seq in want.items():
+        recs = metrics(run)
+        assert [(r["net"], {k for k in r if k in ("loss_scm", "loss_dmd", "loss_fake")}) for r in recs] == seq, run
+        assert json.loads((run / "final.json").read_text())["step"] == 4
+        assert os.path.exists(run / "ema" / "pytorch_lora_weights.safetensors")
+    timing = json.loads((out / "demo_timing.json").read_text())
+    assert sorted(timing["train_s"]) == ["dmd-only", "rcm", "scm-only"] and timing["eval_s"] > 0
+
+    # finished runs are not retrained; a different budget in the same directory is refused
+    mtime = os.path.getmtime(out / "final.json")
+    demo_digits.main(["--ablations", "--out", str(out), "--skip_eval", *TINY])
+    assert json.loads((out / "demo_timing.json").read_text())["train_s"] == {} and os.path.getmtime(out / "final.json") == mtime
+    with pytest.raises(SystemExit, match="max_steps: 4 -> 5"):
+        demo_digits.main(["--out", str(out), "--skip_eval", *TINY, "--max_steps", "5"])
