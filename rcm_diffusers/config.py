@@ -120,6 +120,8 @@ class RCMConfig:
             bad("guidance_scale", "must be >= 0 (1 = no guidance)")
         if self.scm_weight == 0 and not self.use_dmd:
             bad("scm_weight", "sCM off and DMD off leaves nothing to train")
+        if self.scm_weight == 0 and self.tangent_warmup > 0:
+            bad("tangent_warmup", "with scm_weight 0 (DMD only) the warm-up iterations train nothing; set tangent_warmup 0")
         return self
 
 

@@ -27,6 +27,9 @@ def test_config_overrides_help_and_errors(tmp_path):
         load_config(["--config", str(y), "--fd_type", "3"])
     with pytest.raises(ValueError, match="expects an integer"):
         load_config(["--config", str(y), "--max_steps", "ten"])
+    with pytest.raises(ValueError, match="tangent_warmup 0"):
+        load_config(["--config", str(y), "--scm_weight", "0", "--tangent_warmup", "10"])
+    assert load_config(["--config", str(y), "--scm_weight", "0", "--tangent_warmup", "0"]).scm_weight == 0.0
 
 
 def test_latent_format_roundtrip_and_tables(tmp_path):
