@@ -194,9 +194,6 @@ def main(argv=None):
     with torch.no_grad():
         checksum = torch.stack([p.double().sum() for p in nets.trainable_parameters("student").values()]).sum()
     sums = accelerator.gather(checksum.reshape(1).to(device)).tolist()
-    if accelerator.is_main_process:
-        with open(os.path.join(cfg.output_dir, "final.json"), "w") as f:
-            json.dump({"step": state.step, "skipped": state.skipped, "student_checksum_per_rank": sums}, f)
     if len(set(sums)) != 1:
         raise RuntimeError(f"student weights differ across ranks: {sums}")
 
@@ -222,6 +219,11 @@ def main(argv=None):
                         p.copy_(backup[k])
         if cfg.sample_every:
             T.write_samples(nets, data, cfg, state.step, device, transformer, decoder=decoder)
+        # written last and atomically: its presence means the run and its exports are complete
+        tmp = os.path.join(cfg.output_dir, "final.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"step": state.step, "skipped": state.skipped, "student_checksum_per_rank": sums}, f)
+        os.replace(tmp, os.path.join(cfg.output_dir, "final.json"))
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
