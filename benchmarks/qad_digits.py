@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.quant.export import load_quantized  # noqa: E402
+from rcm_diffusers.quant.export import dequantized_copy  # noqa: E402
 from rcm_diffusers.quant.modules import quantize_transformer  # noqa: E402
 
 
@@ -41,12 +41,6 @@ def train(out: str, steps: int, warm: int) -> float:
     return time.perf_counter() - t0
 
 
-def reload(teacher, path: str):
-    """A plain (unquantized-module) copy of ``teacher`` carrying the exported, dequantized weights."""
-    sd, _ = load_quantized(path)
-    m = copy.deepcopy(teacher)
-    m.load_state_dict(sd, strict=True)
-    return m.eval()
 
 
 def main(argv=None):
@@ -73,9 +67,9 @@ def main(argv=None):
     s, n = a.guidance_scale, a.sample_steps
     rows = [("teacher fp32, CFG", teacher, s, 2), ("naive PTQ NVFP4, CFG", ptq["nvfp4"], s, 2),
             ("naive PTQ FP8, CFG", ptq["fp8_e4m3"], s, 2),
-            ("QAD NVFP4, CFG folded", reload(teacher, os.path.join(a.out, "qad", "quantized_transformer.safetensors")), 1.0, 1),
+            ("QAD NVFP4, CFG folded", dequantized_copy(teacher, os.path.join(a.out, "qad", "quantized_transformer.safetensors")), 1.0, 1),
             ("QAD NVFP4 + warm start, CFG folded",
-             reload(teacher, os.path.join(a.out, "qad_ws", "quantized_transformer.safetensors")), 1.0, 1)]
+             dequantized_copy(teacher, os.path.join(a.out, "qad_ws", "quantized_transformer.safetensors")), 1.0, 1)]
     results, ref = [], None
     for name, model, g, nfe in rows:
         x = D.sample_teacher(model, emb, labels, n, "euler", g, a.seed)

@@ -25,15 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.quant.export import load_quantized  # noqa: E402
+from rcm_diffusers.quant.export import dequantized_copy  # noqa: E402
 from rcm_diffusers.quant.modules import quantize_transformer  # noqa: E402
 
 
-def reload(teacher, path):
-    sd, _ = load_quantized(path)
-    m = copy.deepcopy(teacher)
-    m.load_state_dict(sd, strict=True)
-    return m.eval()
 
 
 def main(argv=None):
@@ -71,7 +66,7 @@ def main(argv=None):
     print(f"naive PTQ NVFP4 FD vs teacher per seed: {np.round(out['ptq'], 3)} mean {np.mean(out['ptq']):.3f}")
     ptq_mean = float(np.mean(out["ptq"]))
     for run in a.runs:
-        m = reload(teacher, os.path.join(run, "quantized_transformer.safetensors"))
+        m = dequantized_copy(teacher, os.path.join(run, "quantized_transformer.safetensors"))
         fd = [D.frechet_distance(feats(None, m, 1.0, sd), ref[sd]) for sd in a.seeds]
         gap = [1 - f / q for f, q in zip(fd, out["ptq"])]
         out[run] = {"fd_vs_teacher": fd, "gap_recovered": gap}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rcm_diffusers.quant.export import (export_quantized, from_blocked, load_quantized, pack_e2m1, to_blocked,
+from rcm_diffusers.quant.export import (dequantized_copy, export_quantized, from_blocked, load_quantized, pack_e2m1, to_blocked,
                                         unpack_e2m1)
 from rcm_diffusers.quant.formats import quantize
 from rcm_diffusers.quant.modules import QuantLinear, calibration, quant_layers, quantize_transformer
@@ -139,6 +139,9 @@ def test_export_reload_exact(tmp_path, fmt, act):
         orig = next(iter(to_original({f"{name}.weight": torch.zeros(1)}, arch="wan", prefix="")))
         assert torch.equal(sd[orig], lay.quantized_weight().detach()), name
         assert torch.equal(sd[orig.replace("weight", "bias")], lay.bias.detach())
+    plain = dequantized_copy(tiny_wan_transformer(), path)  # any layout back into a plain diffusers model
+    for name, lay in layers.items():
+        assert torch.equal(plain.get_submodule(name).weight, lay.quantized_weight().detach()), name
 
 
 def test_export_refuses_mxfp4_and_uncalibrated(tmp_path):

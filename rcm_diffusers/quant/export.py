@@ -219,3 +219,20 @@ def load_quantized(path) -> tuple[dict[str, torch.Tensor], dict]:
         for s in ("weight_scale", "weight_scale_2"):
             out.pop(f"{name}.{s}", None)
     return out, layers
+
+
+def dequantized_copy(model: torch.nn.Module, path) -> torch.nn.Module:
+    """A deep copy of the plain (unquantized-module) ``model`` carrying the weights of an
+    ``export_quantized`` file (either layout), dequantized (what a serving stack computes with), in eval mode.
+    Weights only: activation quantization (``input_scale``) is not applied by the copy."""
+    import copy
+
+    from ..lora.keys import detect_format, to_diffusers
+
+    sd, _ = load_quantized(path)
+    sd = {k: v for k, v in sd.items() if not k.endswith(".input_scale")}  # activation scales: no parameter to hold them
+    if detect_format(sd) == "original":
+        sd = to_diffusers(sd, prefix="")
+    m = copy.deepcopy(model)
+    m.load_state_dict(sd, strict=True)
+    return m.eval()
