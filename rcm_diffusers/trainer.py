@@ -32,22 +32,23 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------- teacher with CFG
 
 
+def _teacher_guided(call, x_t, t, cond, uncond, guidance_scale: float):
+    out_c = call("teacher", x_t, t, cond)
+    if uncond is None or guidance_scale == 1.0:  # skip the unconditional call
+        return out_c
+    return L.guided(out_c, call("teacher", x_t, t, uncond), guidance_scale)
+
+
 @torch.no_grad()
 def teacher_F(nets, x_t, t, cond, uncond, guidance_scale: float):
     """Guided teacher velocity ``F_u + s (F_c - F_u)`` (SPEC §4.1), float64, no grad."""
-    F_c = nets.F("teacher", x_t, t, cond)
-    if uncond is None or guidance_scale == 1.0:
-        return F_c
-    return L.guided(F_c, nets.F("teacher", x_t, t, uncond), guidance_scale)
+    return _teacher_guided(nets.F, x_t, t, cond, uncond, guidance_scale)
 
 
 @torch.no_grad()
 def teacher_x0(nets, x_t, t, cond, uncond, guidance_scale: float):
     """Guided teacher ``x0`` (CFG is linear, so it equals ``x0`` of the guided velocity) (SPEC §4.2)."""
-    x0_c = nets.x0("teacher", x_t, t, cond)
-    if uncond is None or guidance_scale == 1.0:
-        return x0_c
-    return L.guided(x0_c, nets.x0("teacher", x_t, t, uncond), guidance_scale)
+    return _teacher_guided(nets.x0, x_t, t, cond, uncond, guidance_scale)
 
 
 # ----------------------------------------------------------------------------- steps

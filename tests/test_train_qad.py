@@ -12,19 +12,18 @@ from rcm_diffusers.config import QADConfig, format_help, load_config
 from rcm_diffusers.quant import trainer as Q
 from rcm_diffusers.quant.export import _rename_wan, load_quantized
 from rcm_diffusers.quant.modules import quantize_transformer
-from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
+from train_helpers import REPO, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "qad-tiny-wan-test.yaml")
 
 
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qad")
-    return make_tiny_wan(str(root / "pipe")), make_dataset(str(root / "data"), "wan"), root
+    return tiny_wan_run(tmp_path_factory, "qad")
 
 
 def _args(wan, out, *extra):
-    return ["--config", CONFIG, "--pretrained", wan[0], "--data_dir", wan[1], "--output_dir", str(out), *extra]
+    return trainer_args(CONFIG, wan, out, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,18 @@ import torch
 from safetensors.torch import load_file
 
 from rcm_diffusers.alternation import plan_step
-from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
+from train_helpers import REPO, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 
 
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wan")
-    return make_tiny_wan(str(root / "pipe")), make_dataset(str(root / "data"), "wan"), root
+    return tiny_wan_run(tmp_path_factory, "wan")
 
 
 def _args(wan, out, *extra):
-    pipe, data, _ = wan
-    return ["--config", CONFIG, "--pretrained", pipe, "--data_dir", data, "--output_dir", str(out), *extra]
+    return trainer_args(CONFIG, wan, out, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,14 @@ def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, che
     if check and p.returncode != 0:
         raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+def tiny_wan_run(tmp_path_factory, name: str):
+    """``(pipeline dir, latent dataset dir, root)`` of a tiny Wan teacher and its data (module fixtures)."""
+    root = tmp_path_factory.mktemp(name)
+    return make_tiny_wan(str(root / "pipe")), make_dataset(str(root / "data"), "wan"), root
+
+
+def trainer_args(config: str, run, out, *extra) -> list[str]:
+    """Command-line of a trainer run on ``tiny_wan_run``'s teacher and data."""
+    return ["--config", config, "--pretrained", run[0], "--data_dir", run[1], "--output_dir", str(out), *extra]

@@ -333,6 +333,25 @@ def _fuse(members: list[str], groups: dict, fused_name: str, hidden: int) -> dic
     return out
 
 
+
+def _map_group(target: str, group: dict, arch: str, direction: str):
+    """Rename one non-fused module's tensors: ``(new_target, tensors)`` or ``None`` if no rule matches.
+    Flux's row-swapped modulation projections and its norm ``scale``/``weight`` naming flip here."""
+    mapped = _map(target, arch, direction)
+    if mapped is None:
+        return None
+    new_t = mapped[0]
+    diffusers_t = target if direction == "to_original" else new_t
+    g = dict(group)
+    if arch == "flux" and diffusers_t in _FLUX_SWAP_ROWS:
+        for k in ("weight", "bias", "diff", "diff_b", "lora_B.weight"):
+            if k in g:
+                g[k] = _swap_halves(g[k])
+    if arch == "flux" and _is_scale_norm(diffusers_t):
+        old, new = ("weight", "scale") if direction == "to_original" else ("scale", "weight")
+        g = {(new if k == old else k): v for k, v in g.items()}
+    return new_t, g
+
 def to_original(state_dict, arch: str | None = None, prefix: str = "diffusion_model.",
                 lora_names: tuple[str, str] = ("lora_down", "lora_up")) -> dict[str, torch.Tensor]:
     """Any-layout dict -> original/ComfyUI names (``prefix`` + target + suffix); exact and lossless.
@@ -361,19 +380,11 @@ def to_original(state_dict, arch: str | None = None, prefix: str = "diffusion_mo
         if hit:
             pending_fused[hit[0]] = hit[1]
             continue
-        mapped = _map(target, arch, "to_original")
+        mapped = _map_group(target, group, arch, "to_original")
         if mapped is None:
             unmatched += [f"{target}.{s}" if s else target for s in group]
             continue
-        new_t, _ = mapped
-        g = dict(group)
-        if arch == "flux" and target in _FLUX_SWAP_ROWS:
-            for k in ("weight", "bias", "diff", "diff_b", "lora_B.weight"):
-                if k in g:
-                    g[k] = _swap_halves(g[k])
-        if arch == "flux" and _is_scale_norm(target):
-            g = {("scale" if k == "weight" else k): v for k, v in g.items()}
-        out_groups[new_t] = g
+        out_groups[mapped[0]] = mapped[1]
     if unmatched:
         raise _unmatched_error(unmatched, arch, "diffusers")
     for fused_t, members in pending_fused.items():
@@ -477,19 +488,11 @@ def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer
                     if g is not None:
                         out_groups[mt].update(g)
             continue
-        mapped = _map(target, arch, "to_diffusers")
+        mapped = _map_group(target, group, arch, "to_diffusers")
         if mapped is None:
             unmatched += [f"{target}.{s}" if s else target for s in group]
             continue
-        new_t, _ = mapped
-        g = dict(group)
-        if arch == "flux" and new_t in _FLUX_SWAP_ROWS:
-            for k in ("weight", "bias", "diff", "diff_b", "lora_B.weight"):
-                if k in g:
-                    g[k] = _swap_halves(g[k])
-        if arch == "flux" and _is_scale_norm(new_t):
-            g = {("weight" if k == "scale" else k): v for k, v in g.items()}
-        out_groups[new_t].update(g)
+        out_groups[mapped[0]].update(mapped[1])
     if unmatched:
         raise _unmatched_error(unmatched, arch, "original")
     return _emit(out_groups, prefix, ("lora_A", "lora_B"), arch, "diffusers")
