@@ -78,27 +78,29 @@ class Networks:
     In shared mode all three roles map to the same module.
     """
 
-    def __init__(self, modules: dict, mode: str, model_dtype: torch.dtype):
+    def __init__(self, modules: dict, mode: str, model_dtype: torch.dtype, time_input: str = "float"):
         if mode not in ("shared", "full"):
             raise ValueError(f"mode must be 'shared' (LoRA on one frozen base) or 'full', got {mode!r}")
         self.modules = modules
         self.mode = mode
         self.model_dtype = model_dtype
-        self._den = {role: TrigFlowDenoiser(velocity_fn(m), model_dtype=model_dtype) for role, m in modules.items()}
+        self.time_input = time_input
+        self._den = {role: TrigFlowDenoiser(velocity_fn(m, time_input), model_dtype=model_dtype) for role, m in modules.items()}
         self.has_fake = "fake" in modules
 
     @classmethod
     def build(cls, transformer, mode: str, *, with_fake: bool, lora_rank: int = 16, lora_alpha=None,
-              lora_target_modules=None, fake_lora_rank=None):
+              lora_target_modules=None, fake_lora_rank=None, time_input: str = "float"):
         """Set up the roles on ``transformer`` (the teacher weights). Returns ``(networks, trainable)``
-        where ``trainable`` maps ``"student"``/``"fake"`` to the module whose parameters train."""
+        where ``trainable`` maps ``"student"``/``"fake"`` to the module whose parameters train.
+        ``time_input`` is how every role sees its time (``rcm_diffusers.models.network_timestep``)."""
         dtype = next(transformer.parameters()).dtype
         if mode == "shared":
             add_rcm_adapters(transformer, lora_rank, lora_alpha, lora_target_modules, fake_lora_rank, with_fake)
             mods = {"teacher": transformer, "student": transformer}
             if with_fake:
                 mods["fake"] = transformer
-            return cls(mods, mode, dtype), {"shared": transformer}
+            return cls(mods, mode, dtype, time_input), {"shared": transformer}
         transformer.requires_grad_(False)
         student = copy.deepcopy(transformer).requires_grad_(True)
         mods = {"teacher": transformer, "student": student}
@@ -107,7 +109,7 @@ class Networks:
             fake = copy.deepcopy(transformer).requires_grad_(True)
             mods["fake"] = fake
             trainable["fake"] = fake
-        return cls(mods, mode, dtype), trainable
+        return cls(mods, mode, dtype, time_input), trainable
 
     def replace_modules(self, prepared: dict) -> None:
         """Point roles at accelerate-prepared modules (``prepared`` keyed like ``build``'s ``trainable``)."""
@@ -116,7 +118,8 @@ class Networks:
             self.modules = {r: m for r in self.modules}
         else:
             self.modules = {**self.modules, **prepared}
-        self._den = {role: TrigFlowDenoiser(velocity_fn(m), model_dtype=self.model_dtype) for role, m in self.modules.items()}
+        self._den = {role: TrigFlowDenoiser(velocity_fn(m, self.time_input), model_dtype=self.model_dtype)
+                     for role, m in self.modules.items()}
 
     def trainable_parameters(self, role: str) -> dict[str, torch.nn.Parameter]:
         """The parameters trained for ``role`` (adapter weights in shared mode)."""

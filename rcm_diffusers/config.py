@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from .models import TIME_INPUTS
+
 __all__ = ["RCMConfig", "QADConfig", "load_config", "format_help"]
 
 
@@ -58,6 +60,7 @@ class RCMConfig:
     scm_weight: float = opt(1.0, "weight of L_sCM (0 = DMD only)")
     student_update_freq: int = opt(5, "after warm-up, the student trains every this many iterations, the fake score otherwise")
     max_simulation_steps: int = opt(4, "backward simulation uses n = student_eff % this + 1 student steps")
+    time_input: str = opt("bf16", "time the networks see: 'bf16' = (1000 r) rounded to bfloat16 as the official rCM code trains and samples; 'float' = exact. Sample the student with RCMScheduler(time_input=...) set the same")
     # optimisation (SPEC §4.4, §4.5)
     lr: float = opt(1e-4, "student learning rate (LoRA needs larger rates than the full fine-tune 2e-6)")
     fake_lr: float = opt(2e-5, "fake-score learning rate")
@@ -99,6 +102,8 @@ class RCMConfig:
             bad("mode", "use 'shared' or 'full'")
         if self.fd_type not in (0, 1, 2):
             bad("fd_type", "use 0, 1 or 2")
+        if self.time_input not in TIME_INPUTS:
+            bad("time_input", f"use one of {TIME_INPUTS}")
         if self.weight_dtype not in ("float32", "bfloat16", "float16"):
             bad("weight_dtype", "use float32, bfloat16 or float16")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -158,6 +163,7 @@ class QADConfig:
     rcm_steps: int = opt(4, "number of RCMScheduler steps whose times r is drawn from (r_source rcm)")
     sigma_max: float = opt(80.0, "RCMScheduler sigma_max of those times (r_source rcm)")
     mid_t: list = opt([], "RCMScheduler intermediate TrigFlow angles ([] = SPEC §2.1 default; r_source rcm)")
+    time_input: str = opt("bf16", "time the teacher and student see: 'bf16' = rounded to bfloat16 as the official rCM code; 'float' = exact")
     # block-wise warm start (SPEC §7)
     warm_start_batches: int = opt(0, "batches of block-wise warm start before end-to-end QAD (0 = off)")
     warm_start_steps_per_batch: int = opt(1, "optimizer steps per block and warm-start batch")
@@ -214,6 +220,8 @@ class QADConfig:
             bad("pretrained", "set the teacher pipeline directory or hub id")
         if not self.data_dir:
             bad("data_dir", "set a latent dataset directory (see rcm_diffusers.data)")
+        if self.time_input not in TIME_INPUTS:
+            bad("time_input", f"use one of {TIME_INPUTS}")
         for key in ("format", "act_format"):
             if getattr(self, key) or key == "format":
                 try:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["TIMESTEP_SCALE", "timestep_scale", "velocity_fn", "denoiser"]
+__all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep", "velocity_fn", "denoiser"]
 
 #: timestep passed to the transformer = r * TIMESTEP_SCALE[class name]
 TIMESTEP_SCALE = {
@@ -20,6 +20,25 @@ TIMESTEP_SCALE = {
     "WanVACETransformer3DModel": 1000.0,
     "FluxTransformer2DModel": 1.0,
 }
+
+
+#: how the time reaches the network: "bf16" = rounded to bfloat16 as the official rCM code feeds it
+#: (``(1000 r).to(bfloat16)`` in training and sampling), "float" = the exact value
+TIME_INPUTS = ("bf16", "float")
+
+
+def network_timestep(r: torch.Tensor, scale: float, time_input: str = "float") -> torch.Tensor:
+    """The transformer's ``timestep`` argument ``r * scale``; ``time_input="bf16"`` rounds it to bfloat16
+    (and back to ``r``'s dtype) as the official rCM networks see it, ``"float"`` keeps it exact.
+
+    The rounding is a plain cast, so under ``torch.func.jvp`` the time tangent passes through the
+    same cast, as in the official JVP path (SPEC preamble, §4.1)."""
+    if time_input not in TIME_INPUTS:
+        raise ValueError(f"time_input must be one of {TIME_INPUTS}, got {time_input!r}")
+    ts = r * scale
+    if time_input == "bf16":
+        ts = ts.to(torch.bfloat16).to(ts.dtype)
+    return ts
 
 
 def _base_model(transformer):
@@ -44,8 +63,9 @@ def timestep_scale(transformer) -> float:
     return TIMESTEP_SCALE[name]
 
 
-def velocity_fn(transformer) -> Callable[..., torch.Tensor]:
-    """Return ``v(x_r, r, **cond)`` for a Wan or Flux transformer.
+def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.Tensor]:
+    """Return ``v(x_r, r, **cond)`` for a Wan or Flux transformer; the network sees
+    ``network_timestep(r, scale, time_input)``.
 
     Wan conditions: ``encoder_hidden_states`` (text), optional ``encoder_hidden_states_image``
     (I2V CLIP tokens) and ``condition`` (I2V mask + first-frame latents, concatenated on the
@@ -54,6 +74,8 @@ def velocity_fn(transformer) -> Callable[..., torch.Tensor]:
     optional ``guidance``; ``x_r`` is the packed latent ``[B, L, C]``.
     """
     scale = timestep_scale(transformer)
+    if time_input not in TIME_INPUTS:
+        raise ValueError(f"time_input must be one of {TIME_INPUTS}, got {time_input!r}")
     name = type(_base_model(transformer)).__name__
 
     if name.startswith("Wan"):
@@ -61,7 +83,7 @@ def velocity_fn(transformer) -> Callable[..., torch.Tensor]:
         def v_wan(x_r, r, encoder_hidden_states, encoder_hidden_states_image=None, condition=None, **kw):
             if condition is not None:
                 x_r = torch.cat([x_r, condition.to(x_r.dtype)], dim=1)
-            ts = (r * scale).to(x_r.device)
+            ts = network_timestep(r, scale, time_input).to(x_r.device)
             if ts.dim() == 0:
                 ts = ts.expand(x_r.shape[0])
             return transformer(
@@ -76,7 +98,7 @@ def velocity_fn(transformer) -> Callable[..., torch.Tensor]:
         return v_wan
 
     def v_flux(x_r, r, encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance=None, **kw):
-        ts = (r * scale).to(device=x_r.device, dtype=x_r.dtype)
+        ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
         if ts.dim() == 0:
             ts = ts.expand(x_r.shape[0])
         return transformer(
@@ -94,9 +116,9 @@ def velocity_fn(transformer) -> Callable[..., torch.Tensor]:
     return v_flux
 
 
-def denoiser(transformer, model_dtype: torch.dtype | None = None):
+def denoiser(transformer, model_dtype: torch.dtype | None = None, time_input: str = "float"):
     """``TrigFlowDenoiser`` around a diffusers transformer (SPEC §1)."""
     from .trigflow import TrigFlowDenoiser
 
     dtype = model_dtype or next(transformer.parameters()).dtype
-    return TrigFlowDenoiser(velocity_fn(transformer), model_dtype=dtype)
+    return TrigFlowDenoiser(velocity_fn(transformer, time_input), model_dtype=dtype)

@@ -64,7 +64,7 @@ def main(argv=None):
         Q.fuse_lora_file(teacher, cfg.teacher_lora)
     teacher.requires_grad_(False).eval()
     student, layers = Q.build_student(teacher, cfg)
-    v_T = velocity_fn(teacher)
+    v_T = velocity_fn(teacher, cfg.time_input)
     guidance = GuidanceSchedule(cfg.guidance_knots())
     times = Q.training_times(cfg)
 
@@ -89,7 +89,7 @@ def main(argv=None):
                 eps = torch.randn(x0.shape, dtype=torch.float64, generator=g, device=x0.device)
                 rb = r.reshape(-1, *[1] * (x0.dim() - 1))
                 x_r = ((1 - rb) * x0 + rb * eps).to(dtype)
-                return lambda m: velocity_fn(m)(x_r, r.float(), **cond)
+                return lambda m: velocity_fn(m, cfg.time_input)(x_r, r.float(), **cond)
 
             stats = blockwise_warm_start(student, teacher, [runner(k, x0, c) for k, (x0, c, _) in enumerate(warm)],
                                          steps_per_batch=cfg.warm_start_steps_per_batch, lr=cfg.warm_start_lr,
@@ -129,7 +129,7 @@ def main(argv=None):
     if cfg.report_to != "none":
         accelerator.init_trackers("qad", config={k: str(v) for k, v in vars(cfg).items()})
 
-    v_S = velocity_fn(student)
+    v_S = velocity_fn(student, cfg.time_input)
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
                disable=not (cfg.progress and accelerator.is_local_main_process), desc="QAD")
     for i in bar:

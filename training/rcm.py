@@ -71,7 +71,7 @@ def main(argv=None):
                                                   torch_dtype=DTYPES[cfg.weight_dtype]).to(device)
     nets, trainable = Networks.build(transformer, cfg.mode, with_fake=cfg.use_dmd, lora_rank=cfg.lora_rank,
                                      lora_alpha=cfg.lora_alpha or None, lora_target_modules=cfg.lora_target_modules or None,
-                                     fake_lora_rank=cfg.fake_lora_rank or None)
+                                     fake_lora_rank=cfg.fake_lora_rank or None, time_input=cfg.time_input)
     if cfg.gradient_checkpointing:
         for m in trainable.values():
             m.enable_gradient_checkpointing()

@@ -101,7 +101,7 @@ def fixed_batches(data, cfg, n: int, stream: int, device, dtype, flux_guidance):
 def calibrate(student, batches, times, cfg, accelerator=None) -> None:
     """Activation ranges ``input_amax = max |x|`` of the student on ``batches`` at training-time ``x_r``,
     max-reduced over processes."""
-    v = velocity_fn(student)
+    v = velocity_fn(student, cfg.time_input)
     with calibration(student) as layers:
         for k, (x0, cond, _) in enumerate(batches):
             g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 7 * k)
@@ -117,7 +117,7 @@ def calibrate(student, batches, times, cfg, accelerator=None) -> None:
 @torch.no_grad()
 def distill_probe(student, teacher, batches, times, cfg) -> float:
     """Mean ``||v_S - v_T^g||^2`` over fixed batches with fixed noise and times (the distillation term, alpha = 0)."""
-    v_S, v_T = velocity_fn(student), velocity_fn(teacher)
+    v_S, v_T = velocity_fn(student, cfg.time_input), velocity_fn(teacher, cfg.time_input)
     dtype = next(teacher.parameters()).dtype
     total = 0.0
     for k, (x0, cond, uncond) in enumerate(batches):

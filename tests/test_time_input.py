@@ -1,0 +1,49 @@
+"""The network's time input (``rcm_diffusers.models.network_timestep``): exact float or rounded to
+bfloat16 as the official rCM code feeds it.
+
+Reference: NVlabs/rcm ``rcm/inference/wan2pt1_t2v_rcm_infer.py`` (sampling loop: the network gets
+``(t_cur * 1000).to(bfloat16)``) and ``rcm/models/t2v_model_distill_rcm.py`` ``denoise`` /
+``student_F_withT`` (training: ``c_noise = 1000 r`` cast to the bf16 tensor kwargs, its JVP tangent too).
+"""
+
+import pytest
+import torch
+
+from rcm_diffusers.models import network_timestep, velocity_fn
+from rcm_diffusers.sampling import rcm_rf_times
+
+
+def test_official_4step_times_round_to_the_official_values():
+    r = torch.tensor(rcm_rf_times(4, sigma_max=80.0)[:-1], dtype=torch.float64)
+    ts = network_timestep(r, 1000.0, "bf16")
+    assert ts.tolist() == [988.0, 932.0, 852.0, 608.0]  # the values the official sampler feeds
+    exact = network_timestep(r, 1000.0, "float")
+    torch.testing.assert_close(exact, r * 1000, rtol=0, atol=0)
+    assert ts.dtype == torch.float64
+
+
+def test_rounding_is_a_cast_under_jvp_and_bad_mode_refused():
+    r = torch.tensor([0.3, 0.7], dtype=torch.float32)
+    out, tangent = torch.func.jvp(lambda x: network_timestep(x, 1000.0, "bf16"), (r,), (torch.ones_like(r),))
+    assert out.tolist() == [300.0, 700.0]
+    # the tangent 1000 passes through the same bf16 cast (1000 is exact in bf16)
+    assert tangent.tolist() == [1000.0, 1000.0]
+    with pytest.raises(ValueError, match="time_input"):
+        network_timestep(r, 1000.0, "fp16")
+
+
+def test_velocity_fn_feeds_the_rounded_timestep_to_wan():
+    from tests.tiny import tiny_wan_transformer
+
+    tr = tiny_wan_transformer()
+    seen = []
+    tr.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"].clone()), with_kwargs=True)
+    x = torch.randn(1, tr.config.in_channels, 1, 4, 4)
+    emb = torch.randn(1, 8, tr.config.text_dim)
+    r = torch.tensor([0.9337809], dtype=torch.float64)
+    velocity_fn(tr, "bf16")(x, r, encoder_hidden_states=emb)
+    velocity_fn(tr, "float")(x, r, encoder_hidden_states=emb)
+    assert seen[0].item() == 932.0
+    assert abs(seen[1].item() - 933.7809) < 1e-9
+    with pytest.raises(ValueError, match="time_input"):
+        velocity_fn(tr, "half")
