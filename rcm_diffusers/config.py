@@ -26,7 +26,7 @@ def opt(default, help: str, **kw):
 
 @dataclass
 class RCMConfig:
-    """All knobs of ``training/rcm.py``; names follow SPEC.md."""
+    """All knobs of ``training/rcm.py``; names follow docs/math.md."""
 
     # model (SPEC §1, §6)
     pretrained: str = opt("", "diffusers pipeline directory or hub id holding the teacher transformer")
