@@ -72,9 +72,7 @@ def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] =
     if sigma_max <= 0:
         raise ValueError(f"sigma_max must be > 0 (80 for Wan T2V, 200 for Wan I2V), got {sigma_max}.")
     mid_t = [_finite("mid_t entry", m) for m in parse_mid_t(mid_t)]
-    if isinstance(num_steps, str) and num_steps.strip().lstrip("+").isdigit():
-        num_steps = int(num_steps)
-    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, float, np.integer, np.floating)) or int(num_steps) != num_steps:
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps:
         raise ValueError(f"num_inference_steps must be an integer, got {num_steps!r}.")
     num_steps = int(num_steps)
     max_steps = len(mid_t) + 1

@@ -136,8 +136,9 @@ class _FlowTimesMixin:
             raise ValueError(
                 "the explicit times set by set_timesteps(sigmas=...) were replaced before any step: diffusers pipelines "
                 "call set_timesteps(num_inference_steps) themselves. Pass the times per call (FluxPipeline: "
-                "pipe(..., sigmas=[...])) or in the config (RCMScheduler.from_config(cfg, **rf_times_config(times)), "
-                "or sigma_max / mid_t); set_timesteps(sigmas=...) is for loops you drive yourself."
+                "pipe(..., sigmas=[...])) or in the config (RCMScheduler.from_config(cfg, **rcm_config_for_rf_times(times)) "
+                "with rcm_diffusers.sampling.rcm_config_for_rf_times, or sigma_max / mid_t; teachers: spacing / shift); "
+                "set_timesteps(sigmas=...) is for loops you drive yourself."
             )
         self._explicit_pending = explicit
 
