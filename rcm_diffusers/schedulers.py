@@ -201,8 +201,16 @@ class _FlowTimesMixin:
         return sample
 
     def scale_noise(self, sample: torch.Tensor, timestep, noise: torch.Tensor) -> torch.Tensor:
-        """Forward process ``x_r = (1 - r) x0 + r noise`` at ``r = timestep / num_train_timesteps`` (img2img/vid2vid)."""
-        r = torch.as_tensor(timestep, dtype=torch.float64).reshape(-1) / self.config.num_train_timesteps
+        """Forward process ``x_r = (1 - r) x0 + r noise`` (img2img/vid2vid): ``r`` is the exact RF time of a grid
+        timestep (``timesteps`` may be rounded, see ``time_input``), else ``timestep / num_train_timesteps``."""
+        ts = torch.as_tensor(timestep, dtype=torch.float64).reshape(-1).cpu()
+        r = ts / self.config.num_train_timesteps
+        if self._rf is not None and self.timesteps is not None:
+            grid = self.timesteps.double().cpu()
+            for k, t in enumerate(ts):
+                hit = torch.nonzero(torch.isclose(grid, t, rtol=0, atol=1e-3))
+                if len(hit):
+                    r[k] = float(self._rf[int(hit[0])])
         r = r.to(sample.device).reshape(-1, *([1] * (sample.dim() - 1)))
         return ((1 - r) * sample.double() + r * noise.double()).to(sample.dtype)
 

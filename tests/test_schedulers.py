@@ -475,3 +475,12 @@ def test_flux_default_linspace_means_step_count():
         ref = cls()
         ref.set_timesteps(4)
         assert np.array_equal(s.rf_times, ref.rf_times)
+
+
+def test_scale_noise_uses_the_exact_time_of_a_rounded_grid_timestep():
+    s = RCMScheduler()
+    s.set_timesteps(4)
+    x0, noise = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    # timesteps[1] = 932 (bf16), the RF time is 0.93378...: img2img starts at the exact time
+    assert float(s.scale_noise(x0, s.timesteps[1], noise)[0, 0]) == pytest.approx(s.rf_times[1], abs=1e-15)
+    assert float(s.scale_noise(x0, torch.tensor([500.0]), noise)[0, 0]) == pytest.approx(0.5, abs=1e-15)  # off the grid
