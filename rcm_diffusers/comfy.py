@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .models import TIME_INPUTS, network_timestep
 from .sampling import DEFAULT_MID_T, SPACINGS, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
 
 __all__ = [
@@ -182,14 +183,20 @@ def seeded_noise_sampler(x: torch.Tensor, seed: int | None = None) -> Callable:
 
 
 @torch.no_grad()
-def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, stochastic=True):
+def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, stochastic=True,
+               time_input="float"):
     """rCM few-step sampler (SPEC §2.1) over a denoiser ``model(x, sigma) -> x0``, k-diffusion signature.
 
     ``x`` arrives already noised to ``sigmas[0]`` (ComfyUI does ``r_0 noise + (1 - r_0) latent``).
     Each step asks the model for ``x0`` and moves with :func:`rcm_update`: stochastic (default)
     re-noises ``x0`` to the next RF time with fresh noise; deterministic is the Euler/ODE move.
+    ``time_input="bf16"`` calls the model at ``s = bf16(1000 r) / 1000`` (the network then sees the official
+    rounded time, as ``RCMScheduler(time_input="bf16")``) and re-anchors its ``x0 = x - s v`` at the exact
+    ``r``: ``x0 = x - r v``; ``"float"`` calls it at ``r``.
     """
     extra_args = {} if extra_args is None else extra_args
+    if time_input not in TIME_INPUTS:
+        raise ValueError(f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}.")
     r = _checked_sigmas(sigmas)
     if stochastic and noise_sampler is None:
         noise_sampler = seeded_noise_sampler(x, extra_args.get("seed"))
@@ -201,7 +208,12 @@ def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, n
         steps = tqdm(steps, desc="rCM", leave=False)
     for i in steps:
         r_cur, r_next = float(r[i]), float(r[i + 1])
-        x0 = model(x, sigmas[i] * s_in, **extra_args)
+        if time_input == "float":
+            x0 = model(x, sigmas[i] * s_in, **extra_args)
+        else:
+            s = float(network_timestep(torch.tensor(r_cur, dtype=torch.float64), 1.0, time_input))
+            x0_s = model(x, torch.full_like(s_in, s), **extra_args)
+            x0 = (x.double() - (r_cur / s) * (x.double() - x0_s.double())).to(x0_s.dtype)  # v = (x - x0_s) / s
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": x0})
         noise = noise_sampler(sigmas[i], sigmas[i + 1]) if stochastic and r_next > 0 else None

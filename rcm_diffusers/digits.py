@@ -280,14 +280,17 @@ class Evaluator:
 # ----------------------------------------------------------------------------- samplers
 
 
-def _velocity(transformer, class_embeddings, labels, guidance_scale: float):
-    """``v(x, r)`` with CFG ``v_u + s (v_c - v_u)`` (SPEC §2.2); one batched call for both branches."""
+def _velocity(transformer, class_embeddings, labels, guidance_scale: float, time_input: str = "float"):
+    """``v(x, r)`` with CFG ``v_u + s (v_c - v_u)`` (SPEC §2.2); one batched call for both branches; the network
+    sees ``network_timestep(r, 1000, time_input)``."""
+    from .models import network_timestep
+
     cond = class_embeddings[labels]
     null = class_embeddings[NULL_CLASS:].expand_as(cond)
 
     def v(x, r):
         B = x.shape[0]
-        ts = torch.full((B,), float(r) * 1000.0, device=x.device)
+        ts = network_timestep(torch.full((B,), float(r), dtype=torch.float64), 1000.0, time_input).float().to(x.device)
         if guidance_scale == 1.0:
             return transformer(x, ts, cond, return_dict=False)[0].float()
         out = transformer(torch.cat([x, x]), torch.cat([ts, ts]), torch.cat([cond, null]), return_dict=False)[0].float()
@@ -322,9 +325,10 @@ def sample_teacher(transformer, class_embeddings, labels: torch.Tensor, steps: i
 
 @torch.no_grad()
 def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, sigma_max: float = 80.0,
-                   mid_t=None, guidance_scale: float = 1.0, batch_size: int = 500) -> torch.Tensor:
+                   mid_t=None, guidance_scale: float = 1.0, batch_size: int = 500, time_input: str = "bf16") -> torch.Tensor:
     """Few-step rCM samples with ``RCMScheduler`` (SPEC §2.1): ``x = r_0 noise``, then ``steps`` x0-and-renoise moves
-    with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG)."""
+    with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG). ``time_input``: the time the student
+    saw in training (``RCMConfig.time_input``)."""
     from .sampling import DEFAULT_MID_T
     from .schedulers import RCMScheduler
 
@@ -332,11 +336,11 @@ def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: i
     noise = torch.randn(len(labels), 1, 1, 8, 8, generator=g)
     outs = []
     for i in range(0, len(labels), batch_size):
-        sch = RCMScheduler(sigma_max=sigma_max, mid_t=list(mid_t or DEFAULT_MID_T))
+        sch = RCMScheduler(sigma_max=sigma_max, mid_t=list(mid_t or DEFAULT_MID_T), time_input=time_input)
         sch.set_timesteps(steps)
         sch.set_generator(g)
         x = sch.scale_initial_noise(noise[i:i + batch_size])
-        v = _velocity(transformer, class_embeddings, labels[i:i + batch_size], guidance_scale)
+        v = _velocity(transformer, class_embeddings, labels[i:i + batch_size], guidance_scale, time_input)
         for k, ts in enumerate(sch.timesteps):
             x = sch.step(v(x, sch.rf_times[k]), ts, x).prev_sample
         outs.append(x)

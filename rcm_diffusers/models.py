@@ -28,17 +28,20 @@ TIME_INPUTS = ("bf16", "float")
 
 
 def network_timestep(r: torch.Tensor, scale: float, time_input: str = "float") -> torch.Tensor:
-    """The transformer's ``timestep`` argument ``r * scale``; ``time_input="bf16"`` rounds it to bfloat16
-    (and back to ``r``'s dtype) as the official rCM networks see it, ``"float"`` keeps it exact.
+    """The transformer's ``timestep`` argument ``r * scale``; ``time_input="bf16"`` rounds ``1000 r`` to
+    bfloat16 (and back to ``r``'s dtype) as the official rCM networks see it, ``"float"`` keeps it exact.
 
+    The rounding is always of ``1000 r`` (the time the network embeds), whatever the argument's scale:
+    Flux takes ``r`` and multiplies by 1000 inside, so it gets ``bf16(1000 r) / 1000`` -- the value
+    ``RCMScheduler(time_input="bf16")`` hands it through FluxPipeline's ``timesteps / 1000``.
     The rounding is a plain cast, so under ``torch.func.jvp`` the time tangent passes through the
     same cast, as in the official JVP path (SPEC preamble, §4.1)."""
     if time_input not in TIME_INPUTS:
         raise ValueError(f"time_input must be one of {TIME_INPUTS}, got {time_input!r}")
-    ts = r * scale
     if time_input == "bf16":
-        ts = ts.to(torch.bfloat16).to(ts.dtype)
-    return ts
+        ts = (r * 1000.0).to(torch.bfloat16).to(r.dtype)
+        return ts if scale == 1000.0 else ts / (1000.0 / scale)
+    return r * scale
 
 
 def _base_model(transformer):

@@ -16,6 +16,8 @@ __all__ = [
     "DEFAULT_MID_T",
     "rcm_angles",
     "rcm_rf_times",
+    "parse_mid_t",
+    "rcm_config_for_rf_times",
     "validate_rf_times",
     "shift_family",
     "unshift_family",
@@ -36,12 +38,40 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
+def parse_mid_t(mid_t) -> list[float]:
+    """``mid_t`` as a list of floats: a sequence of numbers, or a comma-separated string such as ``"1.5,1.4,1.0"``."""
+    if isinstance(mid_t, str):
+        parts = [p.strip() for p in mid_t.split(",") if p.strip()]
+        try:
+            return [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(
+                f"mid_t={mid_t!r} is not a comma-separated list of angles; write e.g. mid_t=[1.5, 1.4, 1.0] or \"1.5,1.4,1.0\"."
+            ) from None
+    try:
+        return [float(m) for m in np.asarray(mid_t, dtype=np.float64).reshape(-1)]
+    except (TypeError, ValueError):
+        raise ValueError(f"mid_t must be a list of TrigFlow angles (radians), e.g. [1.5, 1.4, 1.0], got {mid_t!r}.") from None
+
+
+def rcm_config_for_rf_times(rf_times: Sequence[float]) -> dict:
+    """``sigma_max`` and ``mid_t`` whose rCM grid is exactly the given RF times ``r_0 > r_1 > ... (> 0)``:
+    ``sigma_max = r_0 / (1 - r_0)``, ``mid_t_i = arctan(r_i / (1 - r_i))`` (inverse of SPEC §2.1's map).
+
+    Use it to run explicit times inside pipelines that call ``set_timesteps(n)`` themselves:
+    ``RCMScheduler.from_config(cfg, **rcm_config_for_rf_times([0.95, 0.8, 0.5]))``, then ``num_inference_steps=3``."""
+    r = validate_rf_times(rf_times, name="rf_times")[:-1]
+    if r[0] >= 1.0:
+        raise ValueError("the first RF time must be < 1 (r = 1 is sigma_max = inf); pass e.g. 0.995.")
+    return {"sigma_max": float(r[0] / (1.0 - r[0])), "mid_t": [float(math.atan2(x, 1.0 - x)) for x in r[1:]]}
+
+
 def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
     """TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` of an ``n``-step rCM sampler (SPEC §2.1)."""
     sigma_max = _finite("sigma_max", sigma_max)
     if sigma_max <= 0:
         raise ValueError(f"sigma_max must be > 0 (80 for Wan T2V, 200 for Wan I2V), got {sigma_max}.")
-    mid_t = [_finite("mid_t entry", m) for m in mid_t]
+    mid_t = [_finite("mid_t entry", m) for m in parse_mid_t(mid_t)]
     if isinstance(num_steps, bool) or int(num_steps) != num_steps:
         raise ValueError(f"num_inference_steps must be an integer, got {num_steps!r}.")
     num_steps = int(num_steps)
@@ -84,6 +114,11 @@ def validate_rf_times(r: Sequence[float], append_zero: bool = True, name: str = 
     if append_zero and arr[-1] != 0.0:
         arr = np.append(arr, 0.0)
     body = arr[:-1]
+    if body.size == 0:
+        raise ValueError(
+            f"{name}={arr.tolist()} holds no time before the final 0, i.e. zero steps (the output would be the "
+            "initial noise); pass at least one RF time in (0, 1], e.g. [0.9, 0.5]."
+        )
     if np.any(body <= 0) or np.any(body > 1):
         raise ValueError(f"{name} must lie in (0, 1] (RF times, 1 = pure noise) before the final 0, got {arr.tolist()}.")
     if np.any(np.diff(arr) >= 0):

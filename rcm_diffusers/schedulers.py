@@ -7,16 +7,17 @@ All three are ordinary ``SchedulerMixin``/``ConfigMixin`` schedulers that run un
     video = pipe(prompt, num_inference_steps=4, guidance_scale=1.0).frames[0]
 
 Conventions shared by the three:
-- ``sigmas`` are RF times ``r`` in [0, 1] (diffusers' flow-matching sigmas); ``timesteps = r * num_train_timesteps``
-  (floats, so the model sees the exact wrapped time of SPEC §1).
+- ``sigmas`` are RF times ``r`` in [0, 1] (diffusers' flow-matching sigmas); the update runs on the exact
+  float64 ``r``. ``timesteps`` are what the pipeline hands the transformer: ``r * num_train_timesteps``,
+  for ``RCMScheduler(time_input="bf16")`` (default) rounded to bfloat16 as the official rCM sampler feeds it.
 - ``set_timesteps(sigmas=[...])`` takes *explicit RF times*, used as given (no shift); a final 0 is appended.
-  ``set_timesteps(timesteps=[...])`` likewise, divided by ``num_train_timesteps``.
-- The config holds ``use_flow_sigmas=True``: FluxPipeline then leaves the grid to the scheduler instead of
-  passing its default ``linspace(1, 1/n, n)`` (which would otherwise be taken as explicit RF times).
-- The flow-matching keys of Wan/Flux scheduler configs (``shift``, ``flow_shift``, ``use_dynamic_shifting``,
-  ``base_shift``, ``max_shift``, ``base_image_seq_len``, ``max_image_seq_len``, ``time_shift_type``) are kept
-  by ``from_config`` so a config round-trips; the teacher schedulers use them, ``RCMScheduler`` does not
-  (its step times are the ones the student was distilled at).
+  ``set_timesteps(timesteps=[...])`` likewise, divided by ``num_train_timesteps``. FluxPipeline always passes
+  ``sigmas``: its default ``linspace(1, 1/n, n)`` is recognised and read as ``num_inference_steps=n``.
+- Config keys: our own EDM-scale limits are stored as ``rcm_sigma_max`` / ``teacher_sigma_max`` /
+  ``teacher_sigma_min`` (``sigma_max=`` / ``sigma_min=`` are accepted as arguments), because stock
+  schedulers read ``sigma_max`` / ``sigma_min`` from any config they are built from. Every key of a stock
+  config that we do not use (``use_karras_sigmas``, UniPC's ``sigma_max: null``, ...) is carried along
+  unchanged, so ``Ours.from_config(stock.config)`` and back is lossless.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from .sampling import DEFAULT_MID_T, SPACINGS, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
+from .models import TIME_INPUTS
+from .sampling import DEFAULT_MID_T, SPACINGS, parse_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
 
 __all__ = ["RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler", "RCMSchedulerOutput"]
 
@@ -51,17 +53,69 @@ def _check_finite_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
 
 
+_OUR_CLASSES = ("RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler")
+
+
+def _is_flux_default_grid(sigmas) -> bool:
+    """True for FluxPipeline's own default ``np.linspace(1.0, 1 / n, n)`` (what it passes when the user gave none)."""
+    if sigmas is None or isinstance(sigmas, torch.Tensor):
+        return False
+    arr = np.asarray(sigmas, dtype=np.float64).reshape(-1)
+    n = arr.size
+    return n >= 1 and np.array_equal(arr, np.linspace(1.0, 1 / n, n))
+
+
 class _FlowTimesMixin:
-    """Step-index bookkeeping and explicit-grid parsing shared by the schedulers of this module."""
+    """Step-index bookkeeping, explicit-grid parsing and stock-config compatibility shared by the schedulers
+    of this module."""
 
     order = 1
     _rf: np.ndarray | None = None
+    _explicit_pending: bool = False
+    _flux_default_steps: int | None = None
+    #: argument name -> config key (our EDM limits live under their own keys, see the module docstring)
+    _aliases: dict = {}
+
+    @classmethod
+    def from_config(cls, config=None, return_unused_kwargs=False, **kwargs):
+        """diffusers' ``from_config``; also takes ``sigma_max=`` (and teachers' ``sigma_min=``) for our own keys and
+        reads configs written by earlier versions of this package. Stock keys pass through unchanged."""
+        cfg = dict(config) if config is not None and not isinstance(config, str) else config
+        if isinstance(cfg, dict):
+            if cfg.get("_class_name") in _OUR_CLASSES:
+                cfg.pop("use_flow_sigmas", None)  # written by versions <= 0.1; FluxPipeline must pass its sigmas
+                if cfg.get("_class_name") == cls.__name__:
+                    for alias, key in cls._aliases.items():
+                        if alias in cfg and key not in cfg:
+                            cfg[key] = cfg.pop(alias)
+        for alias, key in cls._aliases.items():
+            if alias in kwargs:
+                if key in kwargs:
+                    raise ValueError(f"pass either {alias}= or {key}=, not both.")
+                kwargs[key] = kwargs.pop(alias)
+        return super().from_config(cfg, return_unused_kwargs, **kwargs)
+
+    @classmethod
+    def _get_compatibles(cls):
+        """Our three schedulers and diffusers' flow-matching schedulers (each takes the others' configs)."""
+        import diffusers
+
+        names = ["FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler", "FlowMatchHeunDiscreteScheduler"]
+        stock = [getattr(diffusers, n) for n in names if hasattr(diffusers, n)]
+        return [globals()[n] for n in _OUR_CLASSES] + stock
 
     def _explicit_rf(self, num_inference_steps, sigmas, timesteps) -> np.ndarray | None:
-        """Parse ``sigmas`` / ``timesteps`` given by a caller into float64 RF times ending at 0."""
+        """Parse ``sigmas`` / ``timesteps`` given by a caller into float64 RF times ending at 0.
+
+        FluxPipeline's default ``linspace(1, 1/n, n)`` (passed when the user gave no sigmas) returns ``None``
+        and sets ``self._flux_default_steps = n``."""
+        self._flux_default_steps = None
         if sigmas is not None and timesteps is not None:
             raise ValueError("pass either `sigmas` (RF times) or `timesteps` (RF times x num_train_timesteps), not both.")
         if sigmas is None and timesteps is None:
+            return None
+        if num_inference_steps is None and _is_flux_default_grid(sigmas):
+            self._flux_default_steps = int(np.asarray(sigmas).size)
             return None
         if sigmas is not None:
             r = validate_rf_times(_to_list(sigmas), name="sigmas")
@@ -74,10 +128,28 @@ class _FlowTimesMixin:
             )
         return r
 
+    def _check_pending(self, explicit: bool) -> None:
+        """Refuse a step-count grid that silently replaces explicit times nobody stepped through yet (a pipeline's
+        own ``set_timesteps(n)`` after the user's ``set_timesteps(sigmas=...)``)."""
+        if self._explicit_pending and not explicit:
+            self._explicit_pending = False
+            raise ValueError(
+                "the explicit times set by set_timesteps(sigmas=...) were replaced before any step: diffusers pipelines "
+                "call set_timesteps(num_inference_steps) themselves. Pass the times per call (FluxPipeline: "
+                "pipe(..., sigmas=[...])) or in the config (RCMScheduler.from_config(cfg, **rcm_config_for_rf_times(times)) "
+                "with rcm_diffusers.sampling.rcm_config_for_rf_times, or sigma_max / mid_t; teachers: spacing / shift); "
+                "set_timesteps(sigmas=...) is for loops you drive yourself."
+            )
+        self._explicit_pending = explicit
+
+    def _network_timesteps(self, r: np.ndarray) -> torch.Tensor:
+        """What the transformer is handed: ``r * num_train_timesteps`` (float32)."""
+        return torch.from_numpy(r * self.config.num_train_timesteps).to(torch.float32)
+
     def _set_grid(self, r: np.ndarray, device) -> None:
         self._rf = r
         self.sigmas = torch.from_numpy(r).to(torch.float32)
-        self.timesteps = torch.from_numpy(r[:-1] * self.config.num_train_timesteps).to(device=device, dtype=torch.float32)
+        self.timesteps = self._network_timesteps(r[:-1]).to(device=device)
         self.num_inference_steps = len(r) - 1
         self._step_index = None
         self._begin_index = None
@@ -129,8 +201,16 @@ class _FlowTimesMixin:
         return sample
 
     def scale_noise(self, sample: torch.Tensor, timestep, noise: torch.Tensor) -> torch.Tensor:
-        """Forward process ``x_r = (1 - r) x0 + r noise`` at ``r = timestep / num_train_timesteps`` (img2img/vid2vid)."""
-        r = torch.as_tensor(timestep, dtype=torch.float64).reshape(-1) / self.config.num_train_timesteps
+        """Forward process ``x_r = (1 - r) x0 + r noise`` (img2img/vid2vid): ``r`` is the exact RF time of a grid
+        timestep (``timesteps`` may be rounded, see ``time_input``), else ``timestep / num_train_timesteps``."""
+        ts = torch.as_tensor(timestep, dtype=torch.float64).reshape(-1).cpu()
+        r = ts / self.config.num_train_timesteps
+        if self._rf is not None and self.timesteps is not None:
+            grid = self.timesteps.double().cpu()
+            for k, t in enumerate(ts):
+                hit = torch.nonzero(torch.isclose(grid, t, rtol=0, atol=1e-3))
+                if len(hit):
+                    r[k] = float(self._rf[int(hit[0])])
         r = r.to(sample.device).reshape(-1, *([1] * (sample.dim() - 1)))
         return ((1 - r) * sample.double() + r * noise.double()).to(sample.dtype)
 
@@ -145,7 +225,7 @@ def _to_list(x):
 
 
 def _seed_from(sample: torch.Tensor) -> int:
-    """A 63-bit seed derived from the bytes of (a strided subset of) ``sample``."""
+    """A 63-bit seed derived from the bytes of (a strided subset of) ``sample`` (one batch element)."""
     flat = sample.detach().reshape(-1)
     stride = max(1, flat.numel() // 4096)
     data = flat[::stride][:4096].to("cpu", torch.float32).numpy().tobytes()
@@ -165,53 +245,75 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
     without it the first input carries ``(1 - r_0) = 1.2%`` (sigma_max 80) more noise than the
     student was trained on (measured effect in docs/benchmarks.md).
 
-    Fresh noise comes from ``step(generator=...)``, else from ``scheduler.generator`` if set, else
-    from a generator seeded by the first step's input latents: stock pipelines do not pass their
-    generator to ``step``, and this keeps "same seed -> same sample" for them.
+    Fresh noise comes from ``step(generator=...)``, else from ``scheduler.generator`` if set (one
+    generator: one draw of the batch shape, as the official loop; a list: one draw per sample), else,
+    per batch element, from a generator seeded by that element's first-step input latents: stock
+    pipelines do not pass their generator to ``step``, and this keeps "same seed -> same sample" and
+    makes sample ``i`` depend on generator ``i`` only (as diffusers' own schedulers).
 
     Args:
         num_train_timesteps: the transformer's timestep scale (``timesteps = r * num_train_timesteps``).
-        sigma_max: EDM sigma of the first step (80 T2V, 200 Wan I2V; 120 seen for 14B 720p).
-        mid_t: intermediate TrigFlow angles, strictly decreasing inside (0, pi/2); ``n`` steps use
-            the first ``n-1``, so ``len(mid_t) + 1`` steps at most.
+        rcm_sigma_max (argument also ``sigma_max``): EDM sigma of the first step (80 T2V, 200 Wan I2V;
+            120 seen for 14B 720p).
+        mid_t: intermediate TrigFlow angles, strictly decreasing inside (0, pi/2) (a list, or a
+            comma-separated string such as ``"1.5,1.4,1.0"``); ``n`` steps use the first ``n-1``, so
+            ``len(mid_t) + 1`` steps at most.
         stochastic: fresh-noise update (True) or deterministic "ode" update (False).
-        shift, flow_shift, use_dynamic_shifting, base_shift, max_shift, base_image_seq_len,
-            max_image_seq_len, time_shift_type: kept from Wan/Flux configs for round trips; unused.
-        use_flow_sigmas: keep True so FluxPipeline leaves the grid to this scheduler.
+        time_input: the time the network sees, ``timesteps``: ``"bf16"`` (default) = ``r *
+            num_train_timesteps`` rounded to bfloat16 as the official rCM sampler and trainer feed it;
+            ``"float"`` = exact. Use the ``time_input`` the student was trained with (``RCMConfig.time_input``).
+            FluxPipeline divides ``timesteps`` by 1000 and its transformer multiplies by 1000 again, so a float32
+            Flux model sees the same rounded ``1000 r`` (a bf16 Flux model casts again, as stock diffusers does).
     """
 
-    _compatibles = []
+    _compatibles = list(_OUR_CLASSES)
+    _aliases = {"sigma_max": "rcm_sigma_max"}
+    ignore_for_config = ["sigma_max"]
 
     @register_to_config
     def __init__(
         self,
         num_train_timesteps: int = 1000,
-        sigma_max: float = 80.0,
+        rcm_sigma_max: float = 80.0,
         mid_t: list[float] = list(DEFAULT_MID_T),
         stochastic: bool = True,
-        shift: float = 1.0,
-        flow_shift: float | None = None,
-        use_dynamic_shifting: bool = False,
-        base_shift: float = 0.5,
-        max_shift: float = 1.15,
-        base_image_seq_len: int = 256,
-        max_image_seq_len: int = 4096,
-        time_shift_type: str = "exponential",
-        use_flow_sigmas: bool = True,
+        time_input: str = "bf16",
+        sigma_max: float | None = None,
     ):
-        _check_finite_positive("sigma_max", sigma_max)
+        if sigma_max is not None:
+            rcm_sigma_max = sigma_max
+            self.register_to_config(rcm_sigma_max=sigma_max)
+        _check_finite_positive("sigma_max", rcm_sigma_max)
         _check_finite_positive("num_train_timesteps", num_train_timesteps)
         if not isinstance(stochastic, bool):
             raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
-        rcm_rf_times(len(mid_t) + 1, sigma_max, mid_t)  # validates mid_t against sigma_max
+        if time_input not in TIME_INPUTS:
+            raise ValueError(f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}.")
+        parsed = parse_mid_t(mid_t)
+        if list(parsed) != list(mid_t) or not isinstance(mid_t, list):
+            self.register_to_config(mid_t=list(parsed))
+        rcm_rf_times(len(parsed) + 1, rcm_sigma_max, parsed)  # validates mid_t against sigma_max
         self.timesteps = None
         self.sigmas = None
         self.num_inference_steps = None
         self._step_index = None
         self._begin_index = None
-        self.generator: torch.Generator | None = None
-        self._noise_generator: torch.Generator | None = None
-        self.init_noise_sigma = sigma_max / (1.0 + sigma_max)
+        self.generator: torch.Generator | list[torch.Generator] | None = None
+        self._noise_generators: list[torch.Generator] | None = None
+        self.init_noise_sigma = rcm_sigma_max / (1.0 + rcm_sigma_max)
+
+    @property
+    def sigma_max(self) -> float:
+        """EDM sigma of the first step (config key ``rcm_sigma_max``)."""
+        return float(self.config.rcm_sigma_max)
+
+    def _network_timesteps(self, r: np.ndarray) -> torch.Tensor:
+        """``r * num_train_timesteps``; with ``time_input="bf16"`` computed as the official sampler does,
+        ``(float32(r) * 1000).to(bfloat16)`` (SPEC §2.1), returned as float32."""
+        if self.config.time_input == "float":
+            return super()._network_timesteps(r)
+        ts = torch.from_numpy(np.asarray(r, dtype=np.float64)).float().double() * self.config.num_train_timesteps
+        return ts.to(torch.bfloat16).to(torch.float32)
 
     def set_timesteps(
         self,
@@ -226,30 +328,38 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         ``mu`` (FluxPipeline's resolution shift) is accepted and ignored: the student's times are fixed.
         """
         r = self._explicit_rf(num_inference_steps, sigmas, timesteps)
+        self._check_pending(explicit=r is not None)
         if r is None:
+            num_inference_steps = num_inference_steps if num_inference_steps is not None else self._flux_default_steps
             if num_inference_steps is None:
                 raise ValueError("set_timesteps needs num_inference_steps (1..4 by default) or explicit sigmas (RF times).")
-            r = rcm_rf_times(num_inference_steps, self.config.sigma_max, self.config.mid_t)
+            r = rcm_rf_times(num_inference_steps, self.config.rcm_sigma_max, self.config.mid_t)
         self._set_grid(r, device)
         self.init_noise_sigma = float(r[0])
-        self._noise_generator = None
+        self._noise_generators = None
 
     def scale_initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
         """``x = r_0 * noise``: the official sampler's first input (SPEC §2.1). Call after ``set_timesteps``,
         or it uses the config's ``sigma_max`` (``r_0 = sigma_max / (1 + sigma_max)``)."""
-        r0 = float(self._rf[0]) if self._rf is not None else self.config.sigma_max / (1.0 + self.config.sigma_max)
+        r0 = float(self._rf[0]) if self._rf is not None else self.sigma_max / (1.0 + self.sigma_max)
         return (noise.double() * r0).to(noise.dtype)
 
-    def set_generator(self, generator: torch.Generator | None) -> None:
-        """Draw the fresh noise of later steps from ``generator`` (for pipelines that do not pass one to ``step``)."""
+    def set_generator(self, generator: torch.Generator | list[torch.Generator] | None) -> None:
+        """Draw the fresh noise of later steps from ``generator`` (one, or one per batch element) for pipelines
+        that do not pass one to ``step``."""
         self.generator = generator
 
     def _fresh_noise(self, sample: torch.Tensor, generator) -> torch.Tensor:
         gen = generator if generator is not None else self.generator
         if gen is None:
-            if self._noise_generator is None:
-                self._noise_generator = torch.Generator("cpu").manual_seed(_seed_from(sample))
-            gen = self._noise_generator
+            if self._noise_generators is None or len(self._noise_generators) != sample.shape[0]:
+                # one generator per batch element, seeded by that element's first input only
+                self._noise_generators = [torch.Generator("cpu").manual_seed(_seed_from(x)) for x in sample]
+            gen = self._noise_generators
+        if isinstance(gen, (list, tuple)) and len(gen) != sample.shape[0]:
+            raise ValueError(f"got {len(gen)} generators for a batch of {sample.shape[0]}; pass one per sample or a single one.")
+        if isinstance(gen, (list, tuple)) and len(gen) == 1:
+            gen = gen[0]
         return randn_tensor(sample.shape, generator=gen, device=sample.device, dtype=torch.float32)
 
     def step(
@@ -264,6 +374,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         ``x' = x - (r_cur - r_next) v`` (ode). float64 arithmetic, result in ``sample``'s dtype (SPEC §2.1)."""
         if self._rf is None:
             raise ValueError("RCMScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+        self._explicit_pending = False
         if self._step_index is None:
             self._init_step_index(timestep)
         if not torch.isfinite(model_output).all():
@@ -284,9 +395,31 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
 class _TeacherGridMixin(_FlowTimesMixin):
     """Teacher grid of SPEC §2.2 from the config (``sigma_max``, ``spacing``, shift or dynamic shift)."""
 
+    _aliases = {"sigma_max": "teacher_sigma_max", "sigma_min": "teacher_sigma_min"}
+    ignore_for_config = ["sigma_max", "sigma_min"]
+
+    def _apply_aliases(self, sigma_max, sigma_min) -> None:
+        if sigma_max is not None:
+            self.register_to_config(teacher_sigma_max=sigma_max)
+        if sigma_min is not None:
+            self.register_to_config(teacher_sigma_min=sigma_min)
+
+    @property
+    def sigma_max(self) -> float:
+        """EDM sigma of the first grid point (config key ``teacher_sigma_max``)."""
+        return float(self.config.teacher_sigma_max)
+
+    def _check_model_output(self, model_output: torch.Tensor) -> None:
+        self._explicit_pending = False
+        if not torch.isfinite(model_output).all():
+            raise ValueError(
+                f"model_output holds NaN or inf at step {self.step_index}; check the model and its inputs "
+                "(the teacher solvers refuse to carry it into the latents)."
+            )
+
     def _check_teacher_config(self) -> None:
         c = self.config
-        _check_finite_positive("sigma_max", c.sigma_max)
+        _check_finite_positive("sigma_max", c.teacher_sigma_max)
         _check_finite_positive("num_train_timesteps", c.num_train_timesteps)
         if c.spacing not in SPACINGS:
             raise ValueError(f"unknown spacing {c.spacing!r}; choose one of {SPACINGS}.")
@@ -302,8 +435,10 @@ class _TeacherGridMixin(_FlowTimesMixin):
 
     def _teacher_rf(self, num_inference_steps, sigmas, timesteps, mu) -> np.ndarray:
         r = self._explicit_rf(num_inference_steps, sigmas, timesteps)
+        self._check_pending(explicit=r is not None)
         if r is not None:
             return r
+        num_inference_steps = num_inference_steps if num_inference_steps is not None else self._flux_default_steps
         if num_inference_steps is None:
             raise ValueError("set_timesteps needs num_inference_steps or explicit sigmas (RF times).")
         c = self.config
@@ -312,7 +447,7 @@ class _TeacherGridMixin(_FlowTimesMixin):
             if mu is None:
                 raise ValueError("`mu` must be passed when use_dynamic_shifting=True (FluxPipeline computes it).")
             shift = math.exp(mu) if c.time_shift_type == "exponential" else float(mu)
-        return teacher_rf_grid(num_inference_steps, c.sigma_max, c.spacing, shift, c.rho, c.sigma_min, c.shift_b)
+        return teacher_rf_grid(num_inference_steps, c.teacher_sigma_max, c.spacing, shift, c.rho, c.teacher_sigma_min, c.shift_b)
 
 
 class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
@@ -325,18 +460,18 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
     or ``mu`` (``"linear"``), raised to ``shift_b``: ``r' = a / (a + (1/r - 1)^b)``.
     """
 
-    _compatibles = []
+    _compatibles = list(_OUR_CLASSES)
 
     @register_to_config
     def __init__(
         self,
         num_train_timesteps: int = 1000,
-        sigma_max: float = 5000.0,
+        teacher_sigma_max: float = 5000.0,
         spacing: str = "linear",
         shift: float = 1.0,
         flow_shift: float | None = None,
         rho: float = 7.0,
-        sigma_min: float = 0.002,
+        teacher_sigma_min: float = 0.002,
         shift_b: float = 1.0,
         use_dynamic_shifting: bool = False,
         base_shift: float = 0.5,
@@ -344,8 +479,10 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         base_image_seq_len: int = 256,
         max_image_seq_len: int = 4096,
         time_shift_type: str = "exponential",
-        use_flow_sigmas: bool = True,
+        sigma_max: float | None = None,
+        sigma_min: float | None = None,
     ):
+        self._apply_aliases(sigma_max, sigma_min)
         self._check_teacher_config()
         self.timesteps = None
         self.sigmas = None
@@ -364,6 +501,7 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
             raise ValueError("TrigFlowEulerScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
         if self._step_index is None:
             self._init_step_index(timestep)
+        self._check_model_output(model_output)
         r_cur, r_next = self._advance()
         v = model_output.double()
         prev = sample.double() + (r_next - r_cur) * v
@@ -383,18 +521,18 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
     ``solver_order``, ``solver_type``, ``lower_order_final``, ``disable_corrector``.
     """
 
-    _compatibles = []
+    _compatibles = list(_OUR_CLASSES)
 
     @register_to_config
     def __init__(
         self,
         num_train_timesteps: int = 1000,
-        sigma_max: float = 5000.0,
+        teacher_sigma_max: float = 5000.0,
         spacing: str = "linear",
         shift: float = 1.0,
         flow_shift: float | None = None,
         rho: float = 7.0,
-        sigma_min: float = 0.002,
+        teacher_sigma_min: float = 0.002,
         shift_b: float = 1.0,
         solver_order: int = 2,
         solver_type: str = "bh2",
@@ -406,11 +544,24 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         base_image_seq_len: int = 256,
         max_image_seq_len: int = 4096,
         time_shift_type: str = "exponential",
-        use_flow_sigmas: bool = True,
+        sigma_max: float | None = None,
+        sigma_min: float | None = None,
     ):
+        self._apply_aliases(sigma_max, sigma_min)
         self._check_teacher_config()
         if solver_order not in (1, 2, 3):
             raise ValueError(f"solver_order must be 1, 2 or 3, got {solver_order!r}.")
+        # diffusers' UniPC divides by the final zero sigma in these settings and returns NaN (or fails to solve)
+        if solver_type != "bh2":
+            raise ValueError(
+                f"solver_type={solver_type!r} gives NaN at the final zero sigma of the flow grid; use solver_type='bh2' "
+                "(or TrigFlowEulerScheduler)."
+            )
+        if not lower_order_final and solver_order > 1:
+            raise ValueError(
+                "lower_order_final=False gives NaN (or a singular solve) at the final zero sigma of the flow grid for "
+                "solver_order > 1; keep lower_order_final=True."
+            )
         self._solver = UniPCMultistepScheduler(
             num_train_timesteps=num_train_timesteps,
             solver_order=solver_order,
@@ -456,6 +607,7 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
             raise ValueError("TrigFlowUniPCScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
         if self._solver.step_index is not None and self._solver.step_index >= self.num_inference_steps:
             raise ValueError("step() called past the end of the grid; call set_timesteps() again to start a new run.")
+        self._check_model_output(model_output)
         return self._solver.step(model_output, timestep, sample, return_dict=return_dict)
 
 

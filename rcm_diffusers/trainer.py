@@ -296,17 +296,18 @@ def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weig
 
 @torch.no_grad()
 def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student"):
-    """Few-step student samples with ``RCMScheduler`` (SPEC §2.1), model-layout float32 latents."""
+    """Few-step student samples with ``RCMScheduler`` (SPEC §2.1), model-layout float32 latents; the network
+    sees its time as in training (``nets.time_input``), the update runs on the exact RF times."""
     from .models import velocity_fn
     from .schedulers import RCMScheduler
 
-    sch = RCMScheduler(sigma_max=sigma_max)
+    sch = RCMScheduler(sigma_max=sigma_max, time_input=nets.time_input)
     sch.set_timesteps(steps)
     x = sch.scale_initial_noise(torch.randn(shape, generator=generator, dtype=torch.float32).to(device))
     with nets.role(role):
-        v_fn = velocity_fn(nets.modules[role])
-        for ts in sch.timesteps:
-            r = (ts.double() / sch.config.num_train_timesteps).to(device)
+        v_fn = velocity_fn(nets.modules[role], nets.time_input)
+        for k, ts in enumerate(sch.timesteps):
+            r = torch.tensor(float(sch.rf_times[k]), dtype=torch.float64, device=device)
             v = v_fn(x.to(nets.model_dtype), r, **cond).float()
             x = sch.step(v, ts, x, generator=generator).prev_sample
     return x

@@ -27,7 +27,12 @@ def test_rcm_times_match_spec_numbers():
     s.set_timesteps(4)
     assert np.allclose(s.sigmas.numpy(), SPEC_RF_4, atol=1e-5)
     assert abs(s.rf_times[0] - 80 / 81) < 1e-12
-    assert torch.allclose(s.timesteps, torch.tensor(SPEC_RF_4[:-1]) * 1000, atol=1e-2)
+    # default time_input="bf16": the official sampler's (1000 r).to(bfloat16); "float": exact 1000 r
+    assert s.timesteps.tolist() == [988.0, 932.0, 852.0, 608.0]
+    f = RCMScheduler(time_input="float")
+    f.set_timesteps(4)
+    assert torch.allclose(f.timesteps.double(), torch.from_numpy(f.rf_times[:-1] * 1000), rtol=0, atol=1e-4)
+    assert np.array_equal(f.rf_times, s.rf_times)  # the update's times do not depend on time_input
     assert s.init_noise_sigma == pytest.approx(80 / 81, abs=1e-12)
 
 
@@ -165,7 +170,7 @@ def test_rcm_stochastic_seeding_from_latents():
 
 def test_from_config_keeps_wan_and_flux_keys(tmp_path):
     wan = RCMScheduler.from_config(wan_scheduler_config())
-    assert wan.config.flow_shift == 3.0 and wan.config.sigma_max == 80.0
+    assert wan.config.flow_shift == 3.0 and wan.config.rcm_sigma_max == 80.0 and wan.sigma_max == 80.0
     flux = RCMScheduler.from_config(flux_scheduler_config())
     assert flux.config.use_dynamic_shifting is True and flux.config.shift == 3.0 and flux.config.max_shift == 1.15
     # and back: FlowMatchEuler recovers Flux's keys from an RCMScheduler config
@@ -174,7 +179,7 @@ def test_from_config_keeps_wan_and_flux_keys(tmp_path):
     custom = RCMScheduler.from_config(wan_scheduler_config(), sigma_max=200.0, mid_t=[1.2, 0.9], stochastic=False)
     custom.save_pretrained(tmp_path)
     loaded = RCMScheduler.from_pretrained(tmp_path)
-    assert loaded.config.sigma_max == 200.0 and list(loaded.config.mid_t) == [1.2, 0.9]
+    assert loaded.sigma_max == 200.0 and list(loaded.config.mid_t) == [1.2, 0.9]
     assert loaded.config.stochastic is False and loaded.config.flow_shift == 3.0
     loaded.set_timesteps(3)
     custom.set_timesteps(3)
@@ -292,3 +297,190 @@ def test_teacher_solvers_converge_on_linear_flow():
             for t in s.timesteps:
                 x = s.step(eps - x0, t, x).prev_sample
             assert torch.allclose(x, x0, atol=1e-5), (cls.__name__, spacing)
+
+
+# ----------------------------------------------------------------------------- stock configs (issue 11 item 2)
+
+# the configs the model repos ship (written by older diffusers; keys as in their scheduler_config.json)
+WAN21_UNIPC = {
+    "_class_name": "UniPCMultistepScheduler", "_diffusers_version": "0.33.0.dev0", "beta_end": 0.02,
+    "beta_schedule": "linear", "beta_start": 0.0001, "disable_corrector": [], "dynamic_thresholding_ratio": 0.995,
+    "final_sigmas_type": "zero", "flow_shift": 3.0, "lower_order_final": True, "num_train_timesteps": 1000,
+    "predict_x0": True, "prediction_type": "flow_prediction", "rescale_betas_zero_snr": False, "sample_max_value": 1.0,
+    "solver_order": 2, "solver_p": None, "solver_type": "bh2", "steps_offset": 0, "thresholding": False,
+    "timestep_spacing": "linspace", "trained_betas": None, "use_beta_sigmas": False, "use_exponential_sigmas": False,
+    "use_flow_sigmas": True, "use_karras_sigmas": False,
+}
+WAN22_UNIPC = {**WAN21_UNIPC, "flow_shift": 5.0, "_diffusers_version": "0.35.0.dev0"}
+FLUX_DEV_FME = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.30.0.dev0", "base_image_seq_len": 256,
+    "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+FLUX_SCHNELL_FME = {**FLUX_DEV_FME, "shift": 1.0, "use_dynamic_shifting": False}
+
+STOCK_CONFIGS = [
+    ("wan21", UniPCMultistepScheduler, WAN21_UNIPC),
+    ("wan22", UniPCMultistepScheduler, WAN22_UNIPC),
+    ("unipc-karras", UniPCMultistepScheduler, {**WAN21_UNIPC, "use_karras_sigmas": True}),
+    ("unipc-karras-smax", UniPCMultistepScheduler, {**WAN21_UNIPC, "use_karras_sigmas": True, "sigma_max": 20.0, "sigma_min": 0.01}),
+    ("flux-dev", FlowMatchEulerDiscreteScheduler, FLUX_DEV_FME),
+    ("flux-schnell", FlowMatchEulerDiscreteScheduler, FLUX_SCHNELL_FME),
+    ("fme-shift3", FlowMatchEulerDiscreteScheduler, {"shift": 3.0}),
+    ("fme-karras", FlowMatchEulerDiscreteScheduler, {"shift": 3.0, "use_karras_sigmas": True}),
+    ("fme-exponential", FlowMatchEulerDiscreteScheduler, {"shift": 3.0, "use_exponential_sigmas": True}),
+    ("fme-beta", FlowMatchEulerDiscreteScheduler, {"shift": 3.0, "use_beta_sigmas": True}),
+    ("fme-terminal", FlowMatchEulerDiscreteScheduler, {"shift": 3.0, "shift_terminal": 0.1, "invert_sigmas": False}),
+    ("fme-linear-shift", FlowMatchEulerDiscreteScheduler, {**FLUX_DEV_FME, "time_shift_type": "linear"}),
+]
+
+
+def _saved_config(sched, path):
+    """A config as the installed diffusers writes it: save_pretrained, then read the json back."""
+    sched.save_pretrained(path)
+    return type(sched).load_config(path)
+
+
+def _grid(sched, n):
+    kw = {"mu": 0.8} if sched.config.get("use_dynamic_shifting") else {}
+    sched.set_timesteps(n, **kw)
+    return sched.sigmas.clone(), sched.timesteps.clone()
+
+
+@pytest.mark.parametrize("name, stock_cls, cfg", STOCK_CONFIGS, ids=[c[0] for c in STOCK_CONFIGS])
+@pytest.mark.parametrize("ours_cls", [RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler])
+def test_stock_config_round_trip_is_lossless(name, stock_cls, cfg, ours_cls, tmp_path):
+    """stock -> save -> ours (sigma_max overridden) -> save -> stock: the same config keys and the same grid."""
+    stock = stock_cls.from_config({k: v for k, v in cfg.items() if not k.startswith("_")})
+    saved = _saved_config(stock, tmp_path / "stock")
+    ours = ours_cls.from_config(saved, sigma_max=200.0)
+    assert ours.sigma_max == 200.0
+    ours.set_timesteps(4 if ours_cls is RCMScheduler else 6, **({"mu": 0.8} if ours.config.get("use_dynamic_shifting") else {}))
+    back = stock_cls.from_config(_saved_config(ours, tmp_path / "ours"))
+    for key in stock_cls._get_init_keys(stock_cls) - {"self"}:
+        assert back.config.get(key) == stock.config.get(key), key
+    for key in ("sigma_max", "sigma_min"):  # read by stock schedulers with hasattr(config, ...)
+        assert back.config.get(key) == stock.config.get(key), key
+    for n in (4, 10):
+        a, b = _grid(stock, n), _grid(back, n)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_legacy_config_keys_still_load(tmp_path):
+    """Configs written by earlier versions (``sigma_max`` as our own key, ``use_flow_sigmas``) load as before."""
+    import json
+
+    legacy = {"_class_name": "RCMScheduler", "sigma_max": 200.0, "mid_t": [1.5, 1.0], "stochastic": False, "use_flow_sigmas": True}
+    (tmp_path / "scheduler_config.json").write_text(json.dumps(legacy))
+    s = RCMScheduler.from_pretrained(tmp_path)
+    assert s.sigma_max == 200.0 and s.config.stochastic is False and "use_flow_sigmas" not in s.config
+    import rcm_diffusers  # the shipped digits teacher's scheduler config is a legacy one
+
+    teacher = TrigFlowEulerScheduler.from_pretrained(rcm_diffusers.__path__[0] + "/assets/digits_teacher/scheduler")
+    assert teacher.sigma_max == 5000.0 and teacher.config.teacher_sigma_min == 0.002
+    with pytest.raises(ValueError, match="not both"):
+        RCMScheduler.from_config(RCMScheduler().config, sigma_max=10.0, rcm_sigma_max=20.0)
+
+
+def test_compatibles_are_truthful():
+    for cls in (RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler):
+        names = {c.__name__ for c in cls().compatibles}
+        assert {"RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler"} <= names
+        assert {"FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler"} <= names
+        for c in cls().compatibles:  # each listed class really builds from this config
+            c.from_config(cls().config)
+
+
+# ----------------------------------------------------------------------------- bad input (issue 11 item 5, issue 17 item 7)
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(solver_type="bh1"), "bh2"), (dict(lower_order_final=False), "lower_order_final")])
+def test_unipc_nan_settings_refused(kwargs, match):
+    """diffusers' UniPC returns NaN at the final zero sigma with these settings; refused up front."""
+    ref = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, final_sigmas_type="zero", **kwargs)
+    ref.set_timesteps(5)
+    x = torch.randn(1, 4, generator=torch.Generator().manual_seed(0))
+    assert not torch.isfinite(_solve(ref, x)).all()  # the inherited failure the check guards against
+    with pytest.raises(ValueError, match=match):
+        TrigFlowUniPCScheduler(**kwargs)
+    TrigFlowUniPCScheduler(solver_order=1, lower_order_final=False)  # first order has no such division
+
+
+@pytest.mark.parametrize("cls", [RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler])
+def test_zero_step_grid_refused(cls):
+    s = cls()
+    for bad in ([0.0], [0], torch.tensor([0.0])):
+        with pytest.raises(ValueError, match="zero steps"):
+            s.set_timesteps(sigmas=bad)
+    with pytest.raises(ValueError, match="zero steps"):
+        s.set_timesteps(timesteps=[0.0])
+
+
+@pytest.mark.parametrize("cls", [TrigFlowEulerScheduler, TrigFlowUniPCScheduler])
+def test_teacher_refuses_nan_model_output(cls):
+    s = cls()
+    s.set_timesteps(3)
+    x = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        s.step(torch.full_like(x, float("nan")), s.timesteps[0], x)
+    s.set_timesteps(3)
+    out = s.step(torch.ones_like(x), s.timesteps[0], x).prev_sample
+    assert torch.isfinite(out).all()
+
+
+def test_mid_t_as_comma_separated_string():
+    s = RCMScheduler(mid_t="1.5,1.4")
+    assert list(s.config.mid_t) == [1.5, 1.4]
+    s.set_timesteps(3)
+    ref = RCMScheduler(mid_t=[1.5, 1.4])
+    ref.set_timesteps(3)
+    assert np.array_equal(s.rf_times, ref.rf_times)
+    assert list(RCMScheduler.from_config(RCMScheduler().config, mid_t=" 1.2 , 0.8 ").config.mid_t) == [1.2, 0.8]
+    for bad in ("1.5;1.4", "a,b"):
+        with pytest.raises(ValueError, match="comma-separated"):
+            RCMScheduler(mid_t=bad)
+    with pytest.raises(ValueError, match="time_input"):
+        RCMScheduler(time_input="fp16")
+
+
+def test_explicit_times_replaced_before_use_are_refused():
+    """README's old pattern: set_timesteps(sigmas=...) then a pipeline's own set_timesteps(n) would drop them."""
+    s = RCMScheduler()
+    s.set_timesteps(sigmas=[0.9, 0.5])
+    with pytest.raises(ValueError, match="replaced before any step"):
+        s.set_timesteps(2)
+    s.set_timesteps(2)  # refused once; the scheduler is usable again
+    s.set_timesteps(sigmas=[0.9, 0.5])
+    x = torch.zeros(1, 2)
+    s.step(x, s.timesteps[0], x)
+    s.set_timesteps(4)  # the explicit grid was used: a new run may use another grid
+
+
+def test_rcm_config_for_rf_times_reproduces_the_times():
+    from rcm_diffusers.sampling import rcm_config_for_rf_times
+
+    times = [0.95, 0.8, 0.5, 0.2]
+    s = RCMScheduler(**rcm_config_for_rf_times(times))
+    s.set_timesteps(4)
+    assert np.allclose(s.rf_times, times + [0.0], rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="< 1"):
+        rcm_config_for_rf_times([1.0, 0.5])
+
+
+def test_flux_default_linspace_means_step_count():
+    """FluxPipeline passes sigmas=linspace(1, 1/n, n) when the user gave none: read as n steps."""
+    for cls in (RCMScheduler, TrigFlowEulerScheduler):
+        s = cls()
+        s.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4))
+        ref = cls()
+        ref.set_timesteps(4)
+        assert np.array_equal(s.rf_times, ref.rf_times)
+
+
+def test_scale_noise_uses_the_exact_time_of_a_rounded_grid_timestep():
+    s = RCMScheduler()
+    s.set_timesteps(4)
+    x0, noise = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64)
+    # timesteps[1] = 932 (bf16), the RF time is 0.93378...: img2img starts at the exact time
+    assert float(s.scale_noise(x0, s.timesteps[1], noise)[0, 0]) == pytest.approx(s.rf_times[1], abs=1e-15)
+    assert float(s.scale_noise(x0, torch.tensor([500.0]), noise)[0, 0]) == pytest.approx(0.5, abs=1e-15)  # off the grid

@@ -160,7 +160,8 @@ def evaluate(runs: list[dict], a):
             students += ["--student", f"{r['name']}-ema={os.path.join(r['dir'], 'ema')}"]
     title = "Digits benchmark: rCM" + (" with sCM-only and DMD-only ablations" if len(runs) > 1 else "")
     argv = [*students, "--out", runs[0]["dir"], "--samples", str(a.samples), "--ref_steps", str(a.ref_steps),
-            "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.threads), "--title", title]
+            "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.threads), "--title", title,
+            "--time_input", runs[0]["config"].get("time_input", "bf16")]  # sample at the times the students were trained on
     print(f"[demo] evaluating: python training/eval_digits.py {' '.join(argv)}", flush=True)
     if a.dry_run:
         return []

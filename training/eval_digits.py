@@ -43,6 +43,8 @@ def main(argv=None):
     p.add_argument("--shift", type=float, default=1.0, help="flow shift of the teacher grid")
     p.add_argument("--sigma_max", type=float, default=80.0, help="student sampler sigma_max")
     p.add_argument("--mid_t", default="", help="student intermediate TrigFlow angles, e.g. 1.5,1.4,1.0 (default SPEC §2.1)")
+    p.add_argument("--time_input", default="bf16", choices=["bf16", "float"],
+                   help="time the student network sees; use the time_input it was trained with (RCMConfig.time_input)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--title", default="Digits benchmark")
@@ -67,7 +69,8 @@ def main(argv=None):
         ss = a.student_guidance_scale
         for n in _ints(a.student_steps):
             jobs.append((f"student {name or 'rcm'}", n, n * (1 if ss == 1.0 else 2), path,
-                         lambda tr, e, n=n, ss=ss: D.sample_student(tr, e, labels, n, a.seed, a.sigma_max, mid_t, ss)))
+                         lambda tr, e, n=n, ss=ss: D.sample_student(tr, e, labels, n, a.seed, a.sigma_max, mid_t, ss,
+                                                                    time_input=a.time_input)))
 
     models = {"teacher": D.load_teacher(a.teacher)}
     for _, path in students:
@@ -87,7 +90,8 @@ def main(argv=None):
     header = (f"# {a.title}\n\n{a.samples} samples per row (classes 0-9 in turn), seed {a.seed}; FD and diversity in the "
               f"feature space of the shipped digits classifier against the {len(ev.y_ref)} held-out real digits "
               f"(train split vs held-out: FD {ev.fd_to(D.load_digits_split()['x_train']):.2f}). Teacher grid shift {a.shift:g}, "
-              f"sigma_max 5000; student RCMScheduler sigma_max {a.sigma_max:g}, mid_t {mid_t or 'default'}. "
+              f"sigma_max 5000; student RCMScheduler sigma_max {a.sigma_max:g}, mid_t {mid_t or 'default'}, "
+              f"time input {a.time_input}. "
               "FD vs teacher-100 = FD to the first row's samples. "
               f"Peak MB: {'CUDA max allocated' if torch.cuda.is_available() else 'process RSS high-water mark (CPU; cumulative, not per row)'}; "
               f"{torch.get_num_threads()} CPU thread(s).")
