@@ -128,8 +128,8 @@ def choose_start(cfg, log=print) -> str | None:
                      "--overwrite true starts again from scratch")
             if any(os.path.exists(os.path.join(out, n)) for n in EXPORTS) and not cfg.overwrite:
                 fail(f"{what} with exports but no checkpoint to continue from; --overwrite true starts again")
-            if found:
-                gone = remove_run_files(out) if cfg.overwrite or damaged else []
+            if found:  # an attempt that stopped before its first checkpoint: its logs would mix with the new ones
+                gone = remove_run_files(out)
                 log(f"--resume latest: no checkpoint in {out}, starting fresh" + (f" (removed {', '.join(gone)})" if gone else ""))
             return None
         for p, _ in damaged:

@@ -125,7 +125,7 @@ def test_a_used_run_folder_is_never_mixed(wan, full_run):
     from rcm_diffusers.runs import RunLock
 
     def listing():
-        return {str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*")}
+        return {str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*") if p.name != ".rcm-run.lock"}
 
     before = listing()
     cases = [(("--seed", "1", "--max_steps", "40"), "already holds a training run"),
