@@ -260,14 +260,20 @@ def param_checksum(params) -> list[float]:
 
 
 def check_learned(params, init_checksum, state, cfg) -> None:
-    """Fail when the student's weights are non-finite or still exactly their initial values."""
+    """Fail when the student's weights (``{name: param}`` or a list) are non-finite, still exactly their initial
+    values, or form a LoRA whose ``lora_B`` matrices are all zero (``B A = 0``: the adapter changes nothing,
+    whatever weight decay did to ``A``)."""
     now = param_checksum(params)
     if not all(math.isfinite(v) for v in now):
         fail("the student weights contain NaN or inf; the exports would be garbage. Lower the learning rate, keep "
              "skip_nonfinite true, and check the data for NaN/inf.")
-    if init_checksum and now == list(init_checksum) and state.step > 0:
-        fail(f"after {state.step} steps the student weights are exactly their initial values: nothing was learned "
-             f"({state.skipped} steps skipped). Check the data and the learning rate.")
+    if state.step == 0:
+        return
+    named = params if isinstance(params, dict) else {}
+    b = [p for n, p in named.items() if "lora_B" in n]
+    if (init_checksum and now == list(init_checksum)) or (b and all(not bool(p.detach().any()) for p in b)):
+        fail(f"after {state.step} steps the student {'LoRA is zero' if b else 'weights are exactly their initial values'}: "
+             f"nothing was learned ({state.skipped} steps skipped). Check the data and the learning rate.")
 
 
 # ----------------------------------------------------------------------------- plain errors

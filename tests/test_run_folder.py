@@ -334,6 +334,11 @@ def test_skipped_steps_are_reported_and_fail_past_the_fraction():
         R.check_learned(w, init, st, cfg)
     w["a"][1] = 1e-6
     R.check_learned(w, init, st, cfg)
+    lora = {"x.lora_A.student.weight": torch.randn(2, 3), "x.lora_B.student.weight": torch.zeros(3, 2)}
+    with pytest.raises(SystemExit, match="LoRA is zero"):  # weight decay moved A, B stayed 0: B A = 0
+        R.check_learned(lora, [0.0, 0.0], st, cfg)
+    lora["x.lora_B.student.weight"][0, 0] = 1e-8
+    R.check_learned(lora, [0.0, 0.0], st, cfg)
     w["b"][0] = float("nan")
     with pytest.raises(SystemExit, match="NaN or inf"):
         R.check_learned(w, init, st, cfg)

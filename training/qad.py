@@ -166,7 +166,7 @@ def main(argv=None):
     sums = accelerator.gather(checksum.reshape(1).to(device)).tolist()
     if len(set(sums)) != 1:
         raise RuntimeError(f"student weights differ across ranks: {sums}")
-    R.check_learned(params, state.init_checksum, state, cfg)
+    R.check_learned({n: p for n, p in student.named_parameters() if p.requires_grad}, state.init_checksum, state, cfg)
     checkpointer.save(cfg.output_dir, state.step, dataclasses.asdict(cfg), cfg.checkpoints_total_limit)
     if accelerator.is_main_process:
         base = accelerator.unwrap_model(student)
