@@ -7,8 +7,8 @@ A checkpoint ``<output_dir>/checkpoints/step-XXXXXXXX/`` holds
 - ``ema.safetensors``: the power-EMA shadow weights (rCM with ``ema_rate > 0``);
 - ``rng-rank<r>.safetensors``: torch CPU/CUDA generator states of process ``r``, Python and NumPy states
   in its JSON metadata;
-- ``state.json``: counters, optimizer hyper-parameters, learning-rate schedulers, the EMA rate and the
-  run's config;
+- ``state.json``: counters, optimizer hyper-parameters, learning-rate schedulers, the EMA rate, the fp16
+  loss-scaler state and the run's config;
 - ``manifest.json``, written last: format, step, and the size and SHA-256 of every other file.
 
 Why not ``accelerator.save_state``: accelerate stores objects registered with
@@ -311,7 +311,7 @@ def disk_full_message(path: str, e: BaseException) -> str:
     """The user-facing text for a write that failed for lack of space."""
     try:
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path)) or ".").free / 2**20
-        free_s = f"{free:.0f} MiB free"
+        free_s = f"{free:.1f} MiB free"
     except OSError:
         free_s = "free space unknown"
     return (f"disk full while writing {path} ({free_s}; {e}). Nothing older was overwritten: free some space "
@@ -354,6 +354,7 @@ class Checkpointer:
             acc.wait_for_everyone()
             opt_files = {r: optimizer_state(o, named) for r, (o, named) in self.optimizers.items()}  # collective under FSDP
             ema_tensors = {k: _full(v) for k, v in self.ema.shadow.items()} if self.ema is not None else None
+            scaler = getattr(acc, "scaler", None)  # fp16 mixed precision: loss-scale state
             rng_t, rng_m = rng_state()
             _save_tensors(rng_t, os.path.join(tmp, f"rng-rank{acc.process_index}.safetensors"), {"json": json.dumps(rng_m)})
             if acc.is_main_process:
@@ -370,6 +371,7 @@ class Checkpointer:
                              "optimizers": {r: meta for r, (_, meta) in opt_files.items()},
                              "schedulers": {r: _jsonable(s.state_dict()) for r, s in self.schedulers.items()},
                              "ema": {"s": self.ema.s} if self.ema is not None else None,
+                             "grad_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
                              "config": config}, os.path.join(tmp, STATE))
             acc.wait_for_everyone()
             if acc.is_main_process:
@@ -387,7 +389,7 @@ class Checkpointer:
         except Exception as e:
             if is_disk_full(e):
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise SystemExit(disk_full_message(tmp, e)) from None
+                raise SystemExit("error: " + disk_full_message(tmp, e)) from None
             raise
         acc.wait_for_everyone()
         return final
@@ -427,6 +429,9 @@ class Checkpointer:
             if set(shadow) != set(self.ema.shadow) or any(shadow[k].shape != self.ema.shadow[k].shape for k in shadow):
                 raise CheckpointError(f"{path}: the EMA weights do not match the student's parameters")
             self.ema.load_state_dict({"s": float(st["ema"]["s"]), "shadow": shadow})
+        scaler = getattr(self.acc, "scaler", None)
+        if scaler is not None and st.get("grad_scaler"):
+            scaler.load_state_dict({k: v for k, v in st["grad_scaler"].items() if k in scaler.state_dict()})
         try:
             self.state.load_state_dict(st["train_state"])
         except (KeyError, TypeError, ValueError) as e:

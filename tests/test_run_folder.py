@@ -364,6 +364,26 @@ def test_disk_full_while_checkpointing_is_a_clear_message(tmp_path, monkeypatch)
     assert C.is_disk_full(RuntimeError("basic_ios::clear: iostream error"))  # torch.save's text for ENOSPC
 
 
+def test_real_disk_full_on_a_tiny_tmpfs(tmp_path):
+    """A real ENOSPC: a 64 KiB tmpfs (8 KiB left free) mounted in a private user+mount namespace (``unshare -rm``)."""
+    import shutil as sh
+
+    if sh.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -rm (user namespaces) not available to mount a small tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (f"import sys; sys.path[:0] = [{REPO!r}, {os.path.join(REPO, 'tests')!r}]\n"
+              "from test_run_folder import Run, _save\nrun = Run()\nrun.train(2)\n"
+              f"open({str(mnt / 'filler')!r}, 'wb').write(bytes(56 * 1024))  # leaves 8 KiB\n"
+              f"_save(run, {str(mnt / 'run')!r})\n")
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt} && {sys.executable} -c \"$0\"",
+                        script], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    if "mount:" in p.stderr:
+        pytest.skip(f"cannot mount tmpfs here: {p.stderr.strip()[:200]}")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: disk full while writing" in p.stderr and "No space left on device" in p.stderr
+
+
 def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
     with pytest.raises(SystemExit, match="--pretrained /nonexistent/wan: no such folder"):
         R.model_index("/nonexistent/wan")

@@ -140,6 +140,7 @@ def main(argv=None):
     if cfg.report_to != "none":
         accelerator.init_trackers("rcm", config={k: str(v) for k, v in vars(cfg).items()})
     metrics = T.MetricsWriter(os.path.join(cfg.output_dir, "metrics.jsonl"), state.step, accelerator.is_main_process)
+    T.MetricsWriter(os.path.join(cfg.output_dir, "spikes.jsonl"), state.step, accelerator.is_main_process)  # same trim
     guard = T.SpikeGuard(state.guard, cfg.spike_factor, cfg.spike_patience)
 
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
