@@ -210,22 +210,21 @@ def load_optimizer_state(opt, named_params: dict, tensors: dict, meta: dict, whe
         b = {n for g in meta.get("params", []) for n in g}
         raise CheckpointError(f"{where}: the optimizer parameters differ from the model's (missing {sorted(a - b)[:3]}, "
                               f"unexpected {sorted(b - a)[:3]})")
+    per_param = {}
+    for key, v in [*tensors.items(), *meta.get("scalars", {}).items()]:
+        pn, _, k = key.rpartition("::")
+        per_param.setdefault(pn, {})[k] = v
     state, idx = {}, 0
     for g in opt.param_groups:
         for p in g["params"]:
-            n = name_of[id(p)]
             s = {}
-            for key, t in tensors.items():
-                pn, _, k = key.rpartition("::")
-                if pn == n:
-                    if t.dim() > 0 and t.shape != _full_shape(p):
-                        raise CheckpointError(f"{where}: optimizer state {key} has shape {tuple(t.shape)}, the parameter "
-                                              f"{tuple(_full_shape(p))}")
-                    s[k] = _like(p, t) if t.dim() > 0 else t
-            for key, v in meta.get("scalars", {}).items():
-                pn, _, k = key.rpartition("::")
-                if pn == n:
-                    s[k] = v
+            for k, t in per_param.get(name_of[id(p)], {}).items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    if t.shape != _full_shape(p):
+                        raise CheckpointError(f"{where}: optimizer state {name_of[id(p)]}::{k} has shape {tuple(t.shape)}, "
+                                              f"the parameter {tuple(_full_shape(p))}")
+                    t = _like(p, t)
+                s[k] = t
             if s:
                 state[idx] = s
             idx += 1
