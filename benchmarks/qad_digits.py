@@ -36,7 +36,7 @@ def train(out: str, steps: int, warm: int) -> float:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "qad.py"),
            "--config", os.path.join(REPO, "training", "configs", "qad-digits.yaml"), "--output_dir", out,
-           "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false"]
+           "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true"]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     return time.perf_counter() - t0
 

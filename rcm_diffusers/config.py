@@ -75,8 +75,9 @@ class RCMConfig:
     seed: int = opt(0, "base seed; every random draw is a function of (seed, step, rank)")
     # outputs and guards
     output_dir: str = opt("outputs/rcm", "run directory: checkpoints/, metrics.jsonl, env.json, the LoRA")
-    resume: str = opt("", "'' = fresh, 'latest' = newest checkpoint in output_dir (fresh if none), or a checkpoint path")
-    checkpoint_every: int = opt(500, "save an accelerate checkpoint every N iterations (0 = only at the end)")
+    resume: str = opt("", "'' = fresh (output_dir must be empty), 'latest' = newest intact checkpoint in output_dir (fresh if none), or a checkpoint path; see docs/training.md for the settings that may change on resume")
+    overwrite: bool = opt(False, "delete the previous run's files in output_dir (checkpoints, metrics, exports) and start again; with --resume PATH: delete the checkpoints after PATH")
+    checkpoint_every: int = opt(500, "save a checkpoint (safetensors + JSON, docs/training.md) every N iterations (0 = only at the end)")
     checkpoints_total_limit: int = opt(3, "keep this many checkpoints (0 = all)")
     log_every: int = opt(1, "write metrics every N iterations")
     report_to: str = opt("none", "accelerate tracker: none | tensorboard | wandb | all")
@@ -85,7 +86,8 @@ class RCMConfig:
     sigma_max: float = opt(80.0, "sigma_max of the student sampler (80 T2V, 200 Wan I2V)")
     spike_factor: float = opt(5.0, "grad-norm spike: norm > factor x running median ...")
     spike_patience: int = opt(3, "... for this many consecutive steps of one network dumps spikes.jsonl")
-    skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (counted in metrics)")
+    skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (reported, counted in metrics and final.json)")
+    max_skipped_fraction: float = opt(0.05, "fail the run once more than this fraction of max_steps was skipped (non-finite gradients)")
     exit_after_step: int = opt(-1, "testing: hard-exit (os._exit) right after this iteration, as if killed")
     progress: bool = opt(True, "tqdm progress bar on the main process")
 
@@ -117,6 +119,8 @@ class RCMConfig:
         for k in ("lr", "fake_lr", "P_std", "p_D_shift", "fd_h", "sigma_max"):
             if not (getattr(self, k) > 0 and math.isfinite(getattr(self, k))):
                 bad(k, "must be a positive finite number")
+        if not 0 <= self.max_skipped_fraction <= 1:
+            bad("max_skipped_fraction", "must lie in [0, 1]")
         if not 0 <= self.ema_rate < 1:
             bad("ema_rate", "must lie in [0, 1)")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
@@ -182,12 +186,14 @@ class QADConfig:
     # outputs and guards
     output_dir: str = opt("outputs/qad", "run directory: checkpoints/, metrics.jsonl, env.json, final.json, the exports")
     export_layout: str = opt("auto", "quantized checkpoint layout: auto (comfyui for Wan, diffusers for Flux) | comfyui | diffusers")
-    resume: str = opt("", "'' = fresh, 'latest' = newest checkpoint in output_dir (fresh if none), or a checkpoint path")
-    checkpoint_every: int = opt(500, "save an accelerate checkpoint every N iterations (0 = only at the end)")
+    resume: str = opt("", "'' = fresh (output_dir must be empty), 'latest' = newest intact checkpoint in output_dir (fresh if none), or a checkpoint path; see docs/training.md for the settings that may change on resume")
+    overwrite: bool = opt(False, "delete the previous run's files in output_dir (checkpoints, metrics, exports) and start again; with --resume PATH: delete the checkpoints after PATH")
+    checkpoint_every: int = opt(500, "save a checkpoint (safetensors + JSON, docs/training.md) every N iterations (0 = only at the end)")
     checkpoints_total_limit: int = opt(3, "keep this many checkpoints (0 = all)")
     log_every: int = opt(1, "write metrics every N iterations")
     report_to: str = opt("none", "accelerate tracker: none | tensorboard | wandb | all")
-    skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (counted in metrics)")
+    skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (reported, counted in metrics and final.json)")
+    max_skipped_fraction: float = opt(0.05, "fail the run once more than this fraction of max_steps was skipped (non-finite gradients)")
     exit_after_step: int = opt(-1, "testing: hard-exit (os._exit) right after this iteration, as if killed")
     progress: bool = opt(True, "tqdm progress bar on the main process")
 
@@ -248,6 +254,8 @@ class QADConfig:
             bad("weight_dtype", "use float32, bfloat16 or float16")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             bad("mixed_precision", "use no, bf16 or fp16")
+        if not 0 <= self.max_skipped_fraction <= 1:
+            bad("max_skipped_fraction", "must lie in [0, 1]")
         if not 0.0 <= self.alpha <= 1.0:
             bad("alpha", "must lie in [0, 1]")
         for k in ("lora_rank", "batch_size", "max_steps", "log_every", "rcm_steps", "warm_start_steps_per_batch", "calibration_batches"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from .alternation import StepPlan
 from .trigflow import sample_p_D, sample_p_G, trigflow_noise
 
 __all__ = ["teacher_F", "teacher_x0", "student_step", "fake_step", "TrainState", "SpikeGuard", "MetricsWriter",
-           "save_checkpoint", "latest_checkpoint", "env_snapshot", "save_student_lora", "sample_student",
+           "latest_checkpoint", "env_snapshot", "save_student_lora", "sample_student",
            "lr_warmup_lambda"]
 
 F64 = torch.float64
@@ -110,18 +109,24 @@ def lr_warmup_lambda(warmup_steps: int):
 
 
 class TrainState:
-    """Counters saved with every checkpoint (accelerate ``register_for_checkpointing``)."""
+    """Counters saved with every checkpoint (JSON, ``checkpoints.Checkpointer``): the next iteration, the
+    skipped optimizer steps, the spike guard's history and the student's initial weight fingerprint."""
 
     def __init__(self):
         self.step = 0  # next iteration to run
         self.skipped = 0
+        self.skipped_steps = []
         self.guard = {}
+        self.init_checksum = []  # runs.param_checksum of the student's trainable weights at step 0
 
     def state_dict(self):
-        return {"step": self.step, "skipped": self.skipped, "guard": self.guard}
+        return {"step": self.step, "skipped": self.skipped, "skipped_steps": self.skipped_steps, "guard": self.guard,
+                "init_checksum": self.init_checksum}
 
     def load_state_dict(self, s):
         self.step, self.skipped, self.guard = int(s["step"]), int(s["skipped"]), dict(s["guard"])
+        self.skipped_steps = [int(i) for i in s["skipped_steps"]]
+        self.init_checksum = [float(v) for v in s["init_checksum"]]
 
 
 class SpikeGuard:
@@ -144,13 +149,26 @@ class SpikeGuard:
 
 
 class MetricsWriter:
-    """Append-only ``metrics.jsonl``; on resume, lines at or after the resumed step are dropped."""
+    """Append-only ``metrics.jsonl``; on resume, lines at or after the resumed step are dropped, and so is a
+    line that does not parse (the torn last line of a killed run), with a warning."""
 
     def __init__(self, path: str, resume_step: int, enabled: bool):
         self.path, self.enabled = path, enabled
         if enabled and os.path.exists(path):
+            keep, torn = [], 0
             with open(path) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", -1) < resume_step]
+                for ln in f:
+                    if not ln.strip():
+                        continue
+                    try:
+                        rec = json.loads(ln)
+                    except ValueError:
+                        torn += 1
+                        continue
+                    if rec.get("step", -1) < resume_step:
+                        keep.append(ln if ln.endswith("\n") else ln + "\n")
+            if torn:
+                print(f"warning: {path}: dropped {torn} unreadable line(s) (a write cut off by a kill)", file=sys.stderr)
             with open(path + ".tmp", "w") as f:
                 f.writelines(keep)
             os.replace(path + ".tmp", path)
@@ -165,46 +183,24 @@ class MetricsWriter:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """Newest complete checkpoint ``<output_dir>/checkpoints/step-XXXXXXXX`` (partial ``.tmp`` ignored)."""
-    d = os.path.join(output_dir, "checkpoints")
-    if not os.path.isdir(d):
-        return None
-    steps = sorted(n for n in os.listdir(d) if n.startswith("step-") and not n.endswith(".tmp"))
-    return os.path.join(d, steps[-1]) if steps else None
+    """Newest checkpoint of a run that passes verification (``checkpoints.find_resumable``), or ``None``."""
+    from .checkpoints import find_resumable
+
+    return find_resumable(output_dir)[0]
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, total_limit: int = 0) -> str:
-    """``accelerator.save_state`` into ``step-XXXXXXXX.tmp``, then an atomic rename (all ranks call)."""
-    d = os.path.join(output_dir, "checkpoints")
-    final = os.path.join(d, f"step-{step:08d}")
-    tmp = final + ".tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if total_limit > 0:
-            old = sorted(n for n in os.listdir(d) if n.startswith("step-") and not n.endswith(".tmp"))
-            for n in old[:-total_limit]:
-                shutil.rmtree(os.path.join(d, n), ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def end_of_step(accelerator, cfg, i: int, record: dict, metrics) -> None:
+def end_of_step(accelerator, cfg, i: int, record: dict, metrics, checkpointer) -> None:
     """Bookkeeping after iteration ``i`` shared by the trainers: ``metrics.jsonl`` (every ``log_every``
     and the last), the accelerate tracker, and the periodic checkpoint at ``step = i + 1``."""
+    import dataclasses
+
     if i % cfg.log_every == 0 or i == cfg.max_steps - 1:
         metrics.write(record)
         if cfg.report_to != "none":
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=i)
     step = i + 1
     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-        save_checkpoint(accelerator, cfg.output_dir, step, cfg.checkpoints_total_limit)
+        checkpointer.save(cfg.output_dir, step, dataclasses.asdict(cfg), cfg.checkpoints_total_limit)
 
 
 def exit_if_asked(accelerator, cfg, i: int) -> None:

@@ -2,13 +2,15 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rcm_diffusers.alternation import plan_step
-from train_helpers import REPO, run_trainer, tiny_wan_run, trainer_args
+from rcm_diffusers.checkpoints import KILL_ENV
+from train_helpers import REPO, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 
@@ -78,18 +80,90 @@ def test_saved_lora_loads_and_changes_output(wan, full_run):
 
 
 def test_kill_and_resume_is_bitwise(wan, full_run):
+    """Killed after step 14, then again in the middle of writing the step-20 checkpoint; the last metrics line
+    torn, a damaged copy posing as the newest checkpoint, and code-running pickles in all of accelerate's
+    checkpoint file names: the final LoRA, EMA and metrics equal the uninterrupted run's bit for bit."""
     out = wan[2] / "run_resume"
     p = run_trainer(_args(wan, out, "--exit_after_step", "14"), check=False)
     assert p.returncode != 0 and "exit_after_step 14: hard exit" in p.stdout, p.stderr[-3000:]  # launcher maps 17 -> 1
     assert sorted(os.listdir(out / "checkpoints")) == ["step-00000010"]
     assert not (out / "pytorch_lora_weights.safetensors").exists()
-    run_trainer(_args(wan, out, "--resume", "latest"))
+    step10, marker = out / "checkpoints" / "step-00000010", wan[2] / "code_ran"
+    plant_pickles(step10, marker)
+    p = run_trainer(_args(wan, out, "--resume", "latest"), check=False, env={KILL_ENV: "20"})
+    assert p.returncode != 0 and "hard exit while writing the checkpoint" in p.stdout, p.stderr[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000010", "step-00000020.tmp"]
+    assert not (out / "checkpoints" / "step-00000020.tmp" / "manifest.json").exists()
+    shutil.copytree(step10, out / "checkpoints" / "step-00000020")
+    with open(out / "checkpoints" / "step-00000020" / "trainable.safetensors", "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 1]))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 20, "net": "stu')
+    p = run_trainer(_args(wan, out, "--resume", "latest"))
+    assert "step-00000020 is damaged, skipped: " in p.stdout and "does not match its SHA-256" in p.stdout
+    assert f"resumed from {step10} at iteration 10" in p.stdout and "dropped 1 unreadable line" in p.stderr
+    assert not marker.exists()
     for name in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors"):
         a, b = load_file(full_run / name), load_file(out / name)
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (name, k)
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["step"] for r in recs] == list(range(30))  # steps 10..14 rewritten once, not duplicated
+    assert [r["step"] for r in recs] == list(range(30))  # steps 10..19 rewritten once, not duplicated
     ref = [json.loads(line) for line in open(full_run / "metrics.jsonl")]
     assert [r.get("loss_scm") for r in recs] == [r.get("loss_scm") for r in ref]
+    env = json.load(open(out / "env.json"))
+    assert [s["start_step"] for s in env["sessions"]] == [0, 10, 10] and env["resumed_from"] == str(step10)
+
+
+def test_a_used_run_folder_is_never_mixed(wan, full_run):
+    """A new run into a finished run's folder, changed shapes, a shorter run, a second writer: each refused with
+    one plain message before anything is written."""
+    from rcm_diffusers.runs import RunLock
+
+    def listing():
+        return {str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*") if p.name != ".rcm-run.lock"}
+
+    before = listing()
+    cases = [(("--seed", "1", "--max_steps", "40"), "already holds a training run"),
+             (("--resume", "latest", "--lora_rank", "8"), "cannot change on resume: lora_rank 4 -> 8"),
+             (("--resume", "latest", "--max_steps", "15"), "--max_steps 15 is below the checkpoint's step 30"),
+             (("--resume", "latest", "--pretrained", str(wan[2] / "missing")), "no such folder")]
+    for extra, msg in cases:
+        p = run_script(_args(wan, full_run, *extra))
+        assert p.returncode == 1 and p.stderr.count(msg) == 1 and "Traceback" not in p.stderr, (extra, p.stderr[-3000:])
+    lock = RunLock(str(full_run))
+    p = run_script(_args(wan, full_run, "--resume", "latest"))
+    lock.release()
+    assert p.returncode == 1 and f"is in use by pid {os.getpid()}" in p.stderr, p.stderr[-3000:]
+    assert listing() == before
+
+
+def test_changed_lr_and_ema_rate_apply_on_resume(wan, full_run):
+    out = wan[2] / "run_lr"
+    run_trainer(_args(wan, out, "--resume", str(full_run / "checkpoints" / "step-00000020"), "--max_steps", "22",
+                      "--lr", "1e-2", "--fake_lr", "2e-2", "--ema_rate", "0.2"))
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [(r["step"], r["lr"]) for r in recs] == [(i, 1e-2 if r["net"] == "student" else 2e-2) for i, r in zip((20, 21), recs)]
+    env = json.load(open(out / "env.json"))
+    assert env["config"]["lr"] == 1e-2
+    assert env["changed_on_resume"] == {"lr": [1e-3, 1e-2], "fake_lr": [1e-3, 2e-2], "ema_rate": [0.1, 0.2]}
+
+
+def test_training_on_nan_latents_fails(wan):
+    from safetensors.torch import save_file
+
+    data = wan[2] / "nan_data"
+    shutil.copytree(wan[1], data)
+    lat = load_file(data / "shard-00000.safetensors")
+    lat["latents"] = torch.full_like(lat["latents"], float("nan"))
+    save_file(lat, data / "shard-00000.safetensors")
+    out = wan[2] / "run_nan"
+    p = run_trainer(["--config", CONFIG, "--pretrained", wan[0], "--data_dir", str(data), "--output_dir", str(out),
+                     "--max_steps", "10"], check=False)
+    assert p.returncode != 0 and "non-finite gradient and were skipped" in p.stderr, p.stderr[-3000:]
+    assert "gradient norm is nan, optimizer step skipped" in p.stdout
+    assert not (out / "final.json").exists() and not (out / "pytorch_lora_weights.safetensors").exists()

@@ -87,9 +87,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True, script: str = "rcm.py"):
-    """``accelerate launch --cpu --num_processes N training/<script> args`` in a subprocess."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True, script: str = "rcm.py",
+                env: dict | None = None):
+    """``accelerate launch --cpu --num_processes N training/<script> args`` in a subprocess (``env``: extra variables)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     # several CPU processes: accelerate's torchrun launcher (--multi_gpu); training/rcm.py then asks
     # accelerate for gloo on CPU (`accelerate launch --cpu` would need mpirun for more than one process)
     mode = ["--multi_gpu", "--main_process_port", str(_free_port())] if num_processes > 1 else ["--cpu"]
@@ -119,3 +120,31 @@ def tiny_wan_run(tmp_path_factory, name: str):
 def trainer_args(config: str, run, out, *extra) -> list[str]:
     """Command-line of a trainer run on ``tiny_wan_run``'s teacher and data."""
     return ["--config", config, "--pretrained", run[0], "--data_dir", run[1], "--output_dir", str(out), *extra]
+
+
+def run_script(args: list[str], script: str = "rcm.py", timeout: int = 300):
+    """``python training/<script> args`` without the launcher (for runs that must stop before training)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, os.path.join(REPO, "training", script), *args], env=env, capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout)
+
+
+class Payload:
+    """Unpickling this creates ``path`` (``open(path, "w")``): the stand-in for code that a crafted pickle runs."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# the file names accelerate's save_state writes; a resume must never unpickle any of them
+ACCELERATE_SLOTS = ("custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "random_states_0.pkl", "optimizer.bin",
+                    "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin", "pytorch_model.bin")
+
+
+def plant_pickles(ckpt_dir, marker) -> None:
+    """Put a code-running pickle in each of accelerate's checkpoint file names in ``ckpt_dir``."""
+    for n in ACCELERATE_SLOTS:
+        torch.save({"state": Payload(marker)}, os.path.join(str(ckpt_dir), n))

@@ -29,8 +29,10 @@ import diffusers  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers import trainer as T  # noqa: E402
-from rcm_diffusers.config import QADConfig, load_config  # noqa: E402
+from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
+from rcm_diffusers.config import QADConfig  # noqa: E402
 from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator  # noqa: E402
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 from rcm_diffusers.quant import trainer as Q  # noqa: E402
@@ -47,17 +49,23 @@ def write_json(path, obj):
 
 
 def main(argv=None):
-    cfg = load_config(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None, config_cls=QADConfig)
+    cfg = R.load_config_or_exit(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None, config_cls=QADConfig)
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
                               mixed_precision=cfg.mixed_precision, project_dir=cfg.output_dir,
                               log_with=None if cfg.report_to == "none" else cfg.report_to)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    os.makedirs(cfg.output_dir, exist_ok=True)
     dtype = DTYPES[cfg.weight_dtype]
+    # ---- the run folder: one writer, a new run only into an empty folder, the checkpoint to resume (docs/training.md)
+    lock = R.RunLock(cfg.output_dir) if accelerator.is_main_process else None  # noqa: F841 - held until exit
+    ckpt = R.broadcast_start(accelerator, R.choose_start(cfg, accelerator.print) if accelerator.is_main_process else None)
+    saved = read_state(ckpt) if ckpt else None
+    changed = R.resume_changes(saved["config"], cfg, saved["train_state"]["step"]) if ckpt else {}
+    if ckpt and saved.get("world_size") != world:
+        changed["world_size"] = [saved.get("world_size"), world]  # the data shards per process change from here on
 
     # ---- teacher (frozen) and quantized student; LoRA init draws from the global RNG: same on every rank
     torch.manual_seed(cfg.seed)
-    index = diffusers.DiffusionPipeline.load_config(cfg.pretrained)
+    index = R.model_index(cfg.pretrained)
     transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
     teacher = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder, torch_dtype=dtype).to(device)
     if cfg.teacher_lora:
@@ -74,7 +82,6 @@ def main(argv=None):
     if cfg.act_format:
         Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, device, dtype, flux_g), times, cfg, accelerator)
 
-    ckpt = T.latest_checkpoint(cfg.output_dir) if cfg.resume == "latest" else (cfg.resume or None)
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if ckpt is None:
         # fresh run: probe the naive post-training quantization, then the optional block-wise warm start
@@ -105,27 +112,26 @@ def main(argv=None):
     student, opt, sched = accelerator.prepare(student, opt, sched)
     params = [p for p in student.parameters() if p.requires_grad]
     state = T.TrainState()
-    accelerator.register_for_checkpointing(state)
-
-    def save_hook(models, weights, out_dir):
-        if accelerator.is_main_process:
-            T.save_trainable(models, ["student"], os.path.join(out_dir, "trainable.safetensors"))
-        weights.clear()
-
-    def load_hook(models, in_dir):
-        T.load_trainable(models, ["student"], os.path.join(in_dir, "trainable.safetensors"))
-        models.clear()
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
+    named = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    checkpointer = Checkpointer(accelerator, ([student], ["student"]), {"student": (opt, named)}, {"student": sched}, state)
+    state.init_checksum = R.param_checksum(params)
     if ckpt:
-        accelerator.load_state(ckpt)
+        checkpointer.load(ckpt, verify=False)  # verified by choose_start
         accelerator.print(f"resumed from {ckpt} at iteration {state.step}")
+        if changed:
+            accelerator.print("settings changed on resume, applied from iteration {}: {}".format(
+                state.step, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())))
+        if state.step < cfg.max_steps and accelerator.is_main_process and os.path.exists(os.path.join(cfg.output_dir, "final.json")):
+            os.remove(os.path.join(cfg.output_dir, "final.json"))  # the run is unfinished again until its exports are rewritten
         metrics = T.MetricsWriter(metrics_path, state.step, accelerator.is_main_process)  # keeps step -1 probes
     if accelerator.is_main_process:
-        T.env_snapshot(os.path.join(cfg.output_dir, "env.json"), cfg,
+        env_path = os.path.join(cfg.output_dir, "env.json")
+        session = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "resumed_from": ckpt,
+                   "start_step": state.step, "changed_on_resume": changed, "world_size": world}
+        T.env_snapshot(env_path, cfg,
                        {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device),
-                        "quantized_layers": {n: m.fmt for n, m in sorted(layers.items())}, "training_times": times})
+                        "quantized_layers": {n: m.fmt for n, m in sorted(layers.items())}, "training_times": times,
+                        "changed_on_resume": changed, "sessions": R.env_sessions(env_path, session, ckpt is None)})
     if cfg.report_to != "none":
         accelerator.init_trackers("qad", config={k: str(v) for k, v in vars(cfg).items()})
 
@@ -146,12 +152,12 @@ def main(argv=None):
             opt.step()
             sched.step()
         else:
-            state.skipped += 1
+            R.note_skip(state, cfg, i, "student", norm, ids, accelerator.print)
         state.step = i + 1
         record = {"step": i, "lr": sched.get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
                   "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
         bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k.startswith("loss")})
-        T.end_of_step(accelerator, cfg, i, record, metrics)
+        T.end_of_step(accelerator, cfg, i, record, metrics, checkpointer)
         T.exit_if_asked(accelerator, cfg, i)
 
     # ---- replicas must agree; final probe, checkpoint and exports
@@ -160,10 +166,12 @@ def main(argv=None):
     sums = accelerator.gather(checksum.reshape(1).to(device)).tolist()
     if len(set(sums)) != 1:
         raise RuntimeError(f"student weights differ across ranks: {sums}")
-    T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+    R.check_learned({n: p for n, p in student.named_parameters() if p.requires_grad}, state.init_checksum, state, cfg)
+    checkpointer.save(cfg.output_dir, state.step, dataclasses.asdict(cfg), cfg.checkpoints_total_limit)
     if accelerator.is_main_process:
         base = accelerator.unwrap_model(student)
-        final = {"step": state.step, "skipped": state.skipped, "student_checksum_per_rank": sums,
+        final = {"step": state.step, "skipped": state.skipped, "skipped_steps": state.skipped_steps,
+                 "skipped_fraction": state.skipped / max(1, state.step), "student_checksum_per_rank": sums,
                  "eval_distill": Q.distill_probe(base, teacher, probe, times, cfg)}
         final["exports"] = Q.export_student(base, cfg.output_dir, cfg)
         write_json(os.path.join(cfg.output_dir, "final.json"), final)
@@ -180,4 +188,4 @@ def peak_memory_mb(device) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    R.run_main(main)

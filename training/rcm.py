@@ -10,6 +10,7 @@ plus its power-EMA variant in ``ema/``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,10 +27,11 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedDataParallelKwargs  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers import trainer as T  # noqa: E402
 from rcm_diffusers.adapters import Networks  # noqa: E402
 from rcm_diffusers.alternation import plan_step  # noqa: E402
-from rcm_diffusers.config import load_config  # noqa: E402
+from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
 from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
 from rcm_diffusers.ema import PowerEMA  # noqa: E402
 
@@ -44,7 +46,7 @@ def peak_memory_mb(device) -> float:
 
 
 def main(argv=None):
-    cfg = load_config(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    cfg = R.load_config_or_exit(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     if cfg.synthetic:
         raise SystemExit("--synthetic: the teacher samples are generated once, before training: run\n  python training/prepare_data.py "
                          f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
@@ -60,11 +62,17 @@ def main(argv=None):
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
-    os.makedirs(cfg.output_dir, exist_ok=True)
+    # ---- the run folder: one writer, a new run only into an empty folder, the checkpoint to resume (docs/training.md)
+    lock = R.RunLock(cfg.output_dir) if accelerator.is_main_process else None  # noqa: F841 - held until exit
+    ckpt = R.broadcast_start(accelerator, R.choose_start(cfg, accelerator.print) if accelerator.is_main_process else None)
+    saved = read_state(ckpt) if ckpt else None
+    changed = R.resume_changes(saved["config"], cfg, saved["train_state"]["step"]) if ckpt else {}
+    if ckpt and saved.get("world_size") != world:
+        changed["world_size"] = [saved.get("world_size"), world]  # the data shards per process change from here on
 
     # ---- teacher, student, fake score (SPEC §6); adapter init (lora_A) draws from the global RNG: same on every rank
     torch.manual_seed(cfg.seed)
-    index = diffusers.DiffusionPipeline.load_config(cfg.pretrained)
+    index = R.model_index(cfg.pretrained)
     pipeline_cls = getattr(diffusers, index["_class_name"] if cfg.pipeline_class == "auto" else cfg.pipeline_class)
     transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
     transformer = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder,
@@ -98,29 +106,21 @@ def main(argv=None):
     sync_module = {r: nets.modules[r] for r in roles}
     params = {r: list(nets.trainable_parameters(r).values()) for r in roles}
 
-    # ---- checkpointed state: counters, EMA, trainable weights only (no frozen base)
+    # ---- checkpointed state (safetensors + JSON, no pickle): counters, EMA, optimizers, schedulers, RNG,
+    # trainable weights only (no frozen base)
     state = T.TrainState()
-    accelerator.register_for_checkpointing(state)
-    ema = None
-    if cfg.ema_rate > 0:
-        ema = PowerEMA(nets.trainable_parameters("student"), s=cfg.ema_rate)
-        accelerator.register_for_checkpointing(ema)
-
-    def save_hook(models, weights, out_dir):
-        if accelerator.is_main_process:
-            T.save_trainable(models, names, os.path.join(out_dir, "trainable.safetensors"))
-        weights.clear()
-
-    def load_hook(models, in_dir):
-        T.load_trainable(models, names, os.path.join(in_dir, "trainable.safetensors"))
-        models.clear()
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-    ckpt = T.latest_checkpoint(cfg.output_dir) if cfg.resume == "latest" else (cfg.resume or None)
+    ema = PowerEMA(nets.trainable_parameters("student"), s=cfg.ema_rate) if cfg.ema_rate > 0 else None
+    checkpointer = Checkpointer(accelerator, (list(prepared[: len(names)]), names),
+                                {r: (opts[r], nets.trainable_parameters(r)) for r in roles}, scheds, state, ema)
+    state.init_checksum = R.param_checksum(nets.trainable_parameters("student"))
     if ckpt:
-        accelerator.load_state(ckpt)
+        checkpointer.load(ckpt, verify=False)  # verified by choose_start
         accelerator.print(f"resumed from {ckpt} at iteration {state.step}")
+        if changed:
+            accelerator.print("settings changed on resume, applied from iteration {}: {}".format(
+                state.step, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())))
+        if state.step < cfg.max_steps and accelerator.is_main_process and os.path.exists(os.path.join(cfg.output_dir, "final.json")):
+            os.remove(os.path.join(cfg.output_dir, "final.json"))  # the run is unfinished again until its exports are rewritten
 
     # ---- data, logging, guards
     data = LatentDataset(cfg.data_dir)
@@ -132,11 +132,15 @@ def main(argv=None):
         accelerator.print("sample grids: PNG decoded with the pipeline's VAE" if decoder is not None else
                           f"sample grids: {cfg.pretrained} has no VAE, writing latents only (samples/*.safetensors)")
     if accelerator.is_main_process:
-        T.env_snapshot(os.path.join(cfg.output_dir, "env.json"), cfg,
-                       {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device)})
+        env_path = os.path.join(cfg.output_dir, "env.json")
+        session = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "resumed_from": ckpt,
+                   "start_step": state.step, "changed_on_resume": changed, "world_size": world}
+        T.env_snapshot(env_path, cfg, {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device),
+                                       "changed_on_resume": changed, "sessions": R.env_sessions(env_path, session, ckpt is None)})
     if cfg.report_to != "none":
         accelerator.init_trackers("rcm", config={k: str(v) for k, v in vars(cfg).items()})
     metrics = T.MetricsWriter(os.path.join(cfg.output_dir, "metrics.jsonl"), state.step, accelerator.is_main_process)
+    T.MetricsWriter(os.path.join(cfg.output_dir, "spikes.jsonl"), state.step, accelerator.is_main_process)  # same trim
     guard = T.SpikeGuard(state.guard, cfg.spike_factor, cfg.spike_patience)
 
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
@@ -174,7 +178,7 @@ def main(argv=None):
             if plan.student and ema is not None:
                 ema.update(nets.trainable_parameters("student"), plan.student_eff)
         else:
-            state.skipped += 1
+            R.note_skip(state, cfg, i, role, norm, ids, accelerator.print)
         if guard.check(role, norm) and accelerator.is_main_process:
             with open(os.path.join(cfg.output_dir, "spikes.jsonl"), "a") as f:
                 f.write(json.dumps({"step": i, "net": role, "grad_norm": norm, "batch_ids": ids,
@@ -185,7 +189,7 @@ def main(argv=None):
                   "lr": scheds[role].get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
                   "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
         bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k.startswith("loss")})
-        T.end_of_step(accelerator, cfg, i, record, metrics)
+        T.end_of_step(accelerator, cfg, i, record, metrics, checkpointer)
         if cfg.sample_every and state.step % cfg.sample_every == 0 and accelerator.is_main_process:
             T.write_samples(nets, data, cfg, state.step, device, transformer, decoder=decoder)
         T.exit_if_asked(accelerator, cfg, i)
@@ -196,9 +200,10 @@ def main(argv=None):
     sums = accelerator.gather(checksum.reshape(1).to(device)).tolist()
     if len(set(sums)) != 1:
         raise RuntimeError(f"student weights differ across ranks: {sums}")
+    R.check_learned(nets.trainable_parameters("student"), state.init_checksum, state, cfg)
 
     # ---- final checkpoint and exports
-    T.save_checkpoint(accelerator, cfg.output_dir, state.step, cfg.checkpoints_total_limit)
+    checkpointer.save(cfg.output_dir, state.step, dataclasses.asdict(cfg), cfg.checkpoints_total_limit)
     if accelerator.is_main_process:
         base = accelerator.unwrap_model(nets.modules["student"])
         if cfg.mode == "shared":
@@ -222,11 +227,12 @@ def main(argv=None):
         # written last and atomically: its presence means the run and its exports are complete
         tmp = os.path.join(cfg.output_dir, "final.json.tmp")
         with open(tmp, "w") as f:
-            json.dump({"step": state.step, "skipped": state.skipped, "student_checksum_per_rank": sums}, f)
+            json.dump({"step": state.step, "skipped": state.skipped, "skipped_steps": state.skipped_steps,
+                       "skipped_fraction": state.skipped / max(1, state.step), "student_checksum_per_rank": sums}, f)
         os.replace(tmp, os.path.join(cfg.output_dir, "final.json"))
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    R.run_main(main)

@@ -1,0 +1,401 @@
+"""Checkpoints without pickle, their verification, the run-folder rules and the resume policy
+(``rcm_diffusers.checkpoints``, ``rcm_diffusers.runs``), in process on a tiny model (no trainer launch).
+
+The pickle hazard this guards against: accelerate's ``load_custom_state`` (accelerate/checkpointing.py)
+reads ``custom_checkpoint_*.pkl`` with ``torch.load(weights_only=False)``.
+"""
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rcm_diffusers import checkpoints as C
+from rcm_diffusers import runs as R
+from rcm_diffusers.config import QADConfig, RCMConfig
+from rcm_diffusers.ema import PowerEMA
+from rcm_diffusers.trainer import MetricsWriter, TrainState, lr_warmup_lambda
+from train_helpers import REPO, Payload
+
+
+class FakeAccelerator:
+    is_main_process, is_local_main_process, process_index, num_processes = True, True, 0, 1
+
+    def wait_for_everyone(self):
+        pass
+
+
+class Run:
+    """Two 'networks' (student, fake) with AdamW + warm-up LambdaLR each, a power EMA and counters: the
+    pieces ``training/rcm.py`` checkpoints, on a tiny MLP."""
+
+    def __init__(self, lr=1e-2, ema_rate=0.1, seed=0):
+        torch.manual_seed(seed)
+        self.nets = {"student": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)),
+                     "fake": torch.nn.Linear(4, 2)}
+        self.named = {r: dict(m.named_parameters()) for r, m in self.nets.items()}
+        self.opts = {r: torch.optim.AdamW(m.parameters(), lr=lr if r == "student" else 1e-3, betas=(0.0, 0.999),
+                                          weight_decay=0.01) for r, m in self.nets.items()}
+        self.scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, lr_warmup_lambda(3)) for r, o in self.opts.items()}
+        self.ema = PowerEMA(self.named["student"], s=ema_rate)
+        self.state = TrainState()
+        self.ck = C.Checkpointer(FakeAccelerator(), (list(self.nets.values()), list(self.nets)),
+                                 {r: (self.opts[r], self.named[r]) for r in self.nets}, self.scheds, self.state, self.ema)
+
+    def train(self, n):
+        for _ in range(n):
+            i = self.state.step
+            g = torch.Generator().manual_seed(1000 + i)
+            x = torch.randn(5, 4, generator=g) + torch.rand(1).item()  # global RNG in the loop: restored on resume
+            role = "student" if i % 3 else "fake"
+            self.opts[role].zero_grad()
+            self.nets[role](x).square().mean().backward()
+            self.opts[role].step()
+            self.scheds[role].step()
+            if role == "student":
+                self.ema.update(self.named["student"], i)
+            self.state.step += 1
+
+    def weights(self):
+        return {f"{r}.{k}": p.detach().clone() for r, ps in self.named.items() for k, p in ps.items()}
+
+
+def _cfg(out, **kw):
+    d = dataclasses.asdict(RCMConfig(pretrained="p", data_dir="d", output_dir=str(out)))
+    d.update(kw)
+    return SimpleNamespace(**d)
+
+
+def _save(run, out, step=None):
+    return run.ck.save(str(out), run.state.step if step is None else step, {"lr": 1e-2}, total_limit=0)
+
+
+def _rewrite_manifest(path):
+    """Make the manifest match whatever the files now hold (an attacker controls the whole folder)."""
+    man = json.load(open(os.path.join(path, "manifest.json")))
+    for n in man["files"]:
+        b = open(os.path.join(path, n), "rb").read()
+        man["files"][n] = {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+    json.dump(man, open(os.path.join(path, "manifest.json"), "w"))
+
+
+def test_resume_restores_everything_bitwise(tmp_path):
+    ref = Run()
+    ref.train(7)
+    ck = _save(ref, tmp_path)
+    assert os.path.basename(ck) == "step-00000007"
+    assert sorted(os.listdir(ck)) == ["ema.safetensors", "manifest.json", "optimizer-fake.safetensors",
+                                      "optimizer-student.safetensors", "rng-rank0.safetensors", "state.json", "trainable.safetensors"]
+    py, npy = random.random(), np.random.rand()
+    ref.train(8)
+    other = Run(seed=5)  # other initial weights and RNG: everything must come from the checkpoint
+    other.train(2)
+    other.ck.load(ck)
+    assert other.state.step == 7 and (random.random(), np.random.rand()) == (py, npy)
+    other.train(8)
+    a, b = ref.weights(), other.weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(ref.ema.shadow[k], other.ema.shadow[k]) for k in ref.ema.shadow)
+    for r in ref.opts:
+        sa, sb = ref.opts[r].state_dict(), other.opts[r].state_dict()
+        assert sa["param_groups"] == sb["param_groups"]
+        assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
+        assert ref.scheds[r].state_dict() == other.scheds[r].state_dict()
+
+
+def test_payload_is_live():
+    """The payload used below does run code when unpickled (so the next test can fail)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        marker = os.path.join(d, "ran")
+        pickle.loads(pickle.dumps(Payload(marker)))
+        assert os.path.exists(marker)
+
+
+SLOTS = ["trainable.safetensors", "optimizer-student.safetensors", "optimizer-fake.safetensors", "ema.safetensors",
+         "rng-rank0.safetensors", "state.json", "manifest.json",
+         # accelerate save_state's file names: never read
+         "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "random_states_0.pkl", "optimizer.bin", "optimizer_1.bin",
+         "scheduler.bin", "scheduler_1.bin", "model.safetensors", "pytorch_model.bin"]
+
+
+@pytest.mark.parametrize("slot", SLOTS)
+@pytest.mark.parametrize("writer", ["pickle", "torch.save"])
+def test_no_file_in_a_checkpoint_can_run_code(tmp_path, slot, writer):
+    run = Run()
+    run.train(4)
+    ck = _save(run, tmp_path / "out")
+    marker = tmp_path / "code_ran"
+    p = os.path.join(ck, slot)
+    if writer == "pickle":
+        with open(p, "wb") as f:
+            pickle.dump(Payload(marker), f)
+    else:
+        torch.save({"state": Payload(marker)}, p)
+    if slot != "manifest.json":
+        _rewrite_manifest(ck)  # checksums pass: only the file formats protect
+    ours = slot in SLOTS[:7]
+    fresh = Run(seed=3)
+    if ours:
+        with pytest.raises(C.CheckpointError):
+            fresh.ck.load(ck)
+    else:
+        fresh.ck.load(ck)  # the accelerate-named files are not part of the checkpoint
+        assert fresh.state.step == 4
+    assert not marker.exists()
+
+
+def test_verification_catches_truncation_and_bit_flips(tmp_path):
+    run = Run()
+    run.train(4)
+    ck = _save(run, tmp_path)
+    C.verify_checkpoint(ck)
+    for n in sorted(os.listdir(ck)):
+        if n == "manifest.json":
+            continue
+        p = os.path.join(ck, n)
+        good = open(p, "rb").read()
+        open(p, "wb").write(good[: len(good) // 2])
+        with pytest.raises(C.CheckpointError, match=f"{n} has {len(good) // 2} bytes"):
+            C.verify_checkpoint(ck)
+        flipped = bytearray(good)
+        flipped[len(good) // 2] ^= 0x10
+        open(p, "wb").write(bytes(flipped))
+        with pytest.raises(C.CheckpointError, match=f"{n} does not match its SHA-256"):
+            C.verify_checkpoint(ck)
+        open(p, "wb").write(good)
+    os.remove(os.path.join(ck, "manifest.json"))
+    with pytest.raises(C.CheckpointError, match="interrupted"):
+        C.verify_checkpoint(ck)
+
+
+def test_prune_by_step_number_not_name(tmp_path):
+    for s in (99_999_999, 100_000_000, 100_000_001, 5):
+        os.makedirs(tmp_path / "checkpoints" / f"step-{s:08d}")
+    os.makedirs(tmp_path / "checkpoints" / "step-00000007.tmp")
+    assert [s for s, _ in C.list_checkpoints(str(tmp_path))] == [5, 99_999_999, 100_000_000, 100_000_001]
+    C.prune_checkpoints(str(tmp_path), 2)
+    # name order would have kept step-99999999 (it sorts after step-100000001)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000007.tmp", "step-100000000", "step-100000001"]
+
+
+def test_new_run_into_a_used_folder_is_refused_or_overwritten(tmp_path):
+    out = tmp_path / "run"
+    assert R.choose_start(_cfg(out)) is None  # missing folder: fresh
+    run = Run()
+    run.train(3)
+    _save(run, out)
+    (out / "final.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="already holds a training run .*--resume latest.*--overwrite true"):
+        R.choose_start(_cfg(out, seed=1))
+    assert (out / "final.json").exists() and C.list_checkpoints(str(out))
+    logs = []
+    assert R.choose_start(_cfg(out, overwrite=True), logs.append) is None
+    assert sorted(os.listdir(out)) == ["notes.txt"] and "removed" in logs[0]  # only the run's own files go
+
+
+def test_resume_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    run = Run()
+    for _ in range(3):
+        run.train(2)
+        _save(run, out)
+    ckpts = [p for _, p in C.list_checkpoints(str(out))]
+    with open(os.path.join(ckpts[-1], "trainable.safetensors"), "r+b") as f:
+        f.truncate(100)
+    logs = []
+    assert R.choose_start(_cfg(out, resume="latest"), logs.append) == ckpts[1]
+    assert "step-00000006 is damaged" in logs[0] and "trainable.safetensors has 100 bytes" in logs[0]
+    assert os.path.isdir(ckpts[-1] + ".damaged") and [p for _, p in C.list_checkpoints(str(out))] == ckpts[:2]
+    # all damaged: refused, not a silent fresh start
+    for p in ckpts[:2]:
+        os.remove(os.path.join(p, "manifest.json"))
+    with pytest.raises(SystemExit, match="no intact checkpoint"):
+        R.choose_start(_cfg(out, resume="latest"))
+
+
+def test_resume_an_older_checkpoint_needs_overwrite(tmp_path):
+    out = tmp_path / "run"
+    run = Run()
+    for _ in range(3):
+        run.train(2)
+        _save(run, out)
+    (out / "final.json").write_text("{}")
+    old = str(out / "checkpoints" / "step-00000002")
+    with pytest.raises(SystemExit, match="step-00000004, step-00000006.*mix two histories"):
+        R.choose_start(_cfg(out, resume=old))
+    assert R.choose_start(_cfg(out, resume=old, overwrite=True), print) == old
+    assert [s for s, _ in C.list_checkpoints(str(out))] == [2] and not (out / "final.json").exists()
+    # a checkpoint of another run: only into an empty folder
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="needs an empty --output_dir"):
+        R.choose_start(_cfg(other, resume=old))
+    with pytest.raises(SystemExit, match="no MANIFEST|has no manifest.json"):
+        R.choose_start(_cfg(tmp_path / "x", resume=str(tmp_path)))
+
+
+def test_resume_policy_refuses_applies_and_ignores():
+    saved = dataclasses.asdict(RCMConfig(pretrained="p", data_dir="d", max_steps=30))
+    ok = RCMConfig(pretrained="p", data_dir="d", max_steps=40, lr=1e-2, ema_rate=0.2, fd_type=2, checkpoint_every=7)
+    assert R.resume_changes(saved, ok, 20) == {"lr": [1e-4, 1e-2], "ema_rate": [0.1, 0.2], "fd_type": [0, 2]}
+    for kw, match in (({"lora_rank": 8}, "lora_rank 32 -> 8"), ({"seed": 1}, "seed 0 -> 1"), ({"batch_size": 4}, "batch_size"),
+                      ({"tangent_warmup": 5}, "tangent_warmup"), ({"ema_rate": 0.0}, "switched on or off"),
+                      ({"max_steps": 15}, "--max_steps 15 is below the checkpoint's step 20")):
+        with pytest.raises(SystemExit, match=match):
+            R.resume_changes(saved, RCMConfig(pretrained="p", data_dir="d", **kw), 20)
+    q = dataclasses.asdict(QADConfig(pretrained="p", data_dir="d"))
+    with pytest.raises(SystemExit, match="format 'nvfp4' -> 'int8'"):
+        R.resume_changes(q, QADConfig(pretrained="p", data_dir="d", format="int8"), 3)
+    assert R.resume_changes(q, QADConfig(pretrained="p", data_dir="d", lr=1e-3, alpha=0.5), 3) == {"lr": [1e-5, 1e-3], "alpha": [0.1, 0.5]}
+    assert set(R.BOOKKEEPING) <= set(RCMConfig.__dataclass_fields__) | set(QADConfig.__dataclass_fields__)
+    for name, fixed in R.FIXED_ON_RESUME.items():
+        cls = {"RCMConfig": RCMConfig, "QADConfig": QADConfig}[name]
+        assert set(fixed) <= set(cls.__dataclass_fields__), set(fixed) - set(cls.__dataclass_fields__)
+
+
+def test_changed_lr_and_ema_rate_apply_on_resume(tmp_path):
+    run = Run(lr=1e-2)
+    run.train(6)
+    ck = _save(run, tmp_path)
+    lam = lr_warmup_lambda(3)(run.scheds["student"].last_epoch)
+    lr_fake = run.opts["fake"].param_groups[0]["lr"]
+    assert run.opts["student"].param_groups[0]["lr"] == 1e-2 * lam
+    run.train(3)
+    same, faster = Run(lr=1e-2), Run(lr=5e-2, ema_rate=0.2)
+    same.ck.load(ck)  # each load also restores the global RNG, so train each right after its load
+    assert same.opts["student"].param_groups[0]["lr"] == 1e-2 * lam and same.ema.s == 0.1
+    same.train(3)
+    faster.ck.load(ck)
+    assert faster.opts["student"].param_groups[0]["lr"] == 5e-2 * lam and faster.scheds["student"].base_lrs == [5e-2]
+    assert faster.opts["fake"].param_groups[0]["lr"] == lr_fake and faster.ema.s == 0.2
+    faster.train(3)
+    a, b, c = run.weights(), same.weights(), faster.weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert max(float((a[k] - c[k]).abs().max()) for k in a if k.startswith("student")) > 1e-4
+
+
+def test_a_changed_rank_is_a_clear_error_not_a_size_mismatch(tmp_path):
+    run = Run()
+    run.train(2)
+    ck = _save(run, tmp_path)
+    wide = Run()
+    wide.nets["student"] = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    wide.named["student"] = dict(wide.nets["student"].named_parameters())
+    wide.opts["student"] = torch.optim.AdamW(wide.nets["student"].parameters())
+    wide.ck = C.Checkpointer(FakeAccelerator(), (list(wide.nets.values()), list(wide.nets)),
+                             {r: (wide.opts[r], wide.named[r]) for r in wide.nets}, wide.scheds, wide.state, None)
+    with pytest.raises(C.CheckpointError, match="trainable weights do not load|shape"):
+        wide.ck.load(ck)
+
+
+def test_run_lock_refuses_a_second_writer(tmp_path):
+    lock = R.RunLock(str(tmp_path))
+    with pytest.raises(SystemExit, match=f"in use by pid {os.getpid()}"):
+        R.RunLock(str(tmp_path))
+    lock.release()  # (a second trainer process: tests/test_train_wan.py::test_a_used_run_folder_is_never_mixed)
+    R.RunLock(str(tmp_path)).release()
+    assert R.choose_start(_cfg(tmp_path)) is None  # the lock file alone is not a run
+
+
+def test_metrics_tolerate_a_torn_last_line(tmp_path, capsys):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": i, "loss": 0.5}) + "\n" for i in range(5)) + '{"step": 5, "lo')
+    MetricsWriter(str(p), 4, True).write({"step": 4})
+    assert [json.loads(ln)["step"] for ln in p.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    assert "dropped 1 unreadable line" in capsys.readouterr().err
+
+
+def test_skipped_steps_are_reported_and_fail_past_the_fraction():
+    st, logs = TrainState(), []
+    cfg = SimpleNamespace(max_skipped_fraction=0.1, max_steps=20)
+    R.note_skip(st, cfg, 3, "student", float("nan"), [4, 5], logs.append)
+    R.note_skip(st, cfg, 7, "fake", float("inf"), [1, 2], logs.append)
+    assert st.skipped == 2 and st.skipped_steps == [3, 7] and "step 3: student gradient norm is nan" in logs[0]
+    with pytest.raises(SystemExit, match=r"3 of 9 steps had a non-finite gradient .*steps \[3, 7, 8\]"):
+        R.note_skip(st, cfg, 8, "student", float("nan"), [0, 1], logs.append)
+    w = {"a": torch.zeros(3), "b": torch.ones(2)}
+    init = R.param_checksum(w)
+    st.step = 20
+    with pytest.raises(SystemExit, match="nothing was learned"):
+        R.check_learned(w, init, st, cfg)
+    w["a"][1] = 1e-6
+    R.check_learned(w, init, st, cfg)
+    lora = {"x.lora_A.student.weight": torch.randn(2, 3), "x.lora_B.student.weight": torch.zeros(3, 2)}
+    with pytest.raises(SystemExit, match="LoRA is zero"):  # weight decay moved A, B stayed 0: B A = 0
+        R.check_learned(lora, [0.0, 0.0], st, cfg)
+    lora["x.lora_B.student.weight"][0, 0] = 1e-8
+    R.check_learned(lora, [0.0, 0.0], st, cfg)
+    w["b"][0] = float("nan")
+    with pytest.raises(SystemExit, match="NaN or inf"):
+        R.check_learned(w, init, st, cfg)
+
+
+def test_disk_full_while_checkpointing_is_a_clear_message(tmp_path, monkeypatch):
+    run = Run()
+    run.train(2)
+    first = _save(run, tmp_path)
+    real = C._save_tensors
+
+    def full(tensors, path, metadata=None):
+        if "optimizer" in path:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(tensors, path, metadata)
+
+    monkeypatch.setattr(C, "_save_tensors", full)
+    run.train(2)
+    with pytest.raises(SystemExit, match=r"disk full while writing .*step-00000004\.tmp .*MiB free.*--resume latest"):
+        _save(run, tmp_path)
+    assert [p for _, p in C.list_checkpoints(str(tmp_path))] == [first] and not os.path.exists(first.replace("2", "4") + ".tmp")
+    C.verify_checkpoint(first)
+    assert C.is_disk_full(RuntimeError("basic_ios::clear: iostream error"))  # torch.save's text for ENOSPC
+
+
+def test_real_disk_full_on_a_tiny_tmpfs(tmp_path):
+    """A real ENOSPC: a 64 KiB tmpfs (8 KiB left free) mounted in a private user+mount namespace (``unshare -rm``)."""
+    import shutil as sh
+
+    if sh.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -rm (user namespaces) not available to mount a small tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = (f"import sys; sys.path[:0] = [{REPO!r}, {os.path.join(REPO, 'tests')!r}]\n"
+              "from test_run_folder import Run, _save\nrun = Run()\nrun.train(2)\n"
+              f"open({str(mnt / 'filler')!r}, 'wb').write(bytes(56 * 1024))  # leaves 8 KiB\n"
+              f"_save(run, {str(mnt / 'run')!r})\n")
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt} && {sys.executable} -c \"$0\"",
+                        script], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    if "mount:" in p.stderr:
+        pytest.skip(f"cannot mount tmpfs here: {p.stderr.strip()[:200]}")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "error: disk full while writing" in p.stderr and "No space left on device" in p.stderr
+
+
+def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
+    with pytest.raises(SystemExit, match="--pretrained /nonexistent/wan: no such folder"):
+        R.model_index("/nonexistent/wan")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no model_index.json"):
+        R.model_index(str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match="^error: config option max_skipped_fraction = 2.0: must lie in"):
+        R.load_config_or_exit(["--pretrained", "p", "--data_dir", "d", "--max_skipped_fraction", "2"], config_cls=QADConfig)
+    with pytest.raises(SystemExit, match="^error: .*No such file"):
+        R.load_config_or_exit(["--config", str(tmp_path / "nope.yaml")])
+    # the whole script: one plain line, no traceback (training/qad.py uses the same helper)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), "--pretrained", "p", "--data_dir", "d",
+                        "--lora_rank", "0"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.count("config option lora_rank = 0: must be >= 1") == 1
