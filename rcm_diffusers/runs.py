@@ -181,7 +181,7 @@ FIXED_ON_RESUME = {
                   "lora_alpha": "the trained adapter was scaled by the old alpha", "fake_lora_rank": _SHAPES,
                   "lora_target_modules": _SHAPES, "weight_dtype": _SHAPES, "use_dmd": "the fake score network and its optimizer",
                   "seed": _STREAM, "batch_size": _STREAM, "tangent_warmup": _STREAM, "student_update_freq": _STREAM,
-                  "max_simulation_steps": _STREAM},
+                  "max_simulation_steps": _STREAM, "time_input": "the networks were trained at the old time input"},
     "QADConfig": {"transformer_subfolder": "the checkpoint belongs to the other expert", "weight_dtype": _SHAPES,
                   "format": "the student was trained through the old quantizer", "act_format": "the activation quantizer",
                   "per_channel": "the quantizer's scales", "exclude": "which layers are quantized",
@@ -191,7 +191,8 @@ FIXED_ON_RESUME = {
                   "r_source": "the activation ranges are calibrated at these times", "shift": "the activation ranges are calibrated at these times",
                   "rcm_steps": "the activation ranges are calibrated at these times", "sigma_max": "the activation ranges are calibrated at these times",
                   "mid_t": "the activation ranges are calibrated at these times", "seed": _STREAM, "batch_size": _STREAM,
-                  "warm_start_batches": _START, "warm_start_steps_per_batch": _START, "warm_start_lr": _START},
+                  "warm_start_batches": _START, "warm_start_steps_per_batch": _START, "warm_start_lr": _START,
+                  "time_input": "the student was trained at the old time input"},
 }
 # changed freely on resume, without a message (where and how often things are written, guards, testing aids)
 BOOKKEEPING = {"output_dir", "resume", "overwrite", "checkpoint_every", "checkpoints_total_limit", "log_every", "report_to",
