@@ -1,6 +1,7 @@
 """Logic of the ComfyUI nodes (rcm_diffusers.comfy), without ComfyUI: SPEC §2.1/§2.2 numbers."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -44,7 +45,11 @@ def test_rcm_sigmas_i2v_sigma_max_and_custom_mid_t():
     [
         (dict(steps=0), "steps=0 is out of range.*1..4"),
         (dict(steps=5), "steps=5 is out of range.*add intermediate angles"),
-        (dict(steps=2.5), "out of range"),
+        (dict(steps=2.5), "steps must be a whole number"),
+        (dict(steps="4.5"), "steps must be a whole number"),
+        (dict(steps="four"), "steps must be a whole number"),
+        (dict(steps=True), "steps must be a whole number"),
+        (dict(steps="5"), "steps=5 is out of range"),
         (dict(steps=3, mid_t="1.5, abc"), r"cannot read \['abc'\]"),
         (dict(steps=3, mid_t="1.0, 1.4"), "strictly decrease"),
         (dict(steps=2, mid_t="1.4, 1.4"), "strictly decrease"),
@@ -58,6 +63,19 @@ def test_rcm_sigmas_i2v_sigma_max_and_custom_mid_t():
 def test_rcm_sigmas_bad_input_says_what_to_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         comfy.rcm_sigmas(**kwargs)
+
+
+def test_rcm_sigmas_accepts_whole_numbers_as_text():
+    """Issue 17 item 7: ``rcm_sigmas("4")`` said "steps=4 is out of range 1..4"."""
+    for steps in ("4", " 4 ", 4.0, np.int64(4)):
+        np.testing.assert_allclose(comfy.rcm_sigmas(steps).numpy(), SPEC_4STEP, atol=1e-5, rtol=0)
+
+
+def test_check_rcm_sigmas_widgets_names_the_widget():
+    assert comfy.check_rcm_sigmas_widgets(4, 80.0, "1.5, 1.4, 1.0") is None
+    assert "steps=6" in comfy.check_rcm_sigmas_widgets(6, 80.0, "1.5, 1.4, 1.0")
+    assert "mid_t" in comfy.check_rcm_sigmas_widgets(4, 80.0, "1.5, x")
+    assert "sigma_max must be > 0" in comfy.check_rcm_sigmas_widgets(4, 0.0, "1.5, 1.4, 1.0")
 
 
 def test_teacher_sigmas_linear_shift_starts_at_r_max():
@@ -159,11 +177,42 @@ def test_sample_rcm_seed_reproduces_and_matches_generator_stream():
     d = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, extra_args={"seed": 8}, disable=True)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert (a - d).abs().max() > 1e-3
-    # x = 0, c = 0: step 0 gives x0 = 0, x1 = r1 * n1 with n1 the first draw of a seed-7 generator,
-    # then the last step returns x0 = (0.5 - 0.3 r1) x1.
-    n1 = torch.randn(x.size(), generator=torch.Generator().manual_seed(7))
+    # x = 0, c = 0: step 0 gives x0 = 0, x1 = r1 * n1 with n1 the first draw of the re-noising stream,
+    # then the last step returns x0 = (0.5 - 0.3 r1) x1. Without ComfyUI that stream follows current
+    # ComfyUI's default_noise_sampler on CPU: a generator seeded with seed + 1 (comfy/k_diffusion/sampling.py).
+    n1 = torch.randn(x.size(), generator=torch.Generator().manual_seed(8))
     r1 = float(sigmas[1])
     torch.testing.assert_close(a, (0.5 - 0.3 * r1) * r1 * n1, atol=1e-6, rtol=0)
+
+
+def test_fresh_noise_is_not_the_initial_noise_again():
+    """Issue 18: with ``seed`` the first re-noising draw equalled ComfyUI's initial noise (``randn`` from ``seed``)."""
+    x = torch.zeros(1, 2, 4, 4)
+    initial = torch.randn(x.size(), generator=torch.manual_seed(7))  # what ComfyUI's RandomNoise(7) draws on CPU
+    first = comfy.seeded_noise_sampler(x, 7)(None, None)
+    assert (first - initial).abs().max() > 0.1
+    torch.testing.assert_close(first, torch.randn(x.size(), generator=torch.Generator().manual_seed(8)), atol=0, rtol=0)
+
+
+def test_seeded_noise_sampler_uses_comfyuis_own_when_loaded(monkeypatch):
+    """Inside ComfyUI the noise comes from ``comfy.k_diffusion.sampling.default_noise_sampler`` itself."""
+    import types
+
+    calls = []
+
+    def default_noise_sampler(x, seed=None):
+        calls.append(seed)
+        return lambda sigma, sigma_next: torch.full_like(x, 3.0)
+
+    fake = types.ModuleType("comfy.k_diffusion.sampling")
+    fake.default_noise_sampler = default_noise_sampler
+    monkeypatch.setitem(sys.modules, "comfy.k_diffusion.sampling", fake)
+    x = torch.zeros(1, 2, 4, 4)
+    out = comfy.sample_rcm(AffineDenoiser(torch.zeros_like(x)), x, comfy.rcm_sigmas(2), extra_args={"seed": 5},
+                           disable=True)
+    assert calls == [5]
+    r1 = float(comfy.rcm_sigmas(2)[1])
+    torch.testing.assert_close(out, torch.full_like(x, (0.5 - 0.3 * r1) * r1 * 3.0), atol=1e-6, rtol=0)
 
 
 def test_sample_rcm_rejects_non_rf_sigmas():
