@@ -2,7 +2,8 @@
 
 ``COMFYUI_PATH`` names one ComfyUI checkout, or several separated by ``os.pathsep`` (e.g. a
 current one and one from before ``comfy_api.latest``). In-process tests import the first; the
-server tests run once per checkout. The Python running pytest must have ComfyUI's requirements.
+server tests run once per checkout. The Python running pytest must have ComfyUI's requirements;
+``COMFYUI_PYTHON`` (same order) may name another Python per checkout for its server.
 Without ``COMFYUI_PATH`` these tests skip: ComfyUI is not on PyPI, so CI cannot install it.
 """
 
@@ -20,6 +21,15 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMFYUI_PATHS = [p for p in os.environ.get("COMFYUI_PATH", "").split(os.pathsep) if p]
+# the Python that runs each checkout's server (same order; default: the one running pytest), for
+# checkouts that pin other versions of ComfyUI's frontend/template packages
+COMFYUI_PYTHONS = [p for p in os.environ.get("COMFYUI_PYTHON", "").split(os.pathsep) if p]
+
+
+def server_python(comfy_path: str) -> str:
+    if comfy_path in COMFYUI_PATHS and COMFYUI_PATHS.index(comfy_path) < len(COMFYUI_PYTHONS):
+        return COMFYUI_PYTHONS[COMFYUI_PATHS.index(comfy_path)]
+    return sys.executable
 SKIP_REASON = ("set COMFYUI_PATH to a ComfyUI checkout (several separated by os.pathsep) and run with a Python "
                "that has its requirements to run the ComfyUI tests; ComfyUI is not on PyPI, so CI skips them")
 
@@ -90,7 +100,7 @@ class ComfyServer:
         self.log_path = os.path.join(base, "server.log")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
         env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = [server_python(comfy_path), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", base, "--disable-auto-launch", "--disable-api-nodes"]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=comfy_path, env=env, stdout=self._log, stderr=subprocess.STDOUT)
