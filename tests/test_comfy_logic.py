@@ -353,3 +353,77 @@ def test_split_parameter_patches():
     module, raw = comfy.split_parameter_patches(patches)
     assert set(module) == {"diffusion_model.blocks.0.self_attn.q.weight", "diffusion_model.blocks.0.ffn.0.bias"}
     assert raw == {"diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}
+
+
+# ----------------------------------------------------------------------------- the pack as ComfyUI loads it
+
+REPO = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+_LOAD_AS_COMFYUI_DOES = r'''
+import importlib.abc, importlib.util, json, os, sys
+
+class Block(importlib.abc.MetaPathFinder):  # what a ComfyUI environment need not have
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("diffusers", "transformers", "peft", "accelerate", "comfy_api", "comfy"):
+            raise ImportError(f"blocked: {name}")
+
+sys.meta_path.insert(0, Block())
+repo = sys.argv[1]
+# ComfyUI's custom-node loader: the folder's __init__.py under the folder's name
+spec = importlib.util.spec_from_file_location("rcm-diffusers", os.path.join(repo, "__init__.py"))
+pack = importlib.util.module_from_spec(spec)
+sys.modules["rcm-diffusers"] = pack
+spec.loader.exec_module(pack)
+m = pack.NODE_CLASS_MAPPINGS
+sig = m["RCMSigmas"]
+(sigmas,) = getattr(sig(), sig.FUNCTION)(steps=4, sigma_max=80.0, mid_t="1.5, 1.4, 1.0")
+print(json.dumps({
+    "entrypoint": hasattr(pack, "comfy_entrypoint"),
+    "nodes": sorted(m), "names": pack.NODE_DISPLAY_NAME_MAPPINGS,
+    "sigmas": sigmas.tolist(), "input_types": sig.INPUT_TYPES(),
+    "return_types": {k: list(v.RETURN_TYPES) for k, v in m.items()},
+    "validate_ok": sig.VALIDATE_INPUTS(steps=4, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
+    "validate_bad": sig.VALIDATE_INPUTS(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
+    "validate_linked": sig.VALIDATE_INPUTS(steps=None, sigma_max=80.0, mid_t="1.5"),
+    "heavy": sorted(k for k in sys.modules if k.split(".")[0] in ("diffusers", "transformers", "peft", "accelerate")),
+    "rcm_from": os.path.dirname(sys.modules["rcm_diffusers"].__file__),
+}))
+'''
+
+
+def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_own_packages_only():
+    """A clone in custom_nodes/ loads through the root __init__.py; without comfy_api.latest it exports the
+    legacy mapping only (ComfyUI prefers that when both exist), built from the same declarations; and it
+    imports nothing beyond ComfyUI's own requirements (no diffusers/transformers/peft/accelerate)."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", _LOAD_AS_COMFYUI_DOES, REPO], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["entrypoint"] is False and r["heavy"] == []
+    assert r["rcm_from"] == os.path.join(REPO, "rcm_diffusers")
+    assert r["nodes"] == ["RCMExpertSplit", "RCMLoraLoader", "RCMSampler", "RCMSigmas", "TrigFlowTeacherSigmas"]
+    assert r["names"]["RCMSigmas"] == "rCM Sigmas"
+    np.testing.assert_allclose(r["sigmas"], SPEC_4STEP, atol=1e-5, rtol=0)
+    steps = r["input_types"]["required"]["steps"]
+    assert steps[0] == "INT" and steps[1]["default"] == 4 and steps[1]["min"] == 1
+    assert r["input_types"]["optional"]["model"][0] == "MODEL"
+    assert r["return_types"]["RCMExpertSplit"] == ["SIGMAS", "SIGMAS"] and r["return_types"]["RCMSampler"] == ["SAMPLER"]
+    assert r["validate_ok"] is True and r["validate_linked"] is True
+    assert r["validate_bad"].startswith("rCM Sigmas: steps=6 is out of range") and "mid_t" in r["validate_bad"]
+
+
+def test_setuptools_ships_only_the_rcm_diffusers_package():
+    """The root __init__.py (ComfyUI entry) and comfy_nodes/ are not part of the Python package."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    with open(f"{REPO}/pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = find_packages(where=REPO, include=include)
+    assert "rcm_diffusers" in found and all(p.split(".")[0] == "rcm_diffusers" for p in found), found
