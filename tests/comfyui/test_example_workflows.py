@@ -82,6 +82,10 @@ def test_example_workflows_against_the_server(comfy_server):
 
     info = comfy_server.get("/object_info")
     assert RCM_NODES <= set(info), "the pack did not load through the repository-root __init__.py"
+    # the editor's template browser lists them under the pack's folder name and serves the files
+    templates = comfy_server.get("/workflow_templates")
+    assert sorted(templates["rcm-diffusers"]) == [n[:-5] for n in NAMES], templates
+    assert comfy_server.get("/api/workflow_templates/rcm-diffusers/" + NAMES[0]) == load(NAMES[0])
     if not has_comfy_api_latest(comfy_server.comfy_path):
         # the workflows are saved from a current ComfyUI (e.g. CreateVideo's bit_depth widget is newer);
         # an old one is checked for the rCM nodes only
