@@ -10,7 +10,6 @@ ComfyUI at module level.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

@@ -9,7 +9,6 @@ SamplerCustomAdvanced + RCMSigmas + RCMSampler and compares with ComfyUI's built
 
 import asyncio
 import os
-import sys
 
 import pytest
 import torch

@@ -53,7 +53,6 @@ def check_ui_workflow(ui: dict, object_info: dict, only: set[str] | None = None)
     """
     problems = []
     nodes = {n["id"]: n for n in ui["nodes"]}
-    links = {link[0]: link for link in ui["links"]}
     for lid, src, src_slot, dst, dst_slot, ltype in ui["links"]:
         if src not in nodes or dst not in nodes:
             problems.append(f"link {lid}: node {src} or {dst} does not exist")
