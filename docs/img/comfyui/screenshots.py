@@ -28,6 +28,8 @@ GRAPH_BOX = """(() => { const c = window.app.canvas, ds = c.ds, r = c.canvas.get
   let x0 = 1e9, y0 = 1e9, x1 = -1e9, y1 = -1e9;
   for (const n of c.graph._nodes) { x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 34);
     x1 = Math.max(x1, n.pos[0] + n.size[0]); y1 = Math.max(y1, n.pos[1] + n.size[1]); }
+  for (const g of c.graph._groups || []) { const b = g._bounding || g.bounding;
+    x0 = Math.min(x0, b[0]); y0 = Math.min(y0, b[1]); x1 = Math.max(x1, b[0] + b[2]); y1 = Math.max(y1, b[1] + b[3]); }
   const sx = v => r.left + (v + ds.offset[0]) * ds.scale, sy = v => r.top + (v + ds.offset[1]) * ds.scale;
   return [sx(x0) - 24, sy(y0) - 24, sx(x1) + 24, sy(y1) + 24]; })()"""
 
