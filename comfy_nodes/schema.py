@@ -10,21 +10,18 @@ ComfyUI at module level.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 
-@dataclass
 class Input:
-    """A node input: ``kind`` is a ComfyUI type name (INT, FLOAT, STRING, BOOLEAN, COMBO, MODEL, SIGMAS...)."""
+    """A node input: ``kind`` is a ComfyUI type name (INT, FLOAT, STRING, BOOLEAN, COMBO, MODEL, SIGMAS...).
 
-    kind: str
-    name: str
-    optional: bool = False
-    options: list | Callable[[], list] | None = None  # COMBO choices (a callable is read when the schema is built)
-    extra: dict = field(default_factory=dict)  # default, min, max, step, round, tooltip, label_on, label_off
+    ``options``: COMBO choices, or a callable read when the schema is built (file lists); ``extra``:
+    the widget options as ComfyUI names them (default, min, max, step, round, tooltip, label_on...).
+    """
 
-    def __init__(self, kind, name, optional=False, options=None, **extra):
+    def __init__(self, kind: str, name: str, optional: bool = False, options=None, **extra):
         self.kind, self.name, self.optional, self.options, self.extra = kind, name, optional, options, extra
 
     def choices(self) -> list:
