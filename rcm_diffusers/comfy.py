@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from typing import Callable, Sequence
 
 import numpy as np
@@ -27,6 +28,7 @@ __all__ = [
     "WAN22_BOUNDARY",
     "parse_mid_t",
     "rcm_sigmas",
+    "check_rcm_sigmas_widgets",
     "teacher_sigmas",
     "check_flow_model_sampling",
     "seeded_noise_sampler",
@@ -92,12 +94,36 @@ def rcm_sigmas(steps: int, sigma_max: float = 80.0, mid_t: str | Sequence[float]
     intermediate TrigFlow angles (text or numbers). Steps beyond ``len(mid_t) + 1`` need more angles.
     """
     angles = parse_mid_t(mid_t)
-    if isinstance(steps, bool) or int(steps) != steps or not 1 <= int(steps) <= len(angles) + 1:
+    steps = _whole_steps(steps)
+    if not 1 <= steps <= len(angles) + 1:
         raise ValueError(
             f"steps={steps} is out of range: with mid_t={list(angles)} the rCM sampler takes 1..{len(angles) + 1} "
             f"steps (4 is the usual); lower steps or add intermediate angles to mid_t."
         )
-    return _as_sigmas(rcm_rf_times(int(steps), sigma_max, angles))
+    return _as_sigmas(rcm_rf_times(steps, sigma_max, angles))
+
+
+def _whole_steps(steps) -> int:
+    # widget values arrive as int, but API workflows and scripts may pass "4" or 4.0
+    try:
+        value = float(steps.strip()) if isinstance(steps, str) else float(steps)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(steps, bool) or not math.isfinite(value) or value != int(value):
+        raise ValueError(f"steps must be a whole number such as 4, got {steps!r}.")
+    return int(value)
+
+
+def check_rcm_sigmas_widgets(steps, sigma_max, mid_t) -> str | None:
+    """The error :func:`rcm_sigmas` would raise for these widget values, as text (None when they are fine).
+
+    Lets the node reject a bad ``steps``/``sigma_max``/``mid_t`` when the workflow is queued, before sampling.
+    """
+    try:
+        rcm_sigmas(steps, sigma_max, mid_t)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def teacher_sigmas(
@@ -166,15 +192,21 @@ def _checked_sigmas(sigmas) -> np.ndarray:
 
 
 def seeded_noise_sampler(x: torch.Tensor, seed: int | None = None) -> Callable:
-    """``noise(sigma, sigma_next)`` drawing standard normal tensors like ``x`` from one generator.
+    """``noise(sigma, sigma_next)`` drawing the fresh noise of the stochastic steps for ``seed``.
 
-    Seeded from ComfyUI's sampling seed (``extra_args["seed"]``), so a seed reproduces a sample, and
-    draws the same numbers as ComfyUI's own default noise sampler for that seed.
+    Inside ComfyUI this is ComfyUI's own ``comfy.k_diffusion.sampling.default_noise_sampler`` (what
+    the built-in ``lcm`` sampler uses), so ``RCMSampler`` and ``lcm`` draw the same noise in every
+    ComfyUI version. Without ComfyUI (tests, scripts) the fallback follows current ComfyUI: a CPU
+    generator is seeded with ``seed + 1``, so its first draw is not the initial noise again (the
+    initial noise is ``randn`` from ``seed``); other devices use ``seed``.
     """
+    comfy_sampling = sys.modules.get("comfy.k_diffusion.sampling")
+    if comfy_sampling is not None and hasattr(comfy_sampling, "default_noise_sampler"):
+        return comfy_sampling.default_noise_sampler(x, seed=seed)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=x.device)
-        generator.manual_seed(int(seed))
+        generator.manual_seed(int(seed) + 1 if x.device.type == "cpu" else int(seed))
 
     def noise(sigma=None, sigma_next=None):
         return torch.randn(x.size(), dtype=x.dtype, layout=x.layout, device=x.device, generator=generator)

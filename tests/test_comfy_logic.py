@@ -1,6 +1,7 @@
 """Logic of the ComfyUI nodes (rcm_diffusers.comfy), without ComfyUI: SPEC §2.1/§2.2 numbers."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -44,7 +45,11 @@ def test_rcm_sigmas_i2v_sigma_max_and_custom_mid_t():
     [
         (dict(steps=0), "steps=0 is out of range.*1..4"),
         (dict(steps=5), "steps=5 is out of range.*add intermediate angles"),
-        (dict(steps=2.5), "out of range"),
+        (dict(steps=2.5), "steps must be a whole number"),
+        (dict(steps="4.5"), "steps must be a whole number"),
+        (dict(steps="four"), "steps must be a whole number"),
+        (dict(steps=True), "steps must be a whole number"),
+        (dict(steps="5"), "steps=5 is out of range"),
         (dict(steps=3, mid_t="1.5, abc"), r"cannot read \['abc'\]"),
         (dict(steps=3, mid_t="1.0, 1.4"), "strictly decrease"),
         (dict(steps=2, mid_t="1.4, 1.4"), "strictly decrease"),
@@ -58,6 +63,19 @@ def test_rcm_sigmas_i2v_sigma_max_and_custom_mid_t():
 def test_rcm_sigmas_bad_input_says_what_to_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         comfy.rcm_sigmas(**kwargs)
+
+
+def test_rcm_sigmas_accepts_whole_numbers_as_text():
+    """Issue 17 item 7: ``rcm_sigmas("4")`` said "steps=4 is out of range 1..4"."""
+    for steps in ("4", " 4 ", 4.0, np.int64(4)):
+        np.testing.assert_allclose(comfy.rcm_sigmas(steps).numpy(), SPEC_4STEP, atol=1e-5, rtol=0)
+
+
+def test_check_rcm_sigmas_widgets_names_the_widget():
+    assert comfy.check_rcm_sigmas_widgets(4, 80.0, "1.5, 1.4, 1.0") is None
+    assert "steps=6" in comfy.check_rcm_sigmas_widgets(6, 80.0, "1.5, 1.4, 1.0")
+    assert "mid_t" in comfy.check_rcm_sigmas_widgets(4, 80.0, "1.5, x")
+    assert "sigma_max must be > 0" in comfy.check_rcm_sigmas_widgets(4, 0.0, "1.5, 1.4, 1.0")
 
 
 def test_teacher_sigmas_linear_shift_starts_at_r_max():
@@ -159,11 +177,42 @@ def test_sample_rcm_seed_reproduces_and_matches_generator_stream():
     d = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, extra_args={"seed": 8}, disable=True)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert (a - d).abs().max() > 1e-3
-    # x = 0, c = 0: step 0 gives x0 = 0, x1 = r1 * n1 with n1 the first draw of a seed-7 generator,
-    # then the last step returns x0 = (0.5 - 0.3 r1) x1.
-    n1 = torch.randn(x.size(), generator=torch.Generator().manual_seed(7))
+    # x = 0, c = 0: step 0 gives x0 = 0, x1 = r1 * n1 with n1 the first draw of the re-noising stream,
+    # then the last step returns x0 = (0.5 - 0.3 r1) x1. Without ComfyUI that stream follows current
+    # ComfyUI's default_noise_sampler on CPU: a generator seeded with seed + 1 (comfy/k_diffusion/sampling.py).
+    n1 = torch.randn(x.size(), generator=torch.Generator().manual_seed(8))
     r1 = float(sigmas[1])
     torch.testing.assert_close(a, (0.5 - 0.3 * r1) * r1 * n1, atol=1e-6, rtol=0)
+
+
+def test_fresh_noise_is_not_the_initial_noise_again():
+    """Issue 18: with ``seed`` the first re-noising draw equalled ComfyUI's initial noise (``randn`` from ``seed``)."""
+    x = torch.zeros(1, 2, 4, 4)
+    initial = torch.randn(x.size(), generator=torch.manual_seed(7))  # what ComfyUI's RandomNoise(7) draws on CPU
+    first = comfy.seeded_noise_sampler(x, 7)(None, None)
+    assert (first - initial).abs().max() > 0.1
+    torch.testing.assert_close(first, torch.randn(x.size(), generator=torch.Generator().manual_seed(8)), atol=0, rtol=0)
+
+
+def test_seeded_noise_sampler_uses_comfyuis_own_when_loaded(monkeypatch):
+    """Inside ComfyUI the noise comes from ``comfy.k_diffusion.sampling.default_noise_sampler`` itself."""
+    import types
+
+    calls = []
+
+    def default_noise_sampler(x, seed=None):
+        calls.append(seed)
+        return lambda sigma, sigma_next: torch.full_like(x, 3.0)
+
+    fake = types.ModuleType("comfy.k_diffusion.sampling")
+    fake.default_noise_sampler = default_noise_sampler
+    monkeypatch.setitem(sys.modules, "comfy.k_diffusion.sampling", fake)
+    x = torch.zeros(1, 2, 4, 4)
+    out = comfy.sample_rcm(AffineDenoiser(torch.zeros_like(x)), x, comfy.rcm_sigmas(2), extra_args={"seed": 5},
+                           disable=True)
+    assert calls == [5]
+    r1 = float(comfy.rcm_sigmas(2)[1])
+    torch.testing.assert_close(out, torch.full_like(x, (0.5 - 0.3 * r1) * r1 * 3.0), atol=1e-6, rtol=0)
 
 
 def test_sample_rcm_rejects_non_rf_sigmas():
@@ -304,3 +353,77 @@ def test_split_parameter_patches():
     module, raw = comfy.split_parameter_patches(patches)
     assert set(module) == {"diffusion_model.blocks.0.self_attn.q.weight", "diffusion_model.blocks.0.ffn.0.bias"}
     assert raw == {"diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}
+
+
+# ----------------------------------------------------------------------------- the pack as ComfyUI loads it
+
+REPO = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+_LOAD_AS_COMFYUI_DOES = r'''
+import importlib.abc, importlib.util, json, os, sys
+
+class Block(importlib.abc.MetaPathFinder):  # what a ComfyUI environment need not have
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("diffusers", "transformers", "peft", "accelerate", "comfy_api", "comfy"):
+            raise ImportError(f"blocked: {name}")
+
+sys.meta_path.insert(0, Block())
+repo = sys.argv[1]
+# ComfyUI's custom-node loader: the folder's __init__.py under the folder's name
+spec = importlib.util.spec_from_file_location("rcm-diffusers", os.path.join(repo, "__init__.py"))
+pack = importlib.util.module_from_spec(spec)
+sys.modules["rcm-diffusers"] = pack
+spec.loader.exec_module(pack)
+m = pack.NODE_CLASS_MAPPINGS
+sig = m["RCMSigmas"]
+(sigmas,) = getattr(sig(), sig.FUNCTION)(steps=4, sigma_max=80.0, mid_t="1.5, 1.4, 1.0")
+print(json.dumps({
+    "entrypoint": hasattr(pack, "comfy_entrypoint"),
+    "nodes": sorted(m), "names": pack.NODE_DISPLAY_NAME_MAPPINGS,
+    "sigmas": sigmas.tolist(), "input_types": sig.INPUT_TYPES(),
+    "return_types": {k: list(v.RETURN_TYPES) for k, v in m.items()},
+    "validate_ok": sig.VALIDATE_INPUTS(steps=4, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
+    "validate_bad": sig.VALIDATE_INPUTS(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
+    "validate_linked": sig.VALIDATE_INPUTS(steps=None, sigma_max=80.0, mid_t="1.5"),
+    "heavy": sorted(k for k in sys.modules if k.split(".")[0] in ("diffusers", "transformers", "peft", "accelerate")),
+    "rcm_from": os.path.dirname(sys.modules["rcm_diffusers"].__file__),
+}))
+'''
+
+
+def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_own_packages_only():
+    """A clone in custom_nodes/ loads through the root __init__.py; without comfy_api.latest it exports the
+    legacy mapping only (ComfyUI prefers that when both exist), built from the same declarations; and it
+    imports nothing beyond ComfyUI's own requirements (no diffusers/transformers/peft/accelerate)."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", _LOAD_AS_COMFYUI_DOES, REPO], capture_output=True, text=True,
+                         env=env, cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["entrypoint"] is False and r["heavy"] == []
+    assert r["rcm_from"] == os.path.join(REPO, "rcm_diffusers")
+    assert r["nodes"] == ["RCMExpertSplit", "RCMLoraLoader", "RCMSampler", "RCMSigmas", "TrigFlowTeacherSigmas"]
+    assert r["names"]["RCMSigmas"] == "rCM Sigmas"
+    np.testing.assert_allclose(r["sigmas"], SPEC_4STEP, atol=1e-5, rtol=0)
+    steps = r["input_types"]["required"]["steps"]
+    assert steps[0] == "INT" and steps[1]["default"] == 4 and steps[1]["min"] == 1
+    assert r["input_types"]["optional"]["model"][0] == "MODEL"
+    assert r["return_types"]["RCMExpertSplit"] == ["SIGMAS", "SIGMAS"] and r["return_types"]["RCMSampler"] == ["SAMPLER"]
+    assert r["validate_ok"] is True and r["validate_linked"] is True
+    assert r["validate_bad"].startswith("rCM Sigmas: steps=6 is out of range") and "mid_t" in r["validate_bad"]
+
+
+def test_setuptools_ships_only_the_rcm_diffusers_package():
+    """The root __init__.py (ComfyUI entry) and comfy_nodes/ are not part of the Python package."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    with open(f"{REPO}/pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = find_packages(where=REPO, include=include)
+    assert "rcm_diffusers" in found and all(p.split(".")[0] == "rcm_diffusers" for p in found), found

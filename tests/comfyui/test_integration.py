@@ -1,38 +1,29 @@
-"""The node pack inside a real ComfyUI, on the CPU, with a tiny random Wan 2.1 model.
+"""The node pack inside a real ComfyUI process, on the CPU, with a tiny random Wan 2.1 model.
 
-Runs only when COMFYUI_PATH points at a ComfyUI checkout and this Python has ComfyUI's
-requirements (plus peft); see docs/comfyui.md. It loads the pack with ComfyUI's own
+Runs only when COMFYUI_PATH points at a ComfyUI checkout (the first one, if several) and this
+Python has ComfyUI's requirements (plus peft); see docs/comfyui.md. The pack is linked as
+``custom_nodes/<name> -> comfy_nodes`` here; tests/comfyui/test_server.py links the repository root. It loads the pack with ComfyUI's own
 custom-node loader, the model with UNETLoader, a LoRA with RCMLoraLoader, samples with
 SamplerCustomAdvanced + RCMSigmas + RCMSampler and compares with ComfyUI's built-in ``lcm``.
 """
 
 import asyncio
 import os
-import sys
 
 import pytest
 import torch
 
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.skipif(
-    not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH or "", "nodes.py")),
-    reason="set COMFYUI_PATH to a ComfyUI checkout (and run with a Python that has its requirements) "
-           "to run the ComfyUI integration test",
-)
+from comfyui_harness import COMFYUI_PATHS, DIM, FFN, LAYERS, REPO, SKIP_REASON, TEXT_DIM, have_comfyui, import_comfy
+from comfyui_harness import tiny_wan_state_dict
 
-DIM, FFN, LAYERS, TEXT_DIM = 128, 256, 2, 4096  # dims multiple of 128, text_dim 4096: ComfyUI detects Wan 2.1 T2V
+pytestmark = pytest.mark.skipif(not have_comfyui(), reason=SKIP_REASON)
 SEED = 1234
 
 
 @pytest.fixture(scope="module")
 def comfy_env(tmp_path_factory):
     root = tmp_path_factory.mktemp("comfy")
-    sys.path.insert(0, COMFYUI_PATH)
-    sys.path.insert(0, REPO)
-    from comfy.cli_args import args
-
-    args.cpu = True
+    import_comfy(COMFYUI_PATHS[0])
     import folder_paths
     import nodes
 
@@ -40,7 +31,9 @@ def comfy_env(tmp_path_factory):
         (root / name).mkdir()
         folder_paths.add_model_folder_path(name, str(root / name), is_default=True)
     os.symlink(os.path.join(REPO, "comfy_nodes"), root / "custom_nodes" / "rcm_nodes")
-    asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
+    loaded = nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False)
+    if asyncio.iscoroutine(loaded):  # async since 2025-06
+        asyncio.run(loaded)
     return root, nodes, folder_paths
 
 
@@ -50,22 +43,6 @@ def call(nodes, name, **kw):
     if hasattr(cls, "define_schema"):
         return cls.execute(**kw).args
     return getattr(cls(), cls.FUNCTION)(**kw)
-
-
-def tiny_wan_state_dict():
-    import comfy.ops
-    from comfy.ldm.wan.model import WanModel
-
-    meta = WanModel(dim=DIM, ffn_dim=FFN, num_heads=DIM // 128, num_layers=LAYERS, text_dim=TEXT_DIM, in_dim=16,
-                    out_dim=16, device="meta", operations=comfy.ops.disable_weight_init)
-    g = torch.Generator().manual_seed(0)
-    sd = {}
-    for k, v in meta.state_dict().items():
-        if "norm" in k and k.endswith("weight"):
-            sd[k] = torch.ones(v.shape)
-        else:
-            sd[k] = 0.05 * torch.randn(v.shape, generator=g)
-    return {f"model.diffusion_model.{k}": v for k, v in sd.items()}
 
 
 def make_peft_lora(model_sd, rank=4):
@@ -189,29 +166,3 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
     split_diff = (end["samples"] - end_lcm["samples"]).abs().max().item()
     print(f"two-expert split (0.9): high {high.tolist()}, low {low.tolist()}, rCM vs lcm max|diff| = {split_diff:.3e}")
     assert split_diff < 1e-5
-
-
-@pytest.mark.parametrize("name", ["wan21_t2v_rcm_4step_api.json", "wan22_i2v_two_expert_rcm_api.json",
-                                  "flux_rcm_4step_api.json"])
-def test_example_workflows_match_node_definitions(comfy_env, name):
-    """Every node of the API workflow exists, gets all its required inputs and only known ones, links are typed right."""
-    import json
-
-    _, nodes, _ = comfy_env
-    wf = json.load(open(os.path.join(REPO, "comfy_nodes", "workflows", name)))
-
-    def spec(cls_name):
-        cls = nodes.NODE_CLASS_MAPPINGS[cls_name]
-        it = cls.INPUT_TYPES()
-        return cls, {**it.get("required", {}), **it.get("optional", {})}, set(it.get("required", {}))
-
-    for node_id, node in wf.items():
-        assert node["class_type"] in nodes.NODE_CLASS_MAPPINGS, f"{name}: unknown node {node['class_type']}"
-        _, inputs, required = spec(node["class_type"])
-        assert required <= set(node["inputs"]), f"{name} node {node_id}: missing {required - set(node['inputs'])}"
-        assert set(node["inputs"]) <= set(inputs), f"{name} node {node_id}: unknown {set(node['inputs']) - set(inputs)}"
-        for inp, value in node["inputs"].items():
-            if isinstance(value, list):
-                src_cls, _, _ = spec(wf[value[0]]["class_type"])
-                out_type = str(src_cls.RETURN_TYPES[value[1]])
-                assert out_type == str(inputs[inp][0]), f"{name} node {node_id}.{inp}: {out_type} vs {inputs[inp][0]}"

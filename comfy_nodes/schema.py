@@ -1,0 +1,130 @@
+"""One declaration per node, built into either ComfyUI node API.
+
+ComfyUI loads a custom-node module through ``NODE_CLASS_MAPPINGS`` (the legacy API, every
+version) or ``comfy_entrypoint`` (the ``comfy_api.latest`` schema, 2025-07 and later), and
+prefers the legacy mapping when a module exports both. The pack therefore exports exactly one:
+:func:`v3_nodes` where ``comfy_api.latest`` imports, :func:`legacy_nodes` otherwise. Both are
+built from the same :class:`Node` list, so the two cannot drift apart. Nothing here imports
+ComfyUI at module level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class Input:
+    """A node input: ``kind`` is a ComfyUI type name (INT, FLOAT, STRING, BOOLEAN, COMBO, MODEL, SIGMAS...).
+
+    ``options``: COMBO choices, or a callable read when the schema is built (file lists); ``extra``:
+    the widget options as ComfyUI names them (default, min, max, step, round, tooltip, label_on...).
+    """
+
+    def __init__(self, kind: str, name: str, optional: bool = False, options=None, **extra):
+        self.kind, self.name, self.optional, self.options, self.extra = kind, name, optional, options, extra
+
+    def choices(self) -> list:
+        return list(self.options() if callable(self.options) else self.options or [])
+
+
+@dataclass
+class Output:
+    kind: str
+    name: str | None = None
+
+
+@dataclass
+class Node:
+    node_id: str
+    display_name: str
+    category: str
+    description: str
+    inputs: list[Input]
+    outputs: list[Output]
+    execute: Callable[..., tuple]  # widget and link values by input name -> tuple of outputs
+    # validate(cls, <widget names>=None) -> True or an error message; ComfyUI calls it on queueing
+    validate: Callable[..., Any] | None = None
+
+
+def _validate_classmethod(node: Node):
+    # ComfyUI reads the argument names of the validate function (inspect.getfullargspec): those inputs
+    # it hands over and no longer range-checks itself, so the function keeps the real widget names.
+    return classmethod(node.validate)
+
+
+# ----------------------------------------------------------------------------- comfy_api.latest (V3)
+
+
+def v3_nodes(nodes: list[Node]) -> list[type]:
+    """``io.ComfyNode`` subclasses for ComfyUI versions with ``comfy_api.latest``."""
+    from comfy_api.latest import io
+
+    def v3_input(inp: Input):
+        kw = dict(inp.extra)
+        if inp.optional:
+            kw["optional"] = True
+        if inp.kind == "COMBO":
+            return io.Combo.Input(inp.name, options=inp.choices(), **kw)
+        cls = {"INT": io.Int, "FLOAT": io.Float, "STRING": io.String, "BOOLEAN": io.Boolean,
+               "MODEL": io.Model, "SIGMAS": io.Sigmas, "SAMPLER": io.Sampler}[inp.kind]
+        return cls.Input(inp.name, **kw)
+
+    def v3_output(out: Output):
+        cls = {"SIGMAS": io.Sigmas, "SAMPLER": io.Sampler, "MODEL": io.Model}[out.kind]
+        return cls.Output(display_name=out.name) if out.name else cls.Output()
+
+    classes = []
+    for node in nodes:
+        def define_schema(cls, node=node):
+            return io.Schema(node_id=node.node_id, display_name=node.display_name, category=node.category,
+                             description=node.description, inputs=[v3_input(i) for i in node.inputs],
+                             outputs=[v3_output(o) for o in node.outputs])
+
+        def execute(cls, node=node, **kwargs):
+            return io.NodeOutput(*node.execute(**kwargs))
+
+        body = {"define_schema": classmethod(define_schema), "execute": classmethod(execute), "__doc__": node.description}
+        if node.validate is not None:
+            body["validate_inputs"] = _validate_classmethod(node)
+        classes.append(type(node.node_id, (io.ComfyNode,), body))
+    return classes
+
+
+# ----------------------------------------------------------------------------- legacy NODE_CLASS_MAPPINGS
+
+
+def legacy_nodes(nodes: list[Node]) -> tuple[dict[str, type], dict[str, str]]:
+    """``(NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS)`` for ComfyUI versions without ``comfy_api.latest``."""
+
+    def legacy_input(inp: Input):
+        kw = {k: v for k, v in inp.extra.items()}
+        if inp.kind == "COMBO":
+            return (inp.choices(), kw) if kw else (inp.choices(),)
+        return (inp.kind, kw) if kw else (inp.kind,)
+
+    mappings, names = {}, {}
+    for node in nodes:
+        def input_types(cls, node=node):
+            req = {i.name: legacy_input(i) for i in node.inputs if not i.optional}
+            opt = {i.name: legacy_input(i) for i in node.inputs if i.optional}
+            return {"required": req, **({"optional": opt} if opt else {})}
+
+        def run(self, node=node, **kwargs):
+            return tuple(node.execute(**kwargs))
+
+        body = {
+            "INPUT_TYPES": classmethod(input_types),
+            "RETURN_TYPES": tuple(o.kind for o in node.outputs),
+            "RETURN_NAMES": tuple(o.name or o.kind for o in node.outputs),
+            "FUNCTION": "run",
+            "run": run,
+            "CATEGORY": node.category,
+            "DESCRIPTION": node.description,
+            "__doc__": node.description,
+        }
+        if node.validate is not None:
+            body["VALIDATE_INPUTS"] = _validate_classmethod(node)
+        mappings[node.node_id] = type(node.node_id, (), body)
+        names[node.node_id] = node.display_name
+    return mappings, names

@@ -1,0 +1,105 @@
+"""``example_workflows/``: editor (UI) workflows that ComfyUI lists in its template browser for the pack.
+
+Without ComfyUI: the graph is consistent (links on both ends, types agree) and the rCM nodes' widget
+values fit their declarations. With ComfyUI (``COMFYUI_PATH``): every node against the running
+server's ``/object_info``, and ``/prompt`` accepts each workflow except for the model files, which
+the test machine does not have. The widget order follows ComfyUI's frontend (widgets in definition
+order, a seed's ``control_after_generate`` value after it).
+"""
+
+import copy
+import glob
+import json
+import os
+
+import pytest
+
+from workflow_format import FILE_INPUTS, check_ui_workflow, object_info_of_pack, ui_to_api
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKFLOWS = sorted(glob.glob(os.path.join(REPO, "example_workflows", "*.json")))
+NAMES = [os.path.basename(p) for p in WORKFLOWS]
+RCM_NODES = {"RCMSigmas", "RCMSampler", "TrigFlowTeacherSigmas", "RCMLoraLoader", "RCMExpertSplit"}
+
+
+def load(name):
+    with open(os.path.join(REPO, "example_workflows", name)) as f:
+        return json.load(f)
+
+
+def test_the_four_example_workflows_are_there():
+    assert NAMES == ["flux1_dev_rcm_4step.json", "wan21_t2v_rcm_4step.json",
+                     "wan21_t2v_teacher_vs_rcm_student.json", "wan22_i2v_two_expert_rcm.json"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_workflow_is_editor_format_and_fits_rcm_nodes(name):
+    ui = load(name)
+    assert ui["version"] == 0.4 and {"nodes", "links", "last_node_id", "last_link_id"} <= set(ui)
+    for node in ui["nodes"]:
+        assert len(node["pos"]) == 2 and len(node["size"]) == 2 and node["mode"] == 0, node["id"]
+    info = object_info_of_pack()
+    assert check_ui_workflow(ui, info, only=RCM_NODES) == []
+    assert RCM_NODES & {n["type"] for n in ui["nodes"]}
+    # the checker itself: an out-of-range widget, a missing link and a wrong link type are caught
+    bad = copy.deepcopy(ui)
+    sig = next(n for n in bad["nodes"] if n["type"] in ("RCMSigmas", "RCMSampler"))
+    if sig["type"] == "RCMSigmas":
+        sig["widgets_values"][0] = 99
+        assert any("steps=99 outside" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))
+    bad = copy.deepcopy(ui)
+    bad["links"][0][5] = "IMAGE"
+    assert any("link says IMAGE" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))
+
+
+def test_wan22_workflow_splits_at_the_i2v_boundary_and_chains_without_noise():
+    ui = load("wan22_i2v_two_expert_rcm.json")
+    api = ui_to_api(ui, object_info_of_pack() | _builtin_stub(ui))
+    kinds = {k: v["class_type"] for k, v in api.items()}
+    split = next(v for v in api.values() if v["class_type"] == "RCMExpertSplit")
+    sigmas = next(v for v in api.values() if v["class_type"] == "RCMSigmas")
+    assert split["inputs"]["boundary"] == 0.9 and sigmas["inputs"]["sigma_max"] == 200.0
+    samplers = [v for v in api.values() if v["class_type"] == "SamplerCustomAdvanced"]
+    assert sorted(s["inputs"]["sigmas"][1] for s in samplers) == [0, 1]  # high, then low
+    low = next(s for s in samplers if s["inputs"]["sigmas"][1] == 1)
+    assert kinds[low["inputs"]["noise"][0]] == "DisableNoise"
+
+
+def _builtin_stub(ui):
+    """Socket-only stand-ins for built-in nodes: no widgets checked, enough for ui_to_api's link walk."""
+    out = {}
+    for node in ui["nodes"]:
+        if node["type"] not in RCM_NODES:
+            out[node["type"]] = {"input": {"required": {}}, "input_order": {"required": []}, "output": []}
+    return out
+
+
+# ----------------------------------------------------------------------------- against a running ComfyUI
+
+
+def test_example_workflows_against_the_server(comfy_server):
+    from comfyui_harness import has_comfy_api_latest
+
+    info = comfy_server.get("/object_info")
+    assert RCM_NODES <= set(info), "the pack did not load through the repository-root __init__.py"
+    # the editor's template browser lists them under the pack's folder name and serves the files
+    templates = comfy_server.get("/workflow_templates")
+    assert sorted(templates["rcm-diffusers"]) == [n[:-5] for n in NAMES], templates
+    assert comfy_server.get("/api/workflow_templates/rcm-diffusers/" + NAMES[0]) == load(NAMES[0])
+    if not has_comfy_api_latest(comfy_server.comfy_path):
+        # the workflows are saved from a current ComfyUI (e.g. CreateVideo's bit_depth widget is newer);
+        # an old one is checked for the rCM nodes only
+        for name in NAMES:
+            assert check_ui_workflow(load(name), info, only=RCM_NODES) == [], name
+        return
+    for name in NAMES:
+        ui = load(name)
+        assert check_ui_workflow(ui, info) == [], name
+        status, body = comfy_server.post("/prompt", {"prompt": ui_to_api(ui, info)})
+        # the server accepts everything but the model files that are not on this machine
+        assert status == 400, (name, body)
+        for node_id, errs in body["node_errors"].items():
+            for err in errs["errors"]:
+                field = err.get("extra_info", {}).get("input_name")
+                assert field in FILE_INPUTS and err["type"] in ("value_not_in_list", "custom_validation_failed"), \
+                    (name, node_id, err)
