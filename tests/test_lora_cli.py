@@ -44,7 +44,7 @@ def test_cli_convert_extract_merge_transfer(tmp_path, capsys):
     k = "blocks.0.ffn.net.2.weight"
     torch.testing.assert_close(t[k], base[k] + 0.5 * (ft[k] - base[k]))
     assert cli.main(["inspect", str(tmp_path / "x.safetensors")]) == 0
-    assert '"layout": "original"' in capsys.readouterr().out
+    assert '"layout": "ComfyUI / original' in capsys.readouterr().out
 
 
 def test_cli_bad_input_one_line_errors(tmp_path, capsys):

@@ -192,6 +192,10 @@ class CheckpointReader:
         return self._dict[r].dtype
 
     # public ---------------------------------------------------------------------------------
+    def raw_keys(self) -> list[str]:
+        """The names as stored (before any unwrapping or renaming)."""
+        return list(self._handles) or list(self._dict)
+
     def keys(self) -> list[str]:
         return list(self._names) + list(self._int8)
 
@@ -325,10 +329,10 @@ def load_state_dict(path, prefer: str | None = None, unwrap: bool = True) -> dic
 
 def describe(reader: CheckpointReader) -> dict:
     """Summary for ``rcm-lora inspect``: dtypes, raw prefixes, networks, patch-embedding form."""
-    dtypes = Counter(str(reader.dtype(k)).removeprefix("torch.") for k in reader.keys())
-    raw = list(reader._handles) or list(reader._dict)
+    raw = reader.raw_keys()
+    dtypes = Counter(str(reader._raw_dtype(k)).removeprefix("torch.") for k in raw)
     prefixes = Counter(k.split(".", 1)[0] + "." for k in raw if "." in k)
-    out = {"n_tensors": len(reader), "dtypes": dict(dtypes),
+    out = {"n_tensors": len(reader), "dtypes_stored": dict(dtypes),
            "top_level_prefixes": dict(prefixes.most_common(6)), **reader.info}
     out["ema_present"] = "ema" in reader.info.get("networks", []) or any(
         k.startswith(("net_ema.", "ema.", "model_ema.")) for k in raw)

@@ -27,7 +27,7 @@ from .keys import _FUSED_FROM, _split, detect_arch, detect_format, lora_modules,
 from .rcm_official import is_patch_embedding
 
 __all__ = ["merge_lora", "merge_delta", "merge_experts", "save_model", "merge_lora_to", "merge_delta_to",
-           "LoraDelta", "DeltaTransfer"]
+           "LoraDelta", "DeltaTransfer", "convert_checkpoint"]
 
 DEFAULT_MAX_SHARD = 10 * 2**30  # diffusers' default max_shard_size, "10GB"
 
@@ -298,6 +298,14 @@ def merge_delta_to(out, base, finetuned, finetuned_base, weight: float = 1.0, la
     transfer = _transfer(reader, finetuned, finetuned_base, weight)
     path = _write_streamed(reader, transfer, out, layout, arch, config, max_shard_size, progress)
     return path, transfer.untouched
+
+
+def convert_checkpoint(src, out, layout: str = "diffusers", config: dict | None = None, arch: str | None = None,
+                       prefer: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD, progress: bool = True) -> Path:
+    """A model checkpoint (any readable layout) rewritten as a diffusers folder or a ComfyUI file, streamed."""
+    reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, prefer)
+    arch = arch or detect_arch(dict.fromkeys(reader.keys()))
+    return _write_streamed(reader, lambda k, v: v, out, layout, arch, config, max_shard_size, progress)
 
 
 def save_model(state_dict: dict, out, layout: str = "diffusers", arch: str | None = None,

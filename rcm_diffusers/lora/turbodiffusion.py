@@ -39,10 +39,9 @@ def int8_linears(keys) -> list[str]:
 
 
 def dequantize_int8(int8_weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``W = int8_weight * scale`` per 128x128 block, computed in float32 then cast to ``dtype``.
+    """``W = int8_weight * scale`` per 128x128 block, one float32 product (correctly rounded), cast to ``dtype``.
 
-    The product of an int8 and a float32 is exact in float32 (8 + 24 bits fit), so the only
-    rounding is the final cast, the same one TurboDiffusion's own float path makes.
+    float32 is the precision TurboDiffusion's int8 GEMM applies its block scales in.
     """
     if int8_weight.dtype != torch.int8 or int8_weight.dim() != 2:
         raise ValueError(f"int8_weight must be a 2-D int8 tensor, got {int8_weight.dtype} {tuple(int8_weight.shape)}")
