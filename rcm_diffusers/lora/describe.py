@@ -25,10 +25,10 @@ def lora_layout(keys) -> str:
         return "kohya/musubi-tuner (lora_unet_*)"
     if any(k.endswith(".diff_m") for k in keys):
         return "LightX2V (diffusion_model.*, .diff_m modulation deltas)"
-    if any(k.endswith(".modulation.diff") for k in keys):
-        return "Kijai-standardized ComfyUI (diffusion_model.*, .modulation.diff)"
     if detect_format(dict.fromkeys(keys)) == "original":
-        return "ComfyUI / original Wan-Flux names (diffusion_model.*)"
+        kijai = any(k.endswith(".modulation.diff") for k in keys)
+        return "ComfyUI / original Wan-Flux names (diffusion_model.*)" + (
+            "; modulation deltas as .modulation.diff (Kijai-standardized)" if kijai else "")
     return "diffusers/peft (transformer.*, lora_A/lora_B)"
 
 
