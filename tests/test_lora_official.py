@@ -255,3 +255,9 @@ def test_extract_reader_aligns_naming_lazily():
     merged, _ = merge.merge_lora(official_from(base), lora)
     torch.testing.assert_close(merged["patch_embedding.weight"], official_from(low_rank_ft(base))["patch_embedding.weight"],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_single_network_dump_is_unwrapped():
+    sd = official_from(tiny_wan().state_dict())
+    r = checkpoint.CheckpointReader({f"net_ema.{k}": v for k, v in sd.items()})
+    assert sorted(r.keys()) == sorted(sd) and r.info["network"] == "net_ema"

@@ -41,6 +41,8 @@ def select_network(keys, prefer: str | None = None) -> tuple[str | None, list[st
     if len(present) < 2:
         if prefer not in (None, "ema") and present and prefer not in present:
             raise ValueError(f"the checkpoint holds only the {present[0]!r} network; --network {prefer} is not in it")
+        if present and present[0] != "net" and all(k.startswith(NETWORKS[present[0]]) for k in keys):
+            return NETWORKS[present[0]], present  # e.g. only net_ema.*: strip it too
         return None, present
     want = prefer or "ema"
     if want not in NETWORKS:
