@@ -153,6 +153,14 @@ def test_streamed_merge_writes_sharded_diffusers_folder_and_flux_comfy_file(tmp_
     assert sorted(got) == sorted(fwant)
     for k in fwant:
         torch.testing.assert_close(got[k], fwant[k], rtol=1e-6, atol=1e-6)
+    # Flux: original base -> diffusers folder, fused layers split while streaming (bias with its weight)
+    out, _ = merge.merge_lora_to(tmp_path / "fd", keys.to_original(fbase, "flux", prefix=""), flora, layout="diffusers",
+                                 progress=False)
+    gotd = load_file(out / "diffusion_pytorch_model.safetensors")
+    want_d = merge.merge_lora(fbase, flora)[0]
+    assert sorted(gotd) == sorted(want_d)
+    for k in want_d:
+        torch.testing.assert_close(gotd[k], want_d[k], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="one .safetensors file"):
         merge.merge_lora_to(tmp_path / "f_dir", fbase, flora, progress=False)
     assert isinstance(FluxTransformer2DModel, type)

@@ -268,8 +268,8 @@ def in_layout_of(reader, like, arch: str):
     from .keys import detect_format, to_diffusers, to_original
 
     src_fmt, dst_fmt = detect_format(dict.fromkeys(reader.keys())), detect_format(dict.fromkeys(like.keys()))
-    convert = (lambda d: to_original(d, arch, prefix="")) if dst_fmt == "original" else (
-        lambda d: to_diffusers(d, arch, prefix=""))
+    convert = (lambda d: to_original(d, arch, prefix="", source=src_fmt)) if dst_fmt == "original" else (
+        lambda d: to_diffusers(d, arch, prefix="", source=src_fmt))
     mapping, shapes = {}, {}
     if src_fmt != dst_fmt:
         try:
@@ -278,7 +278,7 @@ def in_layout_of(reader, like, arch: str):
                 (new, t), = out.items()
                 mapping[new] = (k, None)
                 shapes[new] = tuple(t.shape)
-        except ValueError:
+        except (ValueError, RuntimeError):  # Flux fused layers: not one tensor at a time
             return CheckpointReader(convert(reader.to_dict()))
     else:
         mapping = {k: (k, None) for k in reader.keys()}

@@ -361,13 +361,14 @@ def _map_group(target: str, group: dict, arch: str, direction: str):
     return new_t, g
 
 def to_original(state_dict, arch: str | None = None, prefix: str = "diffusion_model.",
-                lora_names: tuple[str, str] = ("lora_down", "lora_up")) -> dict[str, torch.Tensor]:
+                lora_names: tuple[str, str] = ("lora_down", "lora_up"), source: str | None = None) -> dict[str, torch.Tensor]:
     """Any-layout dict -> original/ComfyUI names (``prefix`` + target + suffix); exact and lossless.
 
+    ``source`` ("diffusers"/"original") skips the naming detection (for parts of a model).
     Raises ValueError listing every key that matches no rule.
     """
     arch = arch or detect_arch(state_dict)
-    if detect_format(state_dict) == "original":
+    if (source or detect_format(state_dict)) == "original":
         return _emit(_group(state_dict), prefix, lora_names, arch, "original")
     groups = _group(state_dict)
     out_groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -449,14 +450,16 @@ def _split_fused_lora(group: dict, sizes: list[int]) -> list[dict | None]:
     return out
 
 
-def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
+def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer.",
+                 source: str | None = None) -> dict[str, torch.Tensor]:
     """Any-layout dict -> diffusers names (``prefix`` + target + suffix, lora_A/lora_B); exact.
 
+    ``source`` ("diffusers"/"original") skips the naming detection (for parts of a model).
     Raises ValueError listing every key that matches no rule.
     """
     arch = arch or detect_arch(state_dict)
     groups = _group(state_dict)
-    if detect_format(state_dict) == "diffusers":
+    if (source or detect_format(state_dict)) == "diffusers":
         _check_known(groups, arch, "to_original")
         return _emit(groups, prefix, ("lora_A", "lora_B"), arch, "diffusers")
     out_groups: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
@@ -480,7 +483,7 @@ def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer
                     break
             rows = next(v.shape[0] for k, v in group.items() if k in ("lora_B.weight", "weight", "diff", "bias", "diff_b"))
             if hidden is None:
-                hidden = rows // (3 + FLUX_MLP_RATIO) if len(fused) == 4 else rows // 3
+                hidden = int(rows // (3 + FLUX_MLP_RATIO)) if len(fused) == 4 else rows // 3
             sizes = [hidden] * 3 + ([rows - 3 * hidden] if len(fused) == 4 else [])
             if sum(sizes) != rows or min(sizes) <= 0:
                 raise ValueError(f"{target}: {rows} rows cannot be split into {len(fused)} slices of hidden {hidden}")

@@ -113,10 +113,14 @@ class LoraDelta:
         parts = self.by_key.get(key)
         if not parts:
             return w
-        out = w.float()
+        out = w.float()  # a copy when w is not float32: updated in place below (memory: ~2 copies of w)
+        if out is w:
+            out = out.clone()
         for kind, scale, a, b in parts:
-            d = b.float().flatten(1) @ a.float().flatten(1) if kind == "lora" else a.float()
-            out = out + (self.weight * scale) * _fit(d, tuple(w.shape), key)
+            if kind == "lora":  # out += weight * scale * B @ A, without a separate product tensor
+                out.view(out.shape[0], -1).addmm_(b.float().flatten(1), a.float().flatten(1), alpha=self.weight * scale)
+            else:
+                out.add_(_fit(a.float(), tuple(w.shape), key), alpha=self.weight * scale)
         return out.to(w.dtype)
 
 
@@ -135,11 +139,15 @@ class DeltaTransfer:
     def __call__(self, key: str, w: torch.Tensor) -> torch.Tensor:
         shape = tuple(w.shape)
         if key in self.ft and key in self.fb and self.ft.shape(key) == self.fb.shape(key):
-            d = _fit(self.ft[key].float() - self.fb[key].float(), shape, key)
+            t = self.ft[key]
+            d = t.float()
+            if d is t:
+                d = d.clone()
+            d = _fit(d.sub_(self.fb[key].float()), shape, key)
             if d is not None:
                 if not torch.isfinite(d).all():
                     raise ValueError(f"{key}: finetuned - finetuned_base holds NaN or inf; nothing was written")
-                return (w.float() + self.weight * d).to(w.dtype)
+                return d.mul_(self.weight).add_(w.float()).to(w.dtype)
         self.untouched.append(key)
         return w
 
@@ -200,24 +208,27 @@ def merge_experts(bases: dict[str, dict], deltas: dict[str, dict], weight: float
 
 
 def _units(keys: list[str], arch: str, src_format: str, layout: str) -> list[list[str]]:
-    """Base keys grouped so each group converts on its own (Flux q/k/v(/mlp) fuse into one original layer)."""
-    if not (arch == "flux" and src_format == "diffusers" and layout == "comfyui"):
+    """Base keys grouped so each group converts on its own: one module (weight with bias), and Flux's
+    q/k/v(/mlp) members together when they fuse into one original layer."""
+    if arch != "flux":
         return [[k] for k in keys]
     groups: dict[str, list[str]] = {}
     for k in keys:
-        target, suffix = _split(k)
-        unit = k
-        for _, fused_t, member_res, _ in _FUSED_FROM:
-            m = next((mre.match(target) for mre in member_res if mre.match(target)), None)
-            if m:
-                unit = fused_t.replace("{i}", m.group("i")) + "." + suffix
-                break
+        unit, _ = _split(k)
+        if src_format == "diffusers" and layout == "comfyui":
+            for _, fused_t, member_res, _ in _FUSED_FROM:
+                m = next((mre.match(unit) for mre in member_res if mre.match(unit)), None)
+                if m:
+                    unit = fused_t.replace("{i}", m.group("i"))
+                    break
         groups.setdefault(unit, []).append(k)
     return list(groups.values())
 
 
-def _convert(sd: dict, arch: str, layout: str) -> dict:
-    return to_original(sd, arch, prefix="") if layout == "comfyui" else to_diffusers(sd, arch, prefix="")
+def _convert(sd: dict, arch: str, layout: str, source: str) -> dict:
+    if layout == "comfyui":
+        return to_original(sd, arch, prefix="", source=source)
+    return to_diffusers(sd, arch, prefix="", source=source)
 
 
 def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None, max_shard_size: int,
@@ -232,12 +243,12 @@ def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None
     specs = []
     for unit in units:  # output names/shapes from a conversion of meta tensors
         meta = _convert({k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in unit},
-                        arch, layout)
+                        arch, layout, src_format)
         specs += [(n, tuple(t.shape), t.dtype) for n, t in meta.items()]
 
     def tensors():
         for unit in tqdm(units, desc="merge", disable=not progress, unit="layer"):
-            yield from _convert({k: fn(k, reader[k]) for k in unit}, arch, layout).items()
+            yield from _convert({k: fn(k, reader[k]) for k in unit}, arch, layout, src_format).items()
 
     if layout == "comfyui":
         if out.suffix != ".safetensors":
