@@ -172,26 +172,26 @@ def test_kohya_and_diff_m_were_refused_and_unexplained_keys_are_listed(tmp_path)
         comfy.load_lora_file(str(tmp_path / "bad.safetensors"), "wan")
 
 
-def test_diffusers_load_lora_weights_applies_converted_layouts(tmp_path):
-    """kohya and LightX2V files converted to the diffusers layout: diffusers' loader gives the expected weights."""
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_diffusers_load_lora_weights_applies_converted_layouts(tmp_path, name):
+    """Each layout converted to the diffusers layout: diffusers' own loader gives the expected weights."""
     from diffusers import WanPipeline
 
     model = tiny_wan()
     dbase = {k: v.clone() for k, v in model.state_dict().items()}
     base = keys.to_original(dbase, "wan", prefix="")
-    for name in ("kohya", "lightx2v"):
-        alpha = CASES[name][0]
-        fac = factors(base, seed=3, blocks_only=CASES[name][2])
-        sd = layout(name, base, fac, _diffs(base))
-        assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, name, sd)]) == 0
-        pipe = WanPipeline(transformer=tiny_wan(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
-        pipe.load_lora_weights(str(tmp_path / f"{name}.out.safetensors"))
-        pipe.fuse_lora()
-        got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
-                                if "lora_" not in k}, "wan", prefix="")
-        want = expected(base, fac, alpha)
-        for m in fac:
-            torch.testing.assert_close(got[f"{m}.weight"].double(), want[f"{m}.weight"], rtol=1e-5, atol=1e-6)
+    alpha = CASES[name][0]
+    fac = factors(base, seed=3, blocks_only=CASES[name][2])
+    sd = layout(name, base, fac, _diffs(base))
+    assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, name, sd)]) == 0
+    pipe = WanPipeline(transformer=tiny_wan(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
+    pipe.load_lora_weights(str(tmp_path / f"{name}.out.safetensors"))
+    pipe.fuse_lora()
+    got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
+                            if "lora_" not in k}, "wan", prefix="")
+    want = expected(base, fac, alpha)
+    for m in fac:
+        torch.testing.assert_close(got[f"{m}.weight"].double(), want[f"{m}.weight"], rtol=1e-5, atol=1e-6)
 
 
 def _paths(tmp_path, name, sd):

@@ -129,7 +129,7 @@ def test_streamed_merge_writes_sharded_diffusers_folder_and_flux_comfy_file(tmp_
     """merge_lora_to streams tensor by tensor; the files it writes by hand read back with safetensors/diffusers."""
     import json
 
-    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
     model = tiny_wan()
@@ -163,4 +163,3 @@ def test_streamed_merge_writes_sharded_diffusers_folder_and_flux_comfy_file(tmp_
         torch.testing.assert_close(gotd[k], want_d[k], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="one .safetensors file"):
         merge.merge_lora_to(tmp_path / "f_dir", fbase, flora, progress=False)
-    assert isinstance(FluxTransformer2DModel, type)
