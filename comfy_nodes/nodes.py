@@ -122,8 +122,8 @@ class RCMLoraLoader(io.ComfyNode):
             node_id="RCMLoraLoader",
             display_name="rCM LoRA Loader",
             category="loaders",
-            description="Apply a Wan or Flux LoRA in diffusers or ComfyUI layout; fails, listing them, when keys do not "
-                        "match the model instead of skipping them.",
+            description="Apply a Wan or Flux LoRA (diffusers, ComfyUI, LightX2V, Kijai or kohya layout; modulation "
+                        "deltas included); fails, listing them, when keys do not match the model instead of skipping them.",
             inputs=[
                 io.Model.Input("model"),
                 io.Combo.Input("lora_name", options=folder_paths.get_filename_list("loras")),
