@@ -31,7 +31,7 @@ import torch
 from . import rcm_official, turbodiffusion
 
 __all__ = ["UnsafeCheckpointError", "CheckpointReader", "load_state_dict", "load_checkpoint", "unwrap_state_dict",
-           "open_safetensors", "describe"]
+           "open_safetensors", "describe", "SafetensorsFile"]
 
 NESTED_KEYS = ("ema", "net_ema", "model_ema", "state_dict", "model", "net", "module", "transformer")
 _NESTED_ALIASES = {"ema": ("ema", "net_ema", "model_ema"), "net": ("net", "model", "state_dict"),
@@ -54,6 +54,43 @@ def open_safetensors(path):
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"{path} is not a readable safetensors file (empty, truncated or not safetensors?): {e}") from e
+
+
+class SafetensorsFile:
+    """One safetensors file read tensor by tensor with plain reads (no mmap).
+
+    The header is checked by ``safe_open``; each tensor is then read into its own buffer, so a
+    streamed pass over a large file keeps only the tensors in use resident (an mmap'ed read leaves
+    every touched page of the file counted in the process's memory until the file is closed).
+    """
+
+    def __init__(self, path):
+        self.path = str(path)
+        open_safetensors(path)  # validates the header and offsets (closed again)
+        with open(self.path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self._start = 8 + n
+        self._header = header
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def shape(self, k) -> tuple:
+        return tuple(self._header[k]["shape"])
+
+    def dtype(self, k) -> torch.dtype:
+        return _ST_DTYPES[self._header[k]["dtype"]]
+
+    def get_tensor(self, k) -> torch.Tensor:
+        begin, end = self._header[k]["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self._start + begin)
+            if f.readinto(buf.numpy()) != end - begin:
+                raise ValueError(f"{self.path}: truncated data for {k}")
+        return buf.view(self.dtype(k)).reshape(self.shape(k))
 
 
 def _torch_load(path: Path):
@@ -145,7 +182,7 @@ class CheckpointReader:
 
     def __init__(self, src, prefer: str | None = None):
         self.info: dict = {"source": str(src) if isinstance(src, (str, Path)) else "dict"}
-        self._handles: dict[str, object] = {}  # raw name -> safe_open handle
+        self._handles: dict[str, SafetensorsFile] = {}  # raw name -> its file
         self._dict: dict[str, torch.Tensor] = {}
         if isinstance(src, (str, Path)):
             path = Path(src)
@@ -153,12 +190,12 @@ class CheckpointReader:
                 files = _model_folder_files(path)
                 self.info["files"] = [str(f) for f in files]
                 for f in files:
-                    h = open_safetensors(f)
+                    h = SafetensorsFile(f)
                     self._handles.update({k: h for k in h.keys()})
             elif not path.is_file():
                 raise FileNotFoundError(f"checkpoint not found: {path}")
             elif path.suffix == ".safetensors":
-                h = open_safetensors(path)
+                h = SafetensorsFile(path)
                 self._handles = {k: h for k in h.keys()}
             else:
                 self._dict = _find_tensor_dict(_torch_load(path), prefer)
@@ -184,11 +221,11 @@ class CheckpointReader:
         return self._handles[r].get_tensor(r) if self._handles else self._dict[r]
 
     def _raw_shape(self, r: str) -> tuple:
-        return tuple(self._handles[r].get_slice(r).get_shape()) if self._handles else tuple(self._dict[r].shape)
+        return self._handles[r].shape(r) if self._handles else tuple(self._dict[r].shape)
 
     def _raw_dtype(self, r: str) -> torch.dtype:
         if self._handles:
-            return _ST_DTYPES.get(self._handles[r].get_slice(r).get_dtype(), torch.float32)
+            return self._handles[r].dtype(r)
         return self._dict[r].dtype
 
     # public ---------------------------------------------------------------------------------
