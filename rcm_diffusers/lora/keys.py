@@ -555,10 +555,12 @@ def _patch_embedding_forms(group: dict, layout: str) -> dict:
 
     g = dict(group)
     for k in ("weight", "diff"):
-        if k in g:
+        if k in g and g[k].dim() == 2:  # other ranks (e.g. name probes) pass through unchanged
             g[k] = patch_embedding_to_conv(g[k])
     if "lora_A.weight" in g and "lora_B.weight" in g:
         A, B = g["lora_A.weight"], g["lora_B.weight"]
+        if A.dim() < 2 or B.dim() < 2:
+            return g
         if layout == "diffusers":
             g["lora_A.weight"] = patch_embedding_to_conv(A)
             g["lora_B.weight"] = B.reshape(B.shape[0], B.shape[1], 1, 1, 1)
