@@ -4,8 +4,8 @@ Wan2.1-14B layer shapes (dim 5120, ffn 13824, original/ComfyUI names), ``--block
 bf16 .safetensors file (3 blocks ~ 2.1 GB, 4 ~ 2.8 GB), written tensor by tensor. Each
 measurement runs in a fresh Python process and reports its peak resident set (ru_maxrss), next
 to the file size ("one shard" here = the whole file). Peak *anonymous* RSS (sampled from
-/proc/self/status every 20 ms) is the memory the process needs; the peak total RSS also counts the
-safetensors file pages mapped by ``safe_open`` (clean page cache the kernel can drop at any time).
+/proc/self/status every 20 ms) is the memory the process allocates; peak total RSS (VmRSS, and
+ru_maxrss) also counts file-backed pages: torch's shared libraries and any mmap'ed file data.
 
     python benchmarks/lora_merge_memory.py [--blocks 3] [--rank 32] [--dir /tmp/rcm-mem]
 """
@@ -115,7 +115,7 @@ def main() -> None:
         gb = os.path.getsize(f"{d}/base.safetensors") / 2**30
         print(f"base file: {gb:.2f} GiB bf16, {len(shp)} tensors, largest {FFN}x{DIM}; LoRA rank {args.rank} "
               f"({os.path.getsize(f'{d}/lora.safetensors') / 2**20:.0f} MiB)")
-        print("| command | peak anonymous RSS | of which above imports | / file size | peak RSS incl. mmap'ed file pages | time |")
+        print("| command | peak anonymous RSS | of which above imports | / file size | peak total RSS | time |")
         print("|---|---:|---:|---:|---:|---:|")
         for what in ("merge", "merge-diffusers", "transfer"):
             r = subprocess.run([sys.executable, "-c", CHILD, d, what], capture_output=True, text=True,
