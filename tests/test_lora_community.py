@@ -269,3 +269,27 @@ def test_stock_comfyui_loader_gives_the_same_deltas(tmp_path, name):
     assert stock_drops == sorted(k for k in diffs if k.endswith("modulation"))  # LightX2V .diff_m: not even read
     for k in base:  # RCMLoraLoader: every delta, the modulation ones stock ComfyUI drops included
         torch.testing.assert_close(ours[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_flux_kohya_converted_loads_in_diffusers(tmp_path):
+    """Flux kohya file -> diffusers layout (q/k/v split from the fused qkv/linear1 LoRAs) -> FluxPipeline.load_lora_weights."""
+    from diffusers import FluxPipeline
+
+    fm = tiny_flux()
+    dbase = {k: v.clone() for k, v in fm.state_dict().items()}
+    fbase = keys.to_original(dbase, "flux", prefix="")
+    fac = {m: f for m, f in factors(fbase, seed=4).items() if m.startswith(("double_blocks", "single_blocks"))}
+    sd = {}
+    for m, (down, up) in fac.items():
+        n = "lora_unet_" + m.replace(".", "_")
+        sd[f"{n}.lora_down.weight"], sd[f"{n}.lora_up.weight"], sd[f"{n}.alpha"] = down, up, torch.tensor(2.0)
+    assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, "fk", sd)]) == 0
+    pipe = FluxPipeline(transformer=tiny_flux(), scheduler=None, vae=None, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=None)
+    pipe.load_lora_weights(str(tmp_path / "fk.out.safetensors"))
+    pipe.fuse_lora()
+    got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
+                            if "lora_" not in k}, "flux", prefix="")
+    want = expected(fbase, fac, 2.0)
+    for m in fac:
+        torch.testing.assert_close(got[f"{m}.weight"].double(), want[f"{m}.weight"], rtol=1e-5, atol=1e-6)
