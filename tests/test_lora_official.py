@@ -261,3 +261,25 @@ def test_single_network_dump_is_unwrapped():
     sd = official_from(tiny_wan().state_dict())
     r = checkpoint.CheckpointReader({f"net_ema.{k}": v for k, v in sd.items()})
     assert sorted(r.keys()) == sorted(sd) and r.info["network"] == "net_ema"
+
+
+def test_official_layout_written_back_exactly(tmp_path):
+    """diffusers folder -> official rCM .pt (net.*, Linear patch embedding) -> diffusers: the same bytes."""
+    model = tiny_wan()
+    base = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "d")
+    assert cli.main(["convert", str(tmp_path / "d"), str(tmp_path / "rcm.pt"), "--format", "rcm"]) == 0
+    off = torch.load(tmp_path / "rcm.pt", weights_only=True)
+    want = {f"net.{k}": v for k, v in official_from(base).items()}
+    assert sorted(off) == sorted(want) and off["net.patch_embedding.weight"].shape == (DIM, C * 4)
+    for k in want:
+        assert off[k].dtype == torch.bfloat16 and torch.equal(off[k], want[k]), k
+    assert cli.main(["convert", str(tmp_path / "rcm.pt"), str(tmp_path / "back"), "--format", "diffusers"]) == 0
+    back = load_file(tmp_path / "back" / "diffusion_pytorch_model.safetensors")
+    assert sorted(back) == sorted(base) and all(torch.equal(back[k], base[k]) for k in base)
+    lora = tmp_path / "l.safetensors"
+    from rcm_diffusers.lora import io
+
+    io.save_lora(lora, {"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, DIM),
+                        "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(DIM, 2)}, "wan")
+    assert cli.main(["convert", str(lora), str(tmp_path / "x.pt"), "--format", "rcm"]) == 2

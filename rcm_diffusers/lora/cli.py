@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="rewrite a LoRA, or a model checkpoint, in the diffusers or ComfyUI layout")
     c.add_argument("input", help="LoRA file, or model checkpoint (.safetensors/.pt/.pth/diffusers folder)")
     c.add_argument("output", help="a .safetensors file; for a model in the diffusers layout, a folder")
-    c.add_argument("--format", choices=("diffusers", "comfyui"), required=True, help="layout to write")
+    c.add_argument("--format", choices=("diffusers", "comfyui", "rcm"), required=True,
+                   help="layout to write; rcm (models only): the official rCM .pt (net.*, Linear patch embedding)")
     c.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
     c.add_argument("--config", help="config.json to copy into a diffusers model folder")
     _network(c)
@@ -49,8 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--lora", required=True, help="LoRA file (any supported layout)")
     m.add_argument("--weight", type=float, default=1.0, help="LoRA strength w (finite)")
     m.add_argument("--output", required=True, help="a .safetensors file (comfyui) or a folder (diffusers)")
-    m.add_argument("--layout", choices=("diffusers", "comfyui"), default="comfyui",
-                   help="comfyui: one .safetensors in original names; diffusers: a model folder")
+    m.add_argument("--layout", choices=("diffusers", "comfyui", "rcm"), default="comfyui",
+                   help="comfyui: one .safetensors in original names; diffusers: a model folder; "
+                        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
     m.add_argument("--config", help="config.json to copy into a diffusers folder")
     m.add_argument("--skip-missing", action="store_true", help="skip (and list) LoRA layers absent from the base")
     _network(m)
@@ -61,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--finetuned-base", required=True, help="the model it was fine-tuned from")
     t.add_argument("--weight", type=float, default=1.0, help="delta strength w (finite)")
     t.add_argument("--output", required=True, help="a .safetensors file (comfyui) or a folder (diffusers)")
-    t.add_argument("--layout", choices=("diffusers", "comfyui"), default="comfyui",
-                   help="comfyui: one .safetensors in original names; diffusers: a model folder")
+    t.add_argument("--layout", choices=("diffusers", "comfyui", "rcm"), default="comfyui",
+                   help="comfyui: one .safetensors in original names; diffusers: a model folder; "
+                        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
     t.add_argument("--config", help="config.json to copy into a diffusers folder")
 
     i = sub.add_parser("inspect", help="print a LoRA or checkpoint's layout, architecture, dtypes and metadata")
@@ -83,6 +86,8 @@ def _cmd_convert(a) -> int:
     from .io import load_lora, save_lora
 
     reader = CheckpointReader(a.input, a.network)
+    if a.format == "rcm" and _is_lora(reader.raw_keys()):
+        raise ValueError("--format rcm writes model checkpoints; a LoRA converts to diffusers or comfyui")
     if not _is_lora(reader.raw_keys()):
         from .merge import convert_checkpoint
 

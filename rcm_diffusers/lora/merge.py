@@ -234,11 +234,13 @@ def _convert(sd: dict, arch: str, layout: str, source: str) -> dict:
 def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None, max_shard_size: int,
                     progress: bool) -> Path:
     """Apply ``fn(key, tensor)`` to every tensor of ``reader`` and write ``layout`` output, one unit at a time."""
-    if layout not in ("diffusers", "comfyui"):
-        raise ValueError(f"layout must be 'diffusers' or 'comfyui', got {layout!r}")
+    if layout not in ("diffusers", "comfyui", "rcm"):
+        raise ValueError(f"layout must be 'diffusers', 'comfyui' or 'rcm', got {layout!r}")
     out = Path(out)
     keys = reader.keys()
     src_format = detect_format(dict.fromkeys(keys))
+    if layout == "rcm":
+        return _write_rcm(reader, fn, out, arch, src_format, progress)
     units = _units(keys, arch, src_format, layout)
     specs = []
     for unit in units:  # output names/shapes from a conversion of meta tensors
@@ -280,6 +282,35 @@ def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None
                      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if config is not None:
         _atomic_text(out / "config.json", json.dumps(dict(config), indent=2, sort_keys=True, default=str))
+    return out
+
+
+def _write_rcm(reader, fn, out: Path, arch: str, src_format: str, progress: bool) -> Path:
+    """The official rCM layout (``scripts/dcp_to_pth.py``): ``torch.save`` of ``net.<original name>``, Wan's
+    patch embedding in its Linear form. A ``.pt`` is one pickle, so this holds the whole model in memory."""
+    from .rcm_official import patch_embedding_to_linear
+
+    if arch != "wan":
+        raise ValueError("the official rCM layout is for Wan models; use --layout comfyui or diffusers for Flux")
+    if out.suffix not in (".pt", ".pth"):
+        raise ValueError(f"the official rCM layout is a .pt/.pth file; got {out}")
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder; give a file name such as {out / 'model.pt'}")
+    sd = {}
+    for unit in tqdm(_units(reader.keys(), arch, src_format, "comfyui"), desc="merge", disable=not progress,
+                     unit="layer"):
+        for k, v in _convert({k: fn(k, reader[k]) for k in unit}, arch, "comfyui", src_format).items():
+            sd["net." + k] = patch_embedding_to_linear(v) if k == "patch_embedding.weight" else v
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(sd, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return out
 
 
