@@ -185,8 +185,8 @@ LORA_LOADER = Node(
     node_id="RCMLoraLoader",
     display_name="rCM LoRA Loader",
     category="loaders",
-    description="Apply a Wan or Flux LoRA in diffusers or ComfyUI layout; fails, listing them, when keys do not "
-                "match the model instead of skipping them.",
+    description="Apply a Wan or Flux LoRA (diffusers, ComfyUI, LightX2V, Kijai or kohya layout; modulation "
+                "deltas included); fails, listing them, when keys do not match the model instead of skipping them.",
     inputs=[
         Input("MODEL", "model"),
         Input("COMBO", "lora_name", options=_lora_names),

@@ -272,12 +272,16 @@ def model_arch(comfy_model) -> str:
 
 
 def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
-    """Read a Wan or Flux LoRA file (diffusers or ComfyUI layout) into ComfyUI keys for a model of ``arch``.
+    """Read a Wan or Flux LoRA file into ComfyUI keys for a model of ``arch``.
 
-    Goes through the LoRA tooling (:func:`rcm_diffusers.lora.io.load_lora`, the one key converter;
-    it also restores alphas kept in a diffusers file's header). Raises FileNotFoundError for a missing
-    file, ValueError for an unreadable file, a LoRA of another architecture, or keys no rule maps.
+    Layouts: diffusers/peft, ComfyUI (lora_up/down or lora_A/B, .alpha, .diff, .diff_b), LightX2V
+    (``.diff_m``), Kijai (``.modulation.diff``), kohya/musubi (``lora_unet_*``); ``.safetensors`` or
+    ``.pt`` (weights_only). Goes through the LoRA tooling (:func:`rcm_diffusers.lora.io.load_lora`, the
+    one key converter; it also restores alphas kept in a diffusers file's header). Raises
+    FileNotFoundError for a missing file, ValueError for an unreadable file, a LoRA of another
+    architecture, or keys no rule maps (listed).
     """
+    from .lora import checkpoint as lora_checkpoint
     from .lora import io as lora_io
     from .lora import keys as lora_keys
 
@@ -286,12 +290,10 @@ def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
             f"LoRA file not found: {path!r}; put the .safetensors file in ComfyUI's models/loras folder "
             "(or a folder listed under 'loras' in extra_model_paths.yaml) and refresh."
         )
-    from safetensors.torch import load_file
-
     try:
-        raw = load_file(path)
-    except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"cannot read LoRA file {path!r} as safetensors ({e}); is the file complete?") from e
+        raw = lora_checkpoint.load_state_dict(path, unwrap=False)
+    except ValueError as e:
+        raise ValueError(f"cannot read LoRA file {path!r} ({e}); is the file complete?") from e
     if not raw:
         raise ValueError(f"{path}: the LoRA file holds no tensors.")
     try:

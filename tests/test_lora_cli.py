@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -44,7 +45,7 @@ def test_cli_convert_extract_merge_transfer(tmp_path, capsys):
     k = "blocks.0.ffn.net.2.weight"
     torch.testing.assert_close(t[k], base[k] + 0.5 * (ft[k] - base[k]))
     assert cli.main(["inspect", str(tmp_path / "x.safetensors")]) == 0
-    assert '"layout": "original"' in capsys.readouterr().out
+    assert '"layout": "ComfyUI / original' in capsys.readouterr().out
 
 
 def test_cli_bad_input_one_line_errors(tmp_path, capsys):
@@ -59,3 +60,81 @@ def test_cli_bad_input_one_line_errors(tmp_path, capsys):
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "rcm_diffusers.lora", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "extract" in r.stdout and "transfer" in r.stdout
+
+
+@pytest.fixture
+def files(tmp_path):
+    lora = random_lora(tiny_wan(), rank=2)
+    save_file({k: v.clone() for k, v in tiny_wan().state_dict().items()}, tmp_path / "base.safetensors")
+    io.save_lora(tmp_path / "l.safetensors", lora, "wan", format="comfyui")
+    return tmp_path, keys.to_comfy_keys(lora)
+
+
+# Issue 17 item 7: each of these was a raw traceback or a silent wrong result; now exit 2 + one line, no output.
+
+
+def test_inspect_pt_lora_and_empty_pt(files, capsys):
+    tmp_path, comfy = files
+    torch.save(comfy, tmp_path / "l.pt")
+    assert cli.main(["inspect", str(tmp_path / "l.pt")]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "LoRA"
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert cli.main(["inspect", str(tmp_path / "empty.pt")]) == 2
+    assert "not a readable checkpoint" in capsys.readouterr().err
+
+
+def test_extract_on_empty_or_truncated_file(files, capsys):
+    tmp_path, _ = files
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    raw = (tmp_path / "base.safetensors").read_bytes()
+    (tmp_path / "trunc.safetensors").write_bytes(raw[: len(raw) // 2])
+    for bad in ("empty.safetensors", "trunc.safetensors"):
+        assert cli.main(["extract", "--finetuned", str(tmp_path / bad), "--base", str(tmp_path / "base.safetensors"),
+                         "--output", str(tmp_path / "x.safetensors"), "--rank", "2"]) == 2
+        assert "not a readable safetensors file" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_merge_with_mismatched_lora_ranks(files, capsys):
+    tmp_path, comfy = files
+    broken = dict(comfy)
+    broken["diffusion_model.blocks.0.self_attn.q.lora_up.weight"] = torch.zeros(24, 3)
+    save_file(broken, tmp_path / "broken.safetensors")
+    assert cli.main(["merge", "--base", str(tmp_path / "base.safetensors"), "--lora", str(tmp_path / "broken.safetensors"),
+                     "--output", str(tmp_path / "m.safetensors")]) == 2
+    assert "rank mismatch" in capsys.readouterr().err
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_merge_refuses_nan_weight_and_nan_lora(files, capsys):
+    tmp_path, comfy = files
+    assert cli.main(["merge", "--base", str(tmp_path / "base.safetensors"), "--lora", str(tmp_path / "l.safetensors"),
+                     "--weight", "nan", "--output", str(tmp_path / "m.safetensors")]) == 2
+    assert "finite" in capsys.readouterr().err
+    nan = dict(comfy)
+    nan["diffusion_model.blocks.1.ffn.0.lora_down.weight"] = torch.full((2, 24), float("nan"))
+    save_file(nan, tmp_path / "nan.safetensors")
+    assert cli.main(["merge", "--base", str(tmp_path / "base.safetensors"), "--lora", str(tmp_path / "nan.safetensors"),
+                     "--output", str(tmp_path / "m.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "NaN" in err and "blocks.1.ffn" in err
+    assert cli.main(["transfer", "--base", str(tmp_path / "base.safetensors"), "--finetuned", str(tmp_path / "base.safetensors"),
+                     "--finetuned-base", str(tmp_path / "base.safetensors"), "--weight", "inf",
+                     "--output", str(tmp_path / "m.safetensors")]) == 2
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+@pytest.mark.parametrize("rank", ["0", "-1"])
+def test_extract_refuses_rank_below_one(files, capsys, rank):
+    tmp_path, _ = files
+    assert cli.main(["extract", "--finetuned", str(tmp_path / "base.safetensors"), "--base", str(tmp_path / "base.safetensors"),
+                     "--output", str(tmp_path / "x.safetensors"), "--rank", rank]) == 2
+    assert "rank must be a whole number >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_convert_to_a_folder_path(files, capsys):
+    tmp_path, _ = files
+    (tmp_path / "outdir").mkdir()
+    assert cli.main(["convert", str(tmp_path / "l.safetensors"), str(tmp_path / "outdir"), "--format", "diffusers"]) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -123,3 +123,43 @@ def test_two_experts_and_save_model(tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(f)["blocks.0.ffn.2.weight"], out["transformer_2"][k])
+
+
+def test_streamed_merge_writes_sharded_diffusers_folder_and_flux_comfy_file(tmp_path):
+    """merge_lora_to streams tensor by tensor; the files it writes by hand read back with safetensors/diffusers."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    model = tiny_wan()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = random_lora(model, rank=2)
+    want, _ = merge.merge_lora(base, lora, 0.6)
+    out, skipped = merge.merge_lora_to(tmp_path / "w", keys.to_original(base, prefix=""), lora, 0.6, layout="diffusers",
+                                       config=dict(model.config), max_shard_size=30_000, progress=False)
+    index = json.loads((out / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2 and sorted(index["weight_map"]) == sorted(base)
+    loaded = WanTransformer3DModel.from_pretrained(out).state_dict()
+    for k in base:
+        torch.testing.assert_close(loaded[k], want[k], rtol=1e-6, atol=1e-6)
+    # Flux: diffusers base -> ComfyUI file, q/k/v(/mlp) fused while streaming
+    fm = tiny_flux()
+    fbase = {k: v.clone() for k, v in fm.state_dict().items()}
+    flora = random_lora(fm, rank=2)
+    fwant = keys.to_original(merge.merge_lora(fbase, flora)[0], "flux", prefix="")
+    merge.merge_lora_to(tmp_path / "f.safetensors", fbase, flora, progress=False)
+    got = load_file(tmp_path / "f.safetensors")
+    assert sorted(got) == sorted(fwant)
+    for k in fwant:
+        torch.testing.assert_close(got[k], fwant[k], rtol=1e-6, atol=1e-6)
+    # Flux: original base -> diffusers folder, fused layers split while streaming (bias with its weight)
+    out, _ = merge.merge_lora_to(tmp_path / "fd", keys.to_original(fbase, "flux", prefix=""), flora, layout="diffusers",
+                                 progress=False)
+    gotd = load_file(out / "diffusion_pytorch_model.safetensors")
+    want_d = merge.merge_lora(fbase, flora)[0]
+    assert sorted(gotd) == sorted(want_d)
+    for k in want_d:
+        torch.testing.assert_close(gotd[k], want_d[k], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="one .safetensors file"):
+        merge.merge_lora_to(tmp_path / "f_dir", fbase, flora, progress=False)

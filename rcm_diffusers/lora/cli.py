@@ -12,55 +12,89 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rcm-lora", description="LoRA and checkpoint tools for Wan / Flux (rCM).")
+    p = argparse.ArgumentParser(
+        prog="rcm-lora", description="LoRA and checkpoint tools for Wan / Flux (rCM).",
+        epilog="Checkpoints: .safetensors, .pt/.pth (read with weights_only=True) or a diffusers model folder "
+               "(sharded or not). Official rCM dumps, TurboDiffusion int8 files, and LoRAs in diffusers, ComfyUI, "
+               "LightX2V, Kijai and kohya/musubi layouts are read; see docs/lora_formats.md.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    c = sub.add_parser("convert", help="rewrite a LoRA in the diffusers or ComfyUI layout")
-    c.add_argument("input")
-    c.add_argument("output")
-    c.add_argument("--format", choices=("diffusers", "comfyui"), required=True)
-    c.add_argument("--arch", choices=("wan", "flux"))
+    c = sub.add_parser("convert", help="rewrite a LoRA, or a model checkpoint, in the diffusers or ComfyUI layout")
+    c.add_argument("input", help="LoRA file, or model checkpoint (.safetensors/.pt/.pth/diffusers folder)")
+    c.add_argument("output", help="a .safetensors file; for a model in the diffusers layout, a folder")
+    c.add_argument("--format", choices=("diffusers", "comfyui", "rcm"), required=True,
+                   help="layout to write; rcm (models only): the official rCM .pt (net.*, Linear patch embedding)")
+    c.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
+    c.add_argument("--config", help="config.json to copy into a diffusers model folder")
+    _network(c)
 
     e = sub.add_parser("extract", help="LoRA from a fine-tuned checkpoint and its base (truncated SVD)")
-    e.add_argument("--finetuned", required=True)
-    e.add_argument("--base", required=True)
-    e.add_argument("--output", required=True)
+    e.add_argument("--finetuned", required=True, help="fine-tuned model: file (.safetensors/.pt/.pth) or diffusers folder")
+    e.add_argument("--base", required=True, help="the model it was fine-tuned from (file or diffusers folder)")
+    e.add_argument("--output", required=True, help="LoRA file to write (.safetensors)")
     g = e.add_mutually_exclusive_group(required=True)
-    g.add_argument("--rank", type=int)
+    g.add_argument("--rank", type=int, help="LoRA rank per layer (>= 1)")
     g.add_argument("--energy", type=float, help="keep this fraction of sum S^2 per layer, e.g. 0.99")
-    e.add_argument("--max-rank", type=int)
-    e.add_argument("--format", choices=("diffusers", "comfyui"), default="comfyui")
-    e.add_argument("--nonlinear", choices=("keep", "drop"), default="keep")
-    e.add_argument("--arch", choices=("wan", "flux"))
+    e.add_argument("--max-rank", type=int, help="cap on the energy-chosen rank (>= 1)")
+    e.add_argument("--format", choices=("diffusers", "comfyui"), default="comfyui", help="layout of the LoRA file")
+    e.add_argument("--nonlinear", choices=("keep", "drop"), default="keep",
+                   help="non-2-D deltas (biases, norms, modulation): keep as full .diff/.diff_b, or drop")
+    e.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
     e.add_argument("--base-model", default=None, help="base model id stored in the metadata")
     e.add_argument("--report", help="write the per-layer report (JSON) here")
-    e.add_argument("--ema", action="store_true", help="take the 'ema' weights of nested checkpoints")
+    e.add_argument("--ema", action="store_true", help="same as --network ema (the default)")
+    _network(e)
 
     m = sub.add_parser("merge", help="base + weight * LoRA -> diffusers folder or ComfyUI file")
-    m.add_argument("--base", required=True)
-    m.add_argument("--lora", required=True)
-    m.add_argument("--weight", type=float, default=1.0)
-    m.add_argument("--output", required=True)
-    m.add_argument("--layout", choices=("diffusers", "comfyui"), default="comfyui")
+    m.add_argument("--base", required=True, help="model checkpoint file or diffusers model folder")
+    m.add_argument("--lora", required=True, help="LoRA file (any supported layout)")
+    m.add_argument("--weight", type=float, default=1.0, help="LoRA strength w (finite)")
+    m.add_argument("--output", required=True, help="a .safetensors file (comfyui) or a folder (diffusers)")
+    m.add_argument("--layout", choices=("diffusers", "comfyui", "rcm"), default="comfyui",
+                   help="comfyui: one .safetensors in original names; diffusers: a model folder; "
+                        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
     m.add_argument("--config", help="config.json to copy into a diffusers folder")
     m.add_argument("--skip-missing", action="store_true", help="skip (and list) LoRA layers absent from the base")
+    _network(m)
 
     t = sub.add_parser("transfer", help="base + weight * (finetuned - finetuned_base), e.g. T2V rCM -> I2V")
-    t.add_argument("--base", required=True)
-    t.add_argument("--finetuned", required=True)
-    t.add_argument("--finetuned-base", required=True)
-    t.add_argument("--weight", type=float, default=1.0)
-    t.add_argument("--output", required=True)
-    t.add_argument("--layout", choices=("diffusers", "comfyui"), default="comfyui")
-    t.add_argument("--config")
+    t.add_argument("--base", required=True, help="model to add the delta to (file or diffusers folder)")
+    t.add_argument("--finetuned", required=True, help="fine-tuned model, e.g. the rCM T2V checkpoint")
+    t.add_argument("--finetuned-base", required=True, help="the model it was fine-tuned from")
+    t.add_argument("--weight", type=float, default=1.0, help="delta strength w (finite)")
+    t.add_argument("--output", required=True, help="a .safetensors file (comfyui) or a folder (diffusers)")
+    t.add_argument("--layout", choices=("diffusers", "comfyui", "rcm"), default="comfyui",
+                   help="comfyui: one .safetensors in original names; diffusers: a model folder; "
+                        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
+    t.add_argument("--config", help="config.json to copy into a diffusers folder")
 
-    i = sub.add_parser("inspect", help="print a LoRA file's layout, architecture and metadata")
-    i.add_argument("input")
+    i = sub.add_parser("inspect", help="print a LoRA or checkpoint's layout, architecture, dtypes and metadata")
+    i.add_argument("input", help=".safetensors, .pt/.pth file or diffusers model folder")
+    _network(i)
     return p
 
 
+def _network(p) -> None:
+    p.add_argument("--network", choices=("ema", "net", "fake_score"), default=None,
+                   help="which network of an official rCM training dump (net./net_ema./net_fake_score.) to take; "
+                        "default ema")
+
+
 def _cmd_convert(a) -> int:
+    from .checkpoint import CheckpointReader
+    from .describe import _is_lora
     from .io import load_lora, save_lora
+
+    reader = CheckpointReader(a.input, a.network)
+    if a.format == "rcm" and _is_lora(reader.raw_keys()):
+        raise ValueError("--format rcm writes model checkpoints; a LoRA converts to diffusers or comfyui")
+    if not _is_lora(reader.raw_keys()):
+        from .merge import convert_checkpoint
+
+        _report_reader(a.input, a.network)
+        out = convert_checkpoint(reader, a.output, a.format, config=_load_config(a.config), arch=a.arch)
+        print(f"wrote {out}: model checkpoint, {len(reader)} tensors ({a.format})")
+        return 0
 
     sd, meta = load_lora(a.input, arch=a.arch)
     info = save_lora(a.output, sd, a.arch, format=a.format, metadata={k: v for k, v in meta.items()
@@ -74,9 +108,10 @@ def _cmd_extract(a) -> int:
     from .extract import extract_lora, report_table
     from .io import save_lora
 
+    _report_reader(a.finetuned, a.network or ("ema" if a.ema else None))
     t0 = time.perf_counter()
     sd, report = extract_lora(a.finetuned, a.base, rank=a.rank, energy=a.energy, max_rank=a.max_rank,
-                              nonlinear=a.nonlinear, prefer="ema" if a.ema else None)
+                              nonlinear=a.nonlinear, prefer=a.network or ("ema" if a.ema else None))
     dt = time.perf_counter() - t0
     how = {"made_by": f"rcm-lora extract rank={a.rank} energy={a.energy} max_rank={a.max_rank}",
            "base_model": a.base_model or str(a.base), "finetuned": str(a.finetuned)}
@@ -97,40 +132,51 @@ def _load_config(path):
     return json.loads(Path(path).read_text()) if path else None
 
 
-def _cmd_merge(a) -> int:
-    from .checkpoint import load_state_dict
-    from .io import load_lora
-    from .merge import merge_lora, save_model
+def _report_reader(path, prefer) -> None:
+    """One line naming what was taken from an outside checkpoint (network, keys set aside, dequantized)."""
+    from .checkpoint import CheckpointReader
 
-    base = load_state_dict(a.base)
+    info = CheckpointReader(path, prefer).info
+    notes = []
+    if "network" in info:
+        notes.append(f"took the {info['network']!r} network of {info['networks']}")
+    if info.get("set_aside"):
+        notes.append(f"set aside {len(info['set_aside'])} sparse-linear-attention key(s) that a diffusers/ComfyUI "
+                     f"Wan has no layer for (e.g. {info['set_aside'][0]})")
+    if info.get("dequantized_int8"):
+        notes.append(f"dequantized {info['dequantized_int8']} int8 Linear(s)")
+    if notes:
+        print(f"{path}: " + "; ".join(notes))
+
+
+def _cmd_merge(a) -> int:
+    from .io import load_lora
+    from .merge import merge_lora_to
+
+    _report_reader(a.base, a.network)
     lora, _ = load_lora(a.lora)
-    merged, skipped = merge_lora(base, lora, a.weight, on_missing="skip" if a.skip_missing else "error")
-    save_model(merged, a.output, a.layout, config=_load_config(a.config))
-    print(f"wrote {a.output} ({a.layout}); skipped: {skipped}")
+    out, skipped = merge_lora_to(a.output, a.base, lora, a.weight, a.layout,
+                                 on_missing="skip" if a.skip_missing else "error", config=_load_config(a.config),
+                                 prefer=a.network)
+    print(f"wrote {out} ({a.layout}); skipped: {skipped}")
     return 0
 
 
 def _cmd_transfer(a) -> int:
-    from .checkpoint import load_state_dict
-    from .merge import merge_delta, save_model
+    from .merge import merge_delta_to
 
-    merged, untouched = merge_delta(load_state_dict(a.base), a.finetuned, a.finetuned_base, a.weight)
-    save_model(merged, a.output, a.layout, config=_load_config(a.config))
-    print(f"wrote {a.output} ({a.layout}); {len(untouched)} base parameters untouched: {untouched[:10]}")
+    for p in (a.base, a.finetuned, a.finetuned_base):
+        _report_reader(p, None)
+    out, untouched = merge_delta_to(a.output, a.base, a.finetuned, a.finetuned_base, a.weight, a.layout,
+                                    config=_load_config(a.config))
+    print(f"wrote {out} ({a.layout}); {len(untouched)} base parameters untouched: {untouched[:10]}")
     return 0
 
 
 def _cmd_inspect(a) -> int:
-    from .io import load_lora, read_metadata
-    from .keys import detect_arch, detect_format
+    from .describe import inspect_file
 
-    from safetensors.torch import load_file
-
-    raw = load_file(a.input)
-    print(json.dumps({"layout": detect_format(raw), "arch": detect_arch(raw), "n_tensors": len(raw),
-                      "metadata": {k: (json.loads(v) if k == "rcm_lora" else v) for k, v in read_metadata(a.input).items()}},
-                     indent=1, default=str))
-    load_lora(a.input)  # validates every key
+    print(json.dumps(inspect_file(a.input, prefer=a.network), indent=1, default=str))
     return 0
 
 
@@ -141,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
            "inspect": _cmd_inspect}[a.cmd]
     try:
         return cmd(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"rcm-lora {a.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,67 +3,29 @@
 Streams one parameter pair at a time (memory ~ one layer), with a tqdm bar. For a 2-D weight
 ``delta = W_ft - W_base = U S V^T``; rank ``r`` keeps ``lora_B = U_r sqrt(S_r)``,
 ``lora_A = sqrt(S_r) V_r^T`` (alpha = r, scale 1); the report gives the measured relative
-Frobenius error ``||delta - B A|| / ||delta||`` (optimum: ``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``). Every other delta (biases, norms, Wan modulation, conv
+Frobenius error ``||delta - B A|| / ||delta||`` (optimum: ``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``). Every other delta (biases, norms, Wan modulation, the Conv3d
 patch embedding) is *non-linear* for a LoRA: kept as a full ``diff``/``diff_b`` or dropped, and
-reported either way.
+reported either way. (The official rCM checkpoints hold the patch embedding as a 2-D Linear: its
+delta gets a LoRA, written as peft's Conv3d LoRA in a diffusers file.) Inputs may be any
+checkpoint :class:`.checkpoint.CheckpointReader` reads; the base is renamed into the fine-tuned
+file's naming tensor by tensor.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoint import CheckpointReader, in_layout_of
+
 __all__ = ["TensorSource", "LayerReport", "extract_lora", "choose_rank"]
 
 
-class TensorSource:
-    """Read-one-tensor-at-a-time view of a state dict, a .safetensors file or a .pt/.pth file."""
-
-    def __init__(self, src, prefer: str | None = None):
-        self._handle = None
-        if isinstance(src, (str, Path)) and str(src).endswith(".safetensors"):
-            from .checkpoint import open_safetensors
-
-            if not Path(src).is_file():
-                raise FileNotFoundError(f"checkpoint not found: {src}")
-            self._handle = open_safetensors(src)
-            raw = list(self._handle.keys())
-            self._names = {_strip(k): k for k in raw}
-        else:
-            if isinstance(src, (str, Path)):
-                from .checkpoint import load_state_dict  # mmap'ed for zip .pt files: pages in lazily
-
-                src = load_state_dict(src, prefer=prefer)
-            self._dict = src
-            self._names = {_strip(k): k for k in src}
-
-    def keys(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, k) -> bool:
-        return k in self._names
-
-    def shape(self, k) -> tuple:
-        if self._handle is not None:
-            return tuple(self._handle.get_slice(self._names[k]).get_shape())
-        return tuple(self._dict[self._names[k]].shape)
-
-    def __getitem__(self, k) -> torch.Tensor:
-        if self._handle is not None:
-            return self._handle.get_tensor(self._names[k])
-        return self._dict[self._names[k]]
-
-
-def _strip(k: str) -> str:
-    for p in ("model.diffusion_model.", "diffusion_model.", "transformer."):
-        if k.startswith(p):
-            return k[len(p):]
-    return k
+TensorSource = CheckpointReader  # the former name of the one-tensor-at-a-time reader
 
 
 @dataclass
@@ -79,6 +41,7 @@ class LayerReport:
 def choose_rank(S: torch.Tensor, rank: int | None, energy: float | None, max_rank: int | None = None) -> int:
     """Rank from singular values: fixed ``rank``, or the smallest keeping ``energy`` of sum S^2."""
     n = S.numel()
+    _check_ranks(rank, max_rank)
     if rank is not None:
         r = min(rank, n)
     elif energy is not None:
@@ -92,6 +55,12 @@ def choose_rank(S: torch.Tensor, rank: int | None, energy: float | None, max_ran
     if max_rank is not None:
         r = min(r, max_rank)
     return max(1, min(r, n))
+
+
+def _check_ranks(rank, max_rank) -> None:
+    for name, v in (("rank", rank), ("max_rank", max_rank)):
+        if v is not None and (isinstance(v, bool) or int(v) != v or v < 1):
+            raise ValueError(f"{name} must be a whole number >= 1, got {v}; e.g. --rank 32")
 
 
 def _diff_key(name: str) -> tuple[str, str]:
@@ -117,7 +86,13 @@ def extract_lora(finetuned, base, rank: int | None = None, energy: float | None 
     """
     if nonlinear not in ("keep", "drop"):
         raise ValueError("nonlinear must be 'keep' or 'drop'")
-    ft, bs = TensorSource(finetuned, prefer), TensorSource(base, prefer)
+    _check_ranks(rank, max_rank)
+    if rank is None and energy is None:
+        raise ValueError("pass rank= or energy=")
+    ft, bs = CheckpointReader(finetuned, prefer), CheckpointReader(base, prefer)
+    from .keys import detect_arch
+
+    bs = in_layout_of(bs, ft, detect_arch(dict.fromkeys(ft.keys())))
     missing = sorted(set(ft.keys()) ^ set(bs.keys()))
     bad = [f"{k}: {ft.shape(k)} vs {bs.shape(k)}" for k in ft.keys() if k in bs and ft.shape(k) != bs.shape(k)]
     if missing or bad:
@@ -171,7 +146,7 @@ def report_table(report: list[LayerReport]) -> list[dict]:
 
 def iter_pairs(finetuned, base) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, finetuned tensor, base tensor) one pair at a time, for streaming tools."""
-    ft, bs = TensorSource(finetuned), TensorSource(base)
+    ft, bs = CheckpointReader(finetuned), CheckpointReader(base)
     for k in ft.keys():
         if k in bs:
             yield k, ft[k], bs[k]

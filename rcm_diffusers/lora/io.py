@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -25,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from .keys import detect_arch, from_any, lora_modules, to_comfy_keys
 
 __all__ = ["FORMATS", "save_lora", "load_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
-           "not_applied_by_comfyui"]
+           "stream_safetensors", "not_applied_by_comfyui"]
 
 logger = logging.getLogger(__name__)
 FORMATS = ("diffusers", "comfyui")
@@ -33,14 +34,68 @@ METADATA_KEY = "rcm_lora"
 DIFFUSERS_METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 
 
+def _check_file_target(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name such as {path / 'model.safetensors'}")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"cannot write {path}: {path.parent} is a file, not a folder")
+
+
 def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> Path:
     """Write a safetensors file via a temp file in the same folder and ``os.replace``."""
     path = Path(path)
+    _check_file_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def stream_safetensors(path, specs: list[tuple[str, tuple, torch.dtype]], tensors, metadata: dict | None = None) -> Path:
+    """Write a safetensors file tensor by tensor: header from ``specs`` first, then each tensor's bytes.
+
+    ``specs`` lists ``(name, shape, dtype)`` in file order; ``tensors`` yields ``(name, tensor)`` in
+    the same order. Memory: one tensor at a time (``safetensors.torch.save_file`` needs the whole
+    dict in RAM, which a 14B model does not fit; this writes the same format: 8-byte little-endian
+    header size, JSON header with ``data_offsets``, raw little-endian data). Atomic (temp file +
+    ``os.replace``); a mismatch between ``specs`` and ``tensors`` raises and leaves nothing behind.
+    """
+    path = Path(path)
+    _check_file_target(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header, offset = {}, 0
+    for name, shape, dtype in specs:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            it = iter(tensors)
+            for name, shape, dtype in specs:
+                got_name, t = next(it)
+                if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise RuntimeError(f"stream_safetensors: expected {name} {tuple(shape)} {dtype}, "
+                                       f"got {got_name} {tuple(t.shape)} {t.dtype}")
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -23,6 +23,7 @@ listing them: nothing is dropped silently.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -186,7 +187,16 @@ def _map(target: str, arch: str, direction: str):
 # ----------------------------------------------------------------------------- parsing
 
 
+def _outside_names(key: str) -> str:
+    """kohya ``lora_unet_*`` and LightX2V ``.diff_m`` names -> ComfyUI/original names (see those modules)."""
+    from .kohya import kohya_to_original
+    from .lightx2v import lightx2v_to_original
+
+    return lightx2v_to_original(kohya_to_original(key))
+
+
 def _strip_prefix(key: str) -> str:
+    key = _outside_names(key)
     for p in _PREFIXES:
         if key.startswith(p):
             return key[len(p):]
@@ -227,11 +237,9 @@ def detect_arch(state_dict) -> str:
 
 def detect_format(state_dict) -> str:
     """"diffusers" or "original" (= ComfyUI) naming, from prefixes and layer names."""
-    keys = list(state_dict)
+    keys = [_outside_names(k) for k in state_dict]
     if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
         return "original"
-    if any(k.startswith("lora_unet_") for k in keys):
-        raise ValueError("kohya 'lora_unet_*' keys are not supported; convert them with diffusers first.")
     stripped = [_strip_prefix(k) for k in keys]
     n_orig = sum(any(m in k for m in _ORIGINAL_MARKERS) for k in stripped)
     n_diff = sum(any(m in k for m in _DIFFUSERS_MARKERS) for k in stripped)
@@ -353,13 +361,14 @@ def _map_group(target: str, group: dict, arch: str, direction: str):
     return new_t, g
 
 def to_original(state_dict, arch: str | None = None, prefix: str = "diffusion_model.",
-                lora_names: tuple[str, str] = ("lora_down", "lora_up")) -> dict[str, torch.Tensor]:
+                lora_names: tuple[str, str] = ("lora_down", "lora_up"), source: str | None = None) -> dict[str, torch.Tensor]:
     """Any-layout dict -> original/ComfyUI names (``prefix`` + target + suffix); exact and lossless.
 
+    ``source`` ("diffusers"/"original") skips the naming detection (for parts of a model).
     Raises ValueError listing every key that matches no rule.
     """
     arch = arch or detect_arch(state_dict)
-    if detect_format(state_dict) == "original":
+    if (source or detect_format(state_dict)) == "original":
         return _emit(_group(state_dict), prefix, lora_names, arch, "original")
     groups = _group(state_dict)
     out_groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -441,14 +450,16 @@ def _split_fused_lora(group: dict, sizes: list[int]) -> list[dict | None]:
     return out
 
 
-def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
+def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer.",
+                 source: str | None = None) -> dict[str, torch.Tensor]:
     """Any-layout dict -> diffusers names (``prefix`` + target + suffix, lora_A/lora_B); exact.
 
+    ``source`` ("diffusers"/"original") skips the naming detection (for parts of a model).
     Raises ValueError listing every key that matches no rule.
     """
     arch = arch or detect_arch(state_dict)
     groups = _group(state_dict)
-    if detect_format(state_dict) == "diffusers":
+    if (source or detect_format(state_dict)) == "diffusers":
         _check_known(groups, arch, "to_original")
         return _emit(groups, prefix, ("lora_A", "lora_B"), arch, "diffusers")
     out_groups: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
@@ -472,7 +483,7 @@ def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer
                     break
             rows = next(v.shape[0] for k, v in group.items() if k in ("lora_B.weight", "weight", "diff", "bias", "diff_b"))
             if hidden is None:
-                hidden = rows // (3 + FLUX_MLP_RATIO) if len(fused) == 4 else rows // 3
+                hidden = int(rows // (3 + FLUX_MLP_RATIO)) if len(fused) == 4 else rows // 3
             sizes = [hidden] * 3 + ([rows - 3 * hidden] if len(fused) == 4 else [])
             if sum(sizes) != rows or min(sizes) <= 0:
                 raise ValueError(f"{target}: {rows} rows cannot be split into {len(fused)} slices of hidden {hidden}")
@@ -516,6 +527,8 @@ def _emit(groups: dict, prefix: str, lora_names: tuple[str, str], arch: str, lay
     down, up = lora_names
     out = {}
     for target, group in groups.items():
+        if arch == "wan" and target == "patch_embedding":
+            group = _patch_embedding_forms(group, layout)
         for suffix, v in group.items():
             if suffix == "lora_A.weight":
                 s = f"{down}.weight"
@@ -528,6 +541,32 @@ def _emit(groups: dict, prefix: str, lora_names: tuple[str, str], arch: str, lay
                 continue
             out[f"{prefix}{target}.{s}" if s else f"{prefix}{target}"] = v
     return out
+
+
+def _patch_embedding_forms(group: dict, layout: str) -> dict:
+    """Wan's patch embedding in the form each layout's loader needs (exact reshapes, SPEC-free).
+
+    Weights and full deltas: the Conv3d form ``[dim, C, 1, 2, 2]`` in both layouts (the official
+    rCM Linear form ``[dim, C*4]`` is reshaped, see :mod:`.rcm_official`). LoRA factors: the
+    Conv3d LoRA of peft in diffusers (``lora_A [r, C, 1, 2, 2]``, ``lora_B [dim, r, 1, 1, 1]``), the
+    flat 2-D pair in ComfyUI (its LoRA adapter multiplies flattened factors and reshapes to the weight).
+    """
+    from .rcm_official import patch_embedding_to_conv
+
+    g = dict(group)
+    for k in ("weight", "diff"):
+        if k in g and g[k].dim() == 2:  # other ranks (e.g. name probes) pass through unchanged
+            g[k] = patch_embedding_to_conv(g[k])
+    if "lora_A.weight" in g and "lora_B.weight" in g:
+        A, B = g["lora_A.weight"], g["lora_B.weight"]
+        if A.dim() < 2 or B.dim() < 2:
+            return g
+        if layout == "diffusers":
+            g["lora_A.weight"] = patch_embedding_to_conv(A)
+            g["lora_B.weight"] = B.reshape(B.shape[0], B.shape[1], 1, 1, 1)
+        else:
+            g["lora_A.weight"], g["lora_B.weight"] = A.flatten(1), B.flatten(1)
+    return g
 
 
 def _check_known_original(groups: dict, arch: str) -> None:
@@ -585,8 +624,9 @@ def check_against_model(state_dict, model_state_dict, prefix: str = "") -> None:
                 continue
             if A.shape[0] != B.shape[1]:
                 problems.append(f"{target}: rank mismatch lora_A {tuple(A.shape)} vs lora_B {tuple(B.shape)}")
-            if len(w) != 2 or (B.shape[0], A.shape[1]) != w:
-                problems.append(f"{target}: LoRA delta {(B.shape[0], A.shape[1])} vs weight {w}")
+            lora_shape = (B.shape[0], math.prod(A.shape[1:]))
+            if len(w) < 2 or lora_shape != (w[0], math.prod(w[1:])):
+                problems.append(f"{target}: LoRA delta {lora_shape} vs weight {w}")
         for k in ("diff", "weight", "", "scale"):
             if k in g and tuple(g[k].shape) != w:
                 problems.append(f"{target}.{k}: shape {tuple(g[k].shape)} vs model {w}")
