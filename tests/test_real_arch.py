@@ -175,3 +175,24 @@ def test_bf16_base_trains_float32_adapters():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert b.grad is not None and b.grad.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path):
+    """``benchmarks/gpu_check.sh --smoke``: the GPU check's code (JVP attention rows, rCM iterations through
+    training/rcm.py, memory-model prediction, JSON) at tiny sizes on CPU, as CI runs it."""
+    import json
+    import shutil
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = REPO
+    p = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_check.sh"), "--smoke"], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.load(open(tmp_path / "out" / "gpu_check.json"))
+    assert res["smoke"] and res["jvp_attention"] and all(r["err"] < 1e-4 for r in res["jvp_attention"])
+    tr = res["train"]
+    assert tr["rc"] == 0 and [s["net"] for s in tr["steps"]] == ["student", "fake"]
+    assert tr["predicted"]["total_gib"] > 0 and (tmp_path / "out" / "gpu_check.log").exists()

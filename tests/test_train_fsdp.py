@@ -94,20 +94,23 @@ def test_fsdp2_resume_is_bit_exact(runs):
 
 
 def test_fsdp2_equals_ddp_same_global_batch(runs):
-    """Same global batch (2 ranks x 1... x batch_size) and per-rank noise: FSDP2 (sharded base, replicated
-    LoRA, averaged grads) and DDP must give the same LoRA up to float32 summation-order round-off."""
+    """Same global batch (2 ranks x batch_size 2) and per-rank noise: FSDP2 (sharded base, replicated
+    LoRA, averaged grads) and DDP must give the same LoRA up to float32 round-off. Tolerance: each AdamW
+    update is at most lr (1e-3) per weight; gradients that differ in float32 round-off (other reduction
+    orders) move it by far less than 0.1 % of that, so 4 steps x 1e-3 x lr = 4e-6. A missing or doubled
+    gradient average changes updates by O(lr) and fails."""
     a, b = lora(runs["fsdp"]), lora(runs["ddp"])
     assert a.keys() == b.keys()
     for k in a:
-        scale = float(b[k].abs().max()) + 1e-12
-        assert float((a[k] - b[k]).abs().max()) <= 1e-5 * scale + 1e-7, k
+        assert float((a[k] - b[k]).abs().max()) <= 4 * 1e-3 * 1e-3, k
+    assert max(float(v.abs().max()) for v in b.values()) > 1e-3  # the LoRA moved by more than the tolerance
     ma = [json.loads(x) for x in open(runs["fsdp"] / "metrics.jsonl")]
     mb = [json.loads(x) for x in open(runs["ddp"] / "metrics.jsonl")]
     assert [r["net"] for r in ma] == [r["net"] for r in mb]
     for ra, rb in zip(ma, mb):
         for key in ("loss_scm", "loss_dmd", "loss_fake"):
             if key in rb:
-                assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-8)
+                assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-8)
 
 
 # ----------------------------------------------------------------------------- in-process pieces
