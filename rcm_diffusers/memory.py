@@ -35,15 +35,17 @@ __all__ = ["TrainSetup", "predict_training", "saved_activation_bytes", "DEVICES"
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-#: bytes saved per token per block = model_bytes * (md_D * D + md_F * F) + 4 * (f32_D * D); text tokens
-#: (Wan cross-attention K/V) likewise with the ``txt_`` coefficients. Counted on diffusers 0.42 blocks.
+#: bytes autograd saves per block, per image/video token: ``per_D * D + per_F * F``, plus ``txt_D * D`` per text
+#: token (Wan cross-attention K/V). Keyed by weight dtype; bfloat16 means bf16 weights under bf16 autocast
+#: (``mixed_precision: bf16``, as the shipped configs) with float32 LoRA adapters. Counted on diffusers 0.42
+#: blocks with ``saved_activation_bytes`` at D 128/256/512, F 1024/8960/17920, 32/64 tokens, 16/64 text tokens.
 ACT_COEFFS = {
     # Wan block: self-attn (norm, q/k/v, RMSNorm, RoPE, SDPA), cross-attn, FFN (GELU in and out: 2 F);
     # norm1/norm3 and the modulation run in float32 (diffusers keeps them in float32)
-    "wan": {"md_D": 9.63, "md_F": 2.0, "f32_D": 6.05, "txt_md_D": 2.53, "txt_f32_D": 1.0},
+    "wan": {"float32": {"per_D": 62.7, "per_F": 8.0, "txt_D": 14.14}, "bfloat16": {"per_D": 33.95, "per_F": 4.5, "txt_D": 12.08, "layer_D": 669.0}},
     # Flux double block (both streams, per token of either) and single block (concatenated tokens), F = 4 D
-    "flux_double": {"md_D": 16.6, "md_F": 0.0, "f32_D": 2.03, "txt_md_D": 0.0, "txt_f32_D": 0.0},
-    "flux_single": {"md_D": 15.7, "md_F": 0.0, "f32_D": 2.03, "txt_md_D": 0.0, "txt_f32_D": 0.0},
+    "flux_double": {"float32": {"per_D": 74.5, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 56.3, "per_F": 0.0, "txt_D": 0.0}},
+    "flux_single": {"float32": {"per_D": 70.9, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 49.8, "per_F": 0.0, "txt_D": 0.0}},
 }
 
 #: device name -> usable bytes
@@ -102,21 +104,24 @@ def _hashable(v):
 def _counts(class_name: str, items: tuple, lora_rank: int) -> tuple[int, int, int]:
     import diffusers
 
-    from .adapters import add_rcm_adapters, lora_parameters
+    from .adapters import default_lora_targets
 
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in items}
     with torch.device("meta"):
         m = getattr(diffusers, class_name)(**cfg)
     base = sum(p.numel() for p in m.parameters())
-    add_rcm_adapters(m, lora_rank, None, with_fake=True)
-    return base, sum(p.numel() for p in lora_parameters(m, "student").values()), sum(p.numel() for p in lora_parameters(m, "fake").values())
+    # what peft adds per targeted nn.Linear (lora_A: r x in, lora_B: out x r), matched as add_rcm_adapters does;
+    # counted here instead of calling peft, which would allocate the adapters for real (GBs for 14B)
+    targets = default_lora_targets(m)
+    lora = sum(lora_rank * (mod.in_features + mod.out_features) for name, mod in m.named_modules()
+               if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    return base, lora, lora
 
 
-def _block_bytes(c: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
-    mb = DTYPE_BYTES[s.weight_dtype]
-    per_tok = mb * (c["md_D"] * s.dim + c["md_F"] * s.ffn_dim) + 4 * c["f32_D"] * s.dim
-    per_txt = mb * c["txt_md_D"] * s.dim + 4 * c["txt_f32_D"] * s.dim
-    return s.batch * (tokens * per_tok + text_tokens * per_txt)
+def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
+    c = coeffs["float32" if s.weight_dtype == "float32" else "bfloat16"]
+    return s.batch * (tokens * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim) + text_tokens * c["txt_D"] * s.dim
+                      + c.get("layer_D", 0.0) * s.dim)  # layer_D: per-block float32 modulation, independent of tokens
 
 
 def activation_bytes(s: TrainSetup) -> tuple[float, float]:

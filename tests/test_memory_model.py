@@ -44,7 +44,8 @@ def _measure(arch, dtype, case):
                 "txt_ids": torch.zeros(case["text"], 3), "img_ids": _flux_img_ids(hw, hw), "guidance": torch.full((1,), 3.5)}
         tokens = hw * hw // 4
     v = velocity_fn(m)
-    with nets.role("student"):
+    # bf16: bf16 weights under bf16 autocast, as mixed_precision bf16 runs (the shipped configs)
+    with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         measured = saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
     setup = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=case["text"], lora_rank=4,
                                    weight_dtype=str(dtype).split(".")[-1], gradient_checkpointing=False)
