@@ -57,8 +57,13 @@ def add_rcm_adapters(transformer, rank: int, alpha: float | None, target_modules
     if with_fake:
         fr = fake_rank or rank
         configs["fake"] = LoraConfig(r=fr, lora_alpha=(alpha or rank) * fr / rank, target_modules=targets, init_lora_weights=True)
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
     for name, cfg in configs.items():
         transformer.add_adapter(cfg, adapter_name=name)
+        # float32 adapters on a bf16/fp16 base (peft's autocast_adapter_dtype; diffusers' add_adapter skips it):
+        # in bf16 an AdamW step of lr 1e-5 on a weight of 1e-2 rounds away (spacing 6e-5), so LoRA would stop learning
+        cast_adapter_dtype(transformer, name, autocast_adapter_dtype=True)
     for name in configs:
         for p in lora_parameters(transformer, name).values():
             p.requires_grad_(True)

@@ -193,6 +193,10 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
         if family == "wan_i2v":
             cond["condition"] = md(batch["condition"])
             if "image_embeds" in batch:
+                n_txt = batch["prompt_embeds"].shape[1]
+                if n_txt != 512:  # diffusers' Wan I2V attention takes the last 512 context tokens as text
+                    raise ValueError(f"Wan I2V with image embeddings needs prompt_embeds of exactly 512 tokens (the WanPipeline "
+                                     f"padding), got {n_txt}: re-run training/prepare_data.py with --max_sequence_length 512")
                 cond["encoder_hidden_states_image"] = md(batch["image_embeds"])
         uncond = None if neg is None else {**cond, "encoder_hidden_states": md(neg)}
         return x0, cond, uncond

@@ -55,9 +55,18 @@ def _base_model(transformer):
     return m
 
 
+def model_class_name(transformer) -> str:
+    """Class name of the diffusers model under any wrapper, FSDP2's dynamic ``FSDP<Class>`` subclass included."""
+    cls = type(_base_model(transformer))
+    for c in cls.__mro__:
+        if not c.__module__.startswith("torch.distributed"):
+            return c.__name__
+    return cls.__name__
+
+
 def timestep_scale(transformer) -> float:
     """The factor between RF time ``r`` and the transformer's ``timestep`` argument."""
-    name = type(_base_model(transformer)).__name__
+    name = model_class_name(transformer)
     if name not in TIMESTEP_SCALE:
         raise ValueError(
             f"unsupported transformer class {name!r}; supported: {sorted(TIMESTEP_SCALE)}. "
@@ -79,7 +88,7 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
     scale = timestep_scale(transformer)
     if time_input not in TIME_INPUTS:
         raise ValueError(f"time_input must be one of {TIME_INPUTS}, got {time_input!r}")
-    name = type(_base_model(transformer)).__name__
+    name = model_class_name(transformer)
 
     if name.startswith("Wan"):
 

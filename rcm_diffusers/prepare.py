@@ -177,7 +177,10 @@ class PipelineEncoder:
                  device="cpu", dtype=torch.float32):
         self.pipe, self.family, self.device, self.dtype = pipe, family_of(pipe), torch.device(device), dtype
         self.height, self.width, self.num_frames = height, width, num_frames
-        self.max_sequence_length = max_sequence_length or (512 if self.family == "flux" else 226)
+        # 512 for both: what WanPipeline/FluxPipeline.__call__ pad prompts to at inference (encode_prompt's own
+        # default of 226 would train on other padding than the pipeline samples with, and breaks the Wan I2V
+        # split that takes the last 512 context tokens as text)
+        self.max_sequence_length = max_sequence_length or 512
         vae = pipe.vae
         if self.family == "flux":
             self.sf = 2 ** (len(vae.config.block_out_channels) - 1)

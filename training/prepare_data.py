@@ -44,7 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--caption_ext", default=".txt", help="caption file extension next to each media file in a folder source")
     ap.add_argument("--negative_prompt", default=None, help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux)")
     ap.add_argument("--no_negative_prompt", action="store_true", help="store no negative embeddings (the trainer's teacher then runs without CFG)")
-    ap.add_argument("--max_sequence_length", type=int, default=0, help="text tokens (0 = pipeline default: Wan 226 (use 512 for Wan 2.x official), Flux 512)")
+    ap.add_argument("--max_sequence_length", type=int, default=0, help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling)")
     ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (SPEC §8: 100)")
     ap.add_argument("--shift", type=float, default=3.0, help="--synthetic: flow shift of the teacher grid (SPEC §8: 3)")
     ap.add_argument("--guidance_scale", type=float, default=5.0, help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (SPEC §8: 5); 1 = no CFG")

@@ -27,6 +27,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedDataParallelKwargs  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+from rcm_diffusers import fsdp as FS  # noqa: E402
 from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers import trainer as T  # noqa: E402
 from rcm_diffusers.adapters import Networks  # noqa: E402
@@ -52,6 +53,7 @@ def main(argv=None):
                          f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
                          f"--shift {cfg.synthetic_shift} --height H --width W [--num_frames F] --output_dir DIR\n"
                          "then train with --data_dir DIR (and without --synthetic)")
+    fsdp = FS.take_fsdp_request()  # an FSDP2 accelerate config: the trainer shards the frozen base itself (rcm_diffusers.fsdp)
     accelerator = Accelerator(
         # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
         cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
@@ -90,6 +92,10 @@ def main(argv=None):
             raise SystemExit(f"fd_type {cfg.fd_type} needs rcm_diffusers.attention.enable_jvp_attention ({e}); use --fd_type 2") from e
         for m in {id(m): m for m in nets.modules.values()}.values():
             enable_jvp_attention(m)
+    if fsdp:
+        if cfg.mode != "shared":
+            raise SystemExit("FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP (training/accelerate/ddp_8gpu.yaml)")
+        FS.shard_frozen_base(transformer, **fsdp)
 
     # ---- optimizers: separate for student and fake score (SPEC §4.4)
     def adamw(params, lr):
@@ -99,10 +105,12 @@ def main(argv=None):
     opts = {r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr) for r in roles}
     scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, T.lr_warmup_lambda(cfg.lr_warmup_steps)) for r, o in opts.items()}
     names = list(trainable)
-    prepared = accelerator.prepare(*[trainable[n] for n in names], *[opts[r] for r in roles], *[scheds[r] for r in roles])
-    nets.replace_modules(dict(zip(names, prepared[: len(names)])))
-    opts = dict(zip(roles, prepared[len(names): len(names) + len(roles)]))
-    scheds = dict(zip(roles, prepared[len(names) + len(roles):]))
+    wrap = [] if fsdp else names  # FSDP2: sharded above; accelerate must not add a DDP wrapper
+    prepared = accelerator.prepare(*[trainable[n] for n in wrap], *[opts[r] for r in roles], *[scheds[r] for r in roles])
+    prepared_modules = {**trainable, **dict(zip(wrap, prepared[: len(wrap)]))}
+    nets.replace_modules(prepared_modules)
+    opts = dict(zip(roles, prepared[len(wrap): len(wrap) + len(roles)]))
+    scheds = dict(zip(roles, prepared[len(wrap) + len(roles):]))
     sync_module = {r: nets.modules[r] for r in roles}
     params = {r: list(nets.trainable_parameters(r).values()) for r in roles}
 
@@ -110,7 +118,7 @@ def main(argv=None):
     # trainable weights only (no frozen base)
     state = T.TrainState()
     ema = PowerEMA(nets.trainable_parameters("student"), s=cfg.ema_rate) if cfg.ema_rate > 0 else None
-    checkpointer = Checkpointer(accelerator, (list(prepared[: len(names)]), names),
+    checkpointer = Checkpointer(accelerator, ([prepared_modules[n] for n in names], names),
                                 {r: (opts[r], nets.trainable_parameters(r)) for r in roles}, scheds, state, ema)
     state.init_checksum = R.param_checksum(nets.trainable_parameters("student"))
     if ckpt:
@@ -136,7 +144,8 @@ def main(argv=None):
         session = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "resumed_from": ckpt,
                    "start_step": state.step, "changed_on_resume": changed, "world_size": world}
         T.env_snapshot(env_path, cfg, {"world_size": world, "resumed_from": ckpt, "seed": cfg.seed, "device": str(device),
-                                       "changed_on_resume": changed, "sessions": R.env_sessions(env_path, session, ckpt is None)})
+                                       "changed_on_resume": changed, "fsdp": fsdp,
+                                       "sessions": R.env_sessions(env_path, session, ckpt is None)})
     if cfg.report_to != "none":
         accelerator.init_trackers("rcm", config={k: str(v) for k, v in vars(cfg).items()})
     metrics = T.MetricsWriter(os.path.join(cfg.output_dir, "metrics.jsonl"), state.step, accelerator.is_main_process)
@@ -166,6 +175,8 @@ def main(argv=None):
         else:
             logs = T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device)
 
+        if fsdp:  # adapters are replicated, not sharded: average their gradients as DDP would
+            FS.all_reduce_grads(params[role])
         # clip, guard, step
         if cfg.max_grad_norm > 0:
             norm = float(accelerator.clip_grad_norm_(params[role], cfg.max_grad_norm))

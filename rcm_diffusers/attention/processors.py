@@ -73,6 +73,10 @@ class WanJVPAttnProcessor(_JVPAttend):
         context_img = None
         if attn.add_k_proj is not None:  # I2V: split image tokens off the front of the context
             n_img = encoder_hidden_states.shape[1] - WAN_TEXT_TOKENS
+            if n_img <= 0:  # the stock processor would silently take text tokens for image tokens
+                raise ValueError(f"Wan I2V attention takes the last {WAN_TEXT_TOKENS} context tokens as text and the ones before as "
+                                 f"image tokens (as diffusers' WanAttnProcessor), but the context has {encoder_hidden_states.shape[1]} "
+                                 f"tokens: encode prompts padded to max_sequence_length={WAN_TEXT_TOKENS} (the WanPipeline default)")
             context_img = encoder_hidden_states[:, :n_img]
             encoder_hidden_states = encoder_hidden_states[:, n_img:]
 

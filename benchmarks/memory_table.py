@@ -1,0 +1,54 @@
+"""The memory-model table of docs/benchmarks.md ("Memory model"): rcm_diffusers.memory.predict_training for
+Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert), FLUX.1-dev at their training shapes, LoRA vs full three-network mode,
+and the batch x LoRA-rank dependence for Wan2.1-14B 480p. Prints markdown; CPU, seconds.
+
+    python benchmarks/memory_table.py
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rcm_diffusers.memory import GiB, TrainSetup, fits, predict_training  # noqa: E402
+
+
+def g(x) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def main() -> None:
+    rows = [("Wan2.1-T2V-1.3B", "wan2.1-t2v-1.3b", "480p x 81", 21*30*52, 512),
+            ("Wan2.1-T2V-14B", "wan2.1-t2v-14b", "480p x 81", 21*30*52, 512),
+            ("Wan2.1-T2V-14B", "wan2.1-t2v-14b", "720p x 81", 21*45*80, 512),
+            ("Wan2.2-I2V-A14B (one expert per run)", "wan2.2-i2v-a14b", "720p x 81", 21*45*80, 512),
+            ("FLUX.1-dev", "flux.1-dev", "1024 x 1024", 64*64, 512)]
+    print("| model | shape (tokens) | mode | weights | trainable + grads + AdamW + EMA | activations (GC on / off) | JVP | total GC on (off), GiB | 8-GPU FSDP2 per rank (GC on) | H200 141 GB | 80 GB | 24 GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, arch, res, tok, txt in rows:
+        for mode in ("shared", "full"):
+            s = TrainSetup.from_arch(arch, tokens=tok, text_tokens=txt, lora_rank=64, mode=mode, gradient_checkpointing=True)
+            on = predict_training(s)
+            s.gradient_checkpointing = False
+            off = predict_training(s)
+            tr = on["trainable"] + on["grads"] + on["optimizer"] + on["ema"]
+            if mode == "shared":
+                per8 = on["total"] - on["weights"] * 7 / 8
+            else:  # official: everything sharded
+                per8 = on["total"] - (on["weights"] + tr) * 7 / 8
+            f = fits(on["total"])
+            yes = lambda b: "yes" if b else "no"
+            print(f"| {label} | {res} ({tok}) | {'LoRA r64, shared base' if mode=='shared' else 'full, 3 networks'} | {g(on['weights'])} | {g(tr)} | {g(on['activations'])} / {g(off['activations'])} | {g(on['jvp'])} | {g(on['total'])} ({g(off['total'])}) | {g(per8)} | {yes(f['H200 (141 GB)'])} | {yes(f['80 GB (A100/H100)'])} | {yes(f['24 GB (RTX 4090)'])} |")
+    print()
+    print("| Wan2.1-T2V-14B 480p x 81, shared LoRA, GC on | rank 16 | rank 64 | rank 256 |")
+    print("|---|---|---|---|")
+    for b in (1, 2, 4):
+        cells = []
+        for r in (16, 64, 256):
+            s = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=21*30*52, text_tokens=512, lora_rank=r, batch=b)
+            cells.append(g(predict_training(s)["total"]))
+        print(f"| batch {b} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Memory model of rCM training (SPEC §4, §6): how many bytes a configuration needs, part by part.
+
+``predict_training(TrainSetup(...))`` returns, in bytes and GiB:
+
+* ``weights``: the frozen base (teacher; also the shared base of student and fake in LoRA mode),
+  ``n_params x bytes(weight_dtype)``;
+* ``trainable``: LoRA adapters (student + fake score, float32 as peft keeps them) or, in ``full``
+  mode, the two full trainable copies (float32 master weights);
+* ``grads``: one role's gradients at a time (the trainer zeroes with ``set_to_none``);
+* ``optimizer``: AdamW's two float32 moments for student and fake score;
+* ``ema``: the float32 power-EMA shadow of the student;
+* ``activations``: what autograd saves in the one grad-enabled forward of a step (the sCM/DMD
+  student pass, or the fake-score pass), all blocks, or with gradient checkpointing the block inputs
+  plus one block's recomputed activations;
+* ``jvp``: the extra working set of the no-grad ``torch.func.jvp`` pass (fd_type 0/1): primal and
+  tangent of one block's live tensors (not saved across blocks: the JVP runs without grad);
+* ``overhead``: runtime (CUDA context or the CPU process with torch + diffusers imported).
+
+Activation coefficients (bytes saved per token per block, in units of the model width ``D`` and
+the feed-forward width ``F``) were counted with ``torch.autograd.graph.saved_tensors_hooks`` on the
+real diffusers Wan / Flux blocks at small sizes (``saved_activation_bytes``); tests validate them on
+held-out sizes, and ``benchmarks/real_arch.py`` against peak RSS at the real width.
+Parameter counts are exact (the architecture built on the meta device, adapters added by peft).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+__all__ = ["TrainSetup", "predict_training", "saved_activation_bytes", "DEVICES", "fits", "ACT_COEFFS"]
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+#: bytes autograd saves per block, per image/video token: ``per_D * D + per_F * F``, plus ``txt_D * D`` per text
+#: token (Wan cross-attention K/V). Keyed by weight dtype; bfloat16 means bf16 weights under bf16 autocast
+#: (``mixed_precision: bf16``, as the shipped configs) with float32 LoRA adapters. Counted on diffusers 0.42
+#: blocks with ``saved_activation_bytes`` at D 128/256/512, F 1024/8960/17920, 32/64 tokens, 16/64 text tokens.
+ACT_COEFFS = {
+    # Wan block: self-attn (norm, q/k/v, RMSNorm, RoPE, SDPA), cross-attn, FFN (GELU in and out: 2 F);
+    # norm1/norm3 and the modulation run in float32 (diffusers keeps them in float32)
+    "wan": {"float32": {"per_D": 62.7, "per_F": 8.0, "txt_D": 14.14}, "bfloat16": {"per_D": 33.95, "per_F": 4.5, "txt_D": 12.08, "layer_D": 669.0}},
+    # Flux double block (both streams, per token of either) and single block (concatenated tokens), F = 4 D
+    "flux_double": {"float32": {"per_D": 74.5, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 56.3, "per_F": 0.0, "txt_D": 0.0}},
+    "flux_single": {"float32": {"per_D": 70.9, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 49.8, "per_F": 0.0, "txt_D": 0.0}},
+}
+
+#: device name -> usable bytes
+DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "24 GB (RTX 4090)": 24e9}
+
+
+@dataclasses.dataclass
+class TrainSetup:
+    """One training configuration (per process, before any sharding)."""
+
+    family: str  # "wan" | "flux"
+    dim: int  # model width D = heads * head_dim
+    ffn_dim: int
+    num_layers: int  # Wan blocks / Flux double blocks
+    num_single_layers: int  # Flux single blocks (0 for Wan)
+    params: int  # frozen base parameters
+    lora_params_student: int
+    lora_params_fake: int
+    tokens: int  # image/video tokens per sample
+    text_tokens: int
+    batch: int = 1
+    weight_dtype: str = "bfloat16"
+    gradient_checkpointing: bool = True
+    fd_type: int = 0
+    mode: str = "shared"  # "shared" (LoRA on one frozen base) | "full" (three networks)
+    ema: bool = True
+    experts: int = 1  # weights resident at once (Wan2.2 A14B distils one expert per run: 1)
+
+    @classmethod
+    def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
+                    weight_dtype: str = "bfloat16", gradient_checkpointing: bool = True, fd_type: int = 0, mode: str = "shared",
+                    ema: bool = True) -> "TrainSetup":
+        """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact."""
+        flux = class_name.startswith("Flux")
+        counts = _counts(class_name, tuple(sorted((k, _hashable(v)) for k, v in config.items())), lora_rank)
+        D = config["num_attention_heads"] * config["attention_head_dim"]
+        return cls(family="flux" if flux else "wan", dim=D, ffn_dim=4 * D if flux else config["ffn_dim"],
+                   num_layers=config["num_layers"], num_single_layers=config.get("num_single_layers", 0) if flux else 0,
+                   params=counts[0], lora_params_student=counts[1], lora_params_fake=counts[2], tokens=tokens,
+                   text_tokens=text_tokens, batch=batch, weight_dtype=weight_dtype, gradient_checkpointing=gradient_checkpointing,
+                   fd_type=fd_type, mode=mode, ema=ema)
+
+    @classmethod
+    def from_arch(cls, name: str, **kw) -> "TrainSetup":
+        """``from_config`` of a shipped architecture (``rcm_diffusers/arch_configs``)."""
+        from .arch import arch_config, arch_meta
+
+        return cls.from_config(arch_config(name), arch_meta(name)["class_name"], **kw)
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(class_name: str, items: tuple, lora_rank: int) -> tuple[int, int, int]:
+    import diffusers
+
+    from .adapters import default_lora_targets
+
+    cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in items}
+    with torch.device("meta"):
+        m = getattr(diffusers, class_name)(**cfg)
+    base = sum(p.numel() for p in m.parameters())
+    # what peft adds per targeted nn.Linear (lora_A: r x in, lora_B: out x r), matched as add_rcm_adapters does;
+    # counted here instead of calling peft, which would allocate the adapters for real (GBs for 14B)
+    targets = default_lora_targets(m)
+    lora = sum(lora_rank * (mod.in_features + mod.out_features) for name, mod in m.named_modules()
+               if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    return base, lora, lora
+
+
+def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
+    c = coeffs["float32" if s.weight_dtype == "float32" else "bfloat16"]
+    return s.batch * (tokens * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim) + text_tokens * c["txt_D"] * s.dim
+                      + c.get("layer_D", 0.0) * s.dim)  # layer_D: per-block float32 modulation, independent of tokens
+
+
+def activation_bytes(s: TrainSetup) -> tuple[float, float]:
+    """``(saved, one_block)``: bytes autograd saves in one grad-enabled forward, and the largest
+    single block's share (the recompute working set under gradient checkpointing)."""
+    if s.family == "wan":
+        blocks = [(ACT_COEFFS["wan"], s.tokens, s.text_tokens)] * s.num_layers
+    else:
+        n = s.tokens + s.text_tokens  # both streams (double) / concatenated (single)
+        blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [(ACT_COEFFS["flux_single"], n, 0)] * s.num_single_layers
+    sizes = [_block_bytes(c, s, t, tt) for c, t, tt in blocks]
+    one = max(sizes) if sizes else 0.0
+    if not s.gradient_checkpointing:
+        return float(sum(sizes)), one
+    mb = DTYPE_BYTES[s.weight_dtype]
+    n_tok = s.tokens + (s.text_tokens if s.family == "flux" else 0)
+    inputs = len(sizes) * s.batch * n_tok * s.dim * mb  # each block's input hidden states
+    return float(inputs + one), one
+
+
+def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
+    """Bytes per process of one rCM training step of setup ``s`` (see the module docstring for the
+    parts); ``total_gib`` is their sum. ``device`` picks the runtime overhead (``cuda`` | ``cpu``)."""
+    wb = DTYPE_BYTES[s.weight_dtype]
+    out = {"weights": s.params * wb * s.experts}
+    if s.mode == "shared":
+        stu, fake = s.lora_params_student, s.lora_params_fake
+    elif s.mode == "full":
+        stu = fake = s.params
+    else:
+        raise ValueError(f"mode must be 'shared' or 'full', got {s.mode!r}")
+    out["trainable"] = 4 * (stu + fake)
+    out["grads"] = 4 * max(stu, fake)
+    out["optimizer"] = 8 * (stu + fake)
+    out["ema"] = 4 * stu if s.ema else 0
+    saved, one = activation_bytes(s)
+    out["activations"] = saved
+    out["jvp"] = 2 * one if s.fd_type in (0, 1) else 0.0
+    out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
+    total = sum(out.values())
+    res = {k: float(v) for k, v in out.items()}
+    res["total"] = float(total)
+    res["total_gib"] = total / GiB
+    return res
+
+
+def fits(total_bytes: float, margin: float = 0.9) -> dict[str, bool]:
+    """Whether ``total_bytes`` fits in ``margin`` x each device of ``DEVICES`` (allocator slack)."""
+    return {name: total_bytes <= margin * cap for name, cap in DEVICES.items()}
+
+
+def saved_activation_bytes(fn, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves while running ``fn()`` (parameters in
+    ``exclude`` not counted): the measurement the activation coefficients come from."""
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return int(sum(seen.values()))

@@ -1,0 +1,99 @@
+"""The memory model (rcm_diffusers/memory.py) against measurements at small sizes.
+
+Static parts (LoRA, AdamW moments, EMA, base weights) must be exact: they are counted from the
+tensors the trainer builds. Activations: the model's per-token coefficients were counted on other
+sizes (see ACT_COEFFS); here they must predict what autograd saves (``saved_tensors_hooks``) in one
+student forward on held-out widths, depths, token and text counts, to within 15 %.
+"""
+
+import pytest
+import torch
+
+from rcm_diffusers.adapters import Networks
+from rcm_diffusers.arch import build_transformer
+from rcm_diffusers.data import _flux_img_ids
+from rcm_diffusers.ema import PowerEMA
+from rcm_diffusers.memory import TrainSetup, activation_bytes, fits, predict_training, saved_activation_bytes
+from rcm_diffusers.models import velocity_fn
+
+WAN_CASES = [  # held out: none of these sizes was used to fit ACT_COEFFS (D 256, F 8960/17920, S 32/64, L 16/64)
+    dict(overrides=dict(num_layers=3, num_attention_heads=3, ffn_dim=1024), frames=3, hw=8, text=40),
+    dict(overrides=dict(num_layers=2, num_attention_heads=1, ffn_dim=4096), frames=2, hw=12, text=100),
+]
+FLUX_CASES = [dict(overrides=dict(num_layers=2, num_single_layers=1, num_attention_heads=3), hw=12, text=24)]
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure(arch, dtype, case):
+    m = build_transformer(arch, dtype=dtype, **case["overrides"])
+    nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=4)
+    cfg = m.config
+    g = torch.Generator().manual_seed(0)
+    if arch.startswith("wan"):
+        x = torch.randn(1, cfg.in_channels, case["frames"], case["hw"], case["hw"], generator=g).to(dtype)
+        cond = {"encoder_hidden_states": torch.randn(1, case["text"], cfg.text_dim, generator=g).to(dtype)}
+        tokens = case["frames"] * case["hw"] ** 2 // 4
+    else:
+        hw = case["hw"]
+        x = torch.randn(1, hw * hw // 4, cfg.in_channels, generator=g).to(dtype)
+        cond = {"encoder_hidden_states": torch.randn(1, case["text"], cfg.joint_attention_dim, generator=g).to(dtype),
+                "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
+                "txt_ids": torch.zeros(case["text"], 3), "img_ids": _flux_img_ids(hw, hw), "guidance": torch.full((1,), 3.5)}
+        tokens = hw * hw // 4
+    v = velocity_fn(m)
+    # bf16: bf16 weights under bf16 autocast, as mixed_precision bf16 runs (the shipped configs)
+    with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        measured = saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
+    setup = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=case["text"], lora_rank=4,
+                                   weight_dtype=str(dtype).split(".")[-1], gradient_checkpointing=False)
+    return measured, setup, nets, m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(WAN_CASES)))
+def test_wan_activations_within_15_percent(case, dtype):
+    measured, setup, _, _ = _measure("wan2.1-t2v-1.3b", dtype, WAN_CASES[case])
+    predicted, _ = activation_bytes(setup)
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flux_activations_within_15_percent(dtype):
+    measured, setup, _, _ = _measure("flux.1-dev", dtype, FLUX_CASES[0])
+    predicted, _ = activation_bytes(setup)
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+def test_static_parts_are_exact():
+    """Weights, LoRA, AdamW moments and EMA as the trainer allocates them (after a step of each optimizer)."""
+    _, setup, nets, m = _measure("wan2.1-t2v-1.3b", torch.bfloat16, WAN_CASES[1])
+    pred = predict_training(setup)
+    frozen = [p for p in m.parameters() if not p.requires_grad]
+    lora = {r: list(nets.trainable_parameters(r).values()) for r in ("student", "fake")}
+    assert pred["weights"] == 2 * sum(p.numel() for p in frozen)  # bf16 base (float32-kept modules are counted as bf16)
+    assert abs(_nbytes(frozen) - pred["weights"]) / pred["weights"] < 0.01
+    assert pred["trainable"] == _nbytes(lora["student"] + lora["fake"])  # peft keeps adapters in float32
+    opt_bytes = 0
+    for r in ("student", "fake"):
+        opt = torch.optim.AdamW(lora[r])
+        for p in lora[r]:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt_bytes += _nbytes([v for s in opt.state.values() for k, v in s.items() if k != "step"])
+    assert pred["optimizer"] == opt_bytes
+    assert pred["ema"] == _nbytes(PowerEMA(nets.trainable_parameters("student")).shadow.values())
+    assert pred["grads"] == max(_nbytes(lora["student"]), _nbytes(lora["fake"]))
+
+
+def test_checkpointing_and_devices():
+    s = TrainSetup.from_arch("wan2.1-t2v-1.3b", tokens=32760, text_tokens=512, lora_rank=64, gradient_checkpointing=False)
+    full, _ = activation_bytes(s)
+    s.gradient_checkpointing = True
+    ckpt, one = activation_bytes(s)
+    assert ckpt < full / 10 and one < ckpt
+    assert fits(100e9) == {"H200 (141 GB)": True, "80 GB (A100/H100)": False, "24 GB (RTX 4090)": False}
+    s.mode = "full"
+    assert predict_training(s)["total"] > predict_training(TrainSetup.from_arch("wan2.1-t2v-1.3b", tokens=32760, text_tokens=512))["total"]

@@ -1,0 +1,165 @@
+"""FSDP2 as users scale out, on 2 CPU processes (gloo): ``accelerate launch --config_file
+training/accelerate/fsdp2_2cpu.yaml training/rcm.py`` on the tiny Wan in shared-base LoRA mode.
+
+accelerate builds FSDP only on GPUs (``AcceleratorState``: MULTI_CPU never becomes
+``DistributedType.FSDP``), so the trainer takes the FSDP request and shards the frozen base itself
+with ``torch.distributed.fsdp.fully_shard`` (``rcm_diffusers/fsdp.py``) -- the code path of the GPU
+config. Checked: the base is sharded, only the trainable LoRA is saved (full tensors that
+``load_lora_weights`` takes), a killed run resumes bit-exactly, and the LoRA equals a DDP run with
+the same global batch and the same per-rank noise streams.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train_helpers import REPO, _free_port, make_dataset, make_tiny_wan, run_trainer
+
+pytestmark = pytest.mark.slow
+STEPS = ["--max_steps", "4", "--checkpoint_every", "2", "--tangent_warmup", "1", "--student_update_freq", "2"]
+
+
+def launch_fsdp(args, check=True, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(_free_port()),
+           os.path.join(REPO, "training", "rcm.py"), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"FSDP trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    pipe = make_tiny_wan(str(root / "pipe"))
+    data = make_dataset(str(root / "data"), "wan")
+    base = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe, "--data_dir", data]
+    out = {"pipe": pipe}
+    out["fsdp"] = root / "fsdp"
+    launch_fsdp(base + ["--output_dir", str(out["fsdp"]), *STEPS])
+    out["ddp"] = root / "ddp"
+    run_trainer(base + ["--output_dir", str(out["ddp"]), *STEPS], num_processes=2, timeout=300)
+    # killed right after iteration 2 (the checkpoint at step 2 was written after iteration 1), then resumed
+    out["resumed"] = root / "resumed"
+    p = launch_fsdp(base + ["--output_dir", str(out["resumed"]), *STEPS, "--exit_after_step", "2"], check=False)
+    assert p.returncode != 0 and not (out["resumed"] / "final.json").exists()
+    assert sorted(os.listdir(out["resumed"] / "checkpoints")) == ["step-00000002"]
+    launch_fsdp(base + ["--output_dir", str(out["resumed"]), *STEPS, "--resume", "latest"])
+    return out
+
+
+def lora(run):
+    return load_file(str(run / "pytorch_lora_weights.safetensors"))
+
+
+def test_fsdp2_run_shards_and_saves_only_full_lora(runs):
+    env = json.load(open(runs["fsdp"] / "env.json"))
+    assert env["world_size"] == 2 and env["fsdp"] == {"layer_classes": ["WanTransformerBlock"], "reshard_after_forward": True}
+    final = json.load(open(runs["fsdp"] / "final.json"))
+    assert final["step"] == 4 and final["student_checksum_per_rank"][0] == final["student_checksum_per_rank"][1]
+    # checkpoint: trainable weights only, each at its full (unsharded) shape
+    from rcm_diffusers.adapters import add_rcm_adapters
+    from train_helpers import tiny_wan_transformer
+
+    ref = tiny_wan_transformer()
+    add_rcm_adapters(ref, 4, None, with_fake=True)
+    want = {f"shared::{k}": tuple(p.shape) for k, p in ref.named_parameters() if p.requires_grad}
+    ck = load_file(str(runs["fsdp"] / "checkpoints" / "step-00000002" / "trainable.safetensors"))
+    assert {k: tuple(v.shape) for k, v in ck.items()} == want
+    # the exported student LoRA loads into the stock pipeline
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(runs["pipe"], text_encoder=None, tokenizer=None)
+    pipe.load_lora_weights(str(runs["fsdp"]))
+    sd = lora(runs["fsdp"])
+    assert sd and all(v.dtype == torch.float32 for v in sd.values())
+    assert any(float(v.abs().max()) > 0 for k, v in sd.items() if "lora_B" in k)  # it trained
+
+
+def test_fsdp2_resume_is_bit_exact(runs):
+    a, b = lora(runs["fsdp"]), lora(runs["resumed"])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ema_a = load_file(str(runs["fsdp"] / "ema" / "pytorch_lora_weights.safetensors"))
+    ema_b = load_file(str(runs["resumed"] / "ema" / "pytorch_lora_weights.safetensors"))
+    assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
+
+
+def test_fsdp2_equals_ddp_same_global_batch(runs):
+    """Same global batch (2 ranks x batch_size 2) and per-rank noise: FSDP2 (sharded base, replicated
+    LoRA, averaged grads) and DDP must give the same LoRA up to float32 round-off. Tolerance: each AdamW
+    update is at most lr (1e-3) per weight; gradients that differ in float32 round-off (other reduction
+    orders) move it by far less than 0.1 % of that, so 4 steps x 1e-3 x lr = 4e-6. A missing or doubled
+    gradient average changes updates by O(lr) and fails."""
+    a, b = lora(runs["fsdp"]), lora(runs["ddp"])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).abs().max()) <= 4 * 1e-3 * 1e-3, k
+    assert max(float(v.abs().max()) for v in b.values()) > 1e-3  # the LoRA moved by more than the tolerance
+    ma = [json.loads(x) for x in open(runs["fsdp"] / "metrics.jsonl")]
+    mb = [json.loads(x) for x in open(runs["ddp"] / "metrics.jsonl")]
+    assert [r["net"] for r in ma] == [r["net"] for r in mb]
+    for ra, rb in zip(ma, mb):
+        for key in ("loss_scm", "loss_dmd", "loss_fake"):
+            if key in rb:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-8)
+
+
+# ----------------------------------------------------------------------------- in-process pieces
+
+
+def test_take_fsdp_request_parses_and_refuses():
+    from rcm_diffusers.fsdp import take_fsdp_request
+
+    assert take_fsdp_request({}) is None
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_TRANSFORMER_CLS_TO_WRAP": "FluxTransformerBlock,FluxSingleTransformerBlock",
+           "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "OTHER": "x"}
+    assert take_fsdp_request(env) == {"layer_classes": ["FluxTransformerBlock", "FluxSingleTransformerBlock"], "reshard_after_forward": False}
+    assert env == {"OTHER": "x"}  # accelerate must not see the FSDP request (it would wrap the model itself)
+    for bad, msg in [({"FSDP_VERSION": "1"}, "FSDP2 only"), ({"FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "offload"),
+                     ({"FSDP_VERSION": "2", "FSDP_ACTIVATION_CHECKPOINTING": "true"}, "gradient_checkpointing")]:
+        with pytest.raises(SystemExit, match=msg):
+            take_fsdp_request({"ACCELERATE_USE_FSDP": "true", **bad})
+
+
+def test_fsdp2_wrapped_transformer_keeps_its_velocity(tmp_path):
+    """FSDP2 renames the class (``FSDPWanTransformer3DModel``); ``velocity_fn`` must still find the Wan
+    timestep scale (old code: ValueError 'unsupported transformer class'), and the sharded model's output
+    equals the plain one; adapters are left unsharded (plain tensors), the base is DTensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.fsdp import all_reduce_grads, shard_frozen_base
+    from rcm_diffusers.models import velocity_fn
+    from train_helpers import tiny_wan_transformer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plain = tiny_wan_transformer()
+        Networks.build(plain, "shared", with_fake=True, lora_rank=4)
+        sharded = tiny_wan_transformer()
+        Networks.build(sharded, "shared", with_fake=True, lora_rank=4)
+        sharded.load_state_dict(plain.state_dict())
+        shard_frozen_base(sharded, ["WanTransformerBlock"])
+        assert type(sharded).__name__.startswith("FSDP")
+        assert all(isinstance(p, DTensor) != p.requires_grad for p in sharded.parameters())
+        g = torch.Generator().manual_seed(0)
+        x, ctx = torch.randn(1, 4, 1, 4, 4, generator=g), torch.randn(1, 4, 16, generator=g)
+        r = torch.tensor([0.3])
+        with torch.no_grad():
+            assert torch.equal(velocity_fn(sharded)(x, r, encoder_hidden_states=ctx), velocity_fn(plain)(x, r, encoder_hidden_states=ctx))
+        p = next(p for p in sharded.parameters() if p.requires_grad)
+        p.grad = torch.ones_like(p)
+        all_reduce_grads([p])  # world 1: unchanged
+        assert torch.equal(p.grad, torch.ones_like(p))
+    finally:
+        dist.destroy_process_group()
