@@ -6,7 +6,8 @@ JVP (``fd_type 0``) with the exact time (``time_input float``). Each variant (``
 float / bf16) reports the relative error of ``dF`` to the reference (median, 90th percentile), the cosine of its
 normalised sCM direction ``g`` (r = 1) to the reference's, and for fd_type 2 the share of samples whose two network
 calls (at ``t`` and ``t - h``) see a different bfloat16 timestep. The teacher velocity ``F_T`` of each variant sees
-the same time input as its student, as in training. One thread, CPU, a few seconds per variant.
+the same time input as its student, as in training; the first line is how much the teacher's own ``F`` moves
+when its time input is rounded. One thread, CPU, a few seconds per variant.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def main(argv=None):
 
     with torch.no_grad():
         F_T = {ti: F(ti)(x_t, t).to(F64) for ti in den}  # the teacher sees the same time input as the student
-    res, dFs = {}, {}
+    dT = (F_T["bf16"] - F_T["float"]).flatten(1).norm(dim=1) / F_T["float"].flatten(1).norm(dim=1)
+    res = {"teacher_F_bf16_vs_float": {"rel_change_median": float(dT.median()), "rel_change_p90": float(dT.quantile(0.9))}}
+    print(json.dumps(res))
+    dFs = {}
     for fd, ti in ((0, "float"), (0, "bf16"), (2, "float"), (2, "bf16")):
         _, dF = L.scm_dF(F(ti), x_t, t, F_T[ti], fd_type=fd, h=a.h)
         dFs[(fd, ti)] = dF.to(F64)
