@@ -1,4 +1,13 @@
-"""Student / fake-score alternation and effective iterations (SPEC §4.3, §4.2)."""
+"""Student / fake-score alternation and effective iterations (SPEC §4.3, §4.2).
+
+The schedule is the current official one (NVlabs/rcm ``rcm/models/t2v_model_distill_rcm.py``,
+``is_student_phase`` / ``get_effective_iteration``, since 2026-01-15): after the tangent warm-up, iteration ``i``
+trains the student when ``(i - tangent_warmup) % student_update_freq == 0``, so the first iteration after the
+warm-up is a student (sCM + DMD) step, then ``student_update_freq - 1`` fake-score steps, and so on. The first
+official release (2025-10) tested ``i % student_update_freq == 0`` instead; the two differ whenever
+``tangent_warmup`` is not a multiple of ``student_update_freq``. The fake score's effective iteration
+``i - student_eff - 1`` drives its backward-simulation length ``fake_eff % max_simulation_steps + 1``.
+"""
 
 from __future__ import annotations
 

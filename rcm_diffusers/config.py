@@ -47,7 +47,7 @@ class RCMConfig:
     synthetic_steps: int = opt(100, "teacher Euler steps for --synthetic")
     synthetic_shift: float = opt(3.0, "flow shift of the teacher grid for --synthetic")
     # objective (SPEC §3, §4)
-    guidance_scale: float = opt(6.0, "standard CFG scale s of the teacher, F_u + s (F_c - F_u); the reference's g = s - 1 (g = 5 -> s = 6)")
+    guidance_scale: float = opt(5.0, "standard CFG scale s of the teacher, F_u + s (F_c - F_u): the official rCM teacher_guidance (5); official code before 2026-02-20 wrote F_c + g (F_c - F_u), i.e. s = g + 1")
     P_mean: float = opt(-0.8, "p_G: mean of ln sigma")
     P_std: float = opt(1.6, "p_G: std of ln sigma")
     video_noise_multiplier: float = opt(0.0, "multiply p_G's sigma by this (0 = sqrt(latent frames) for video, 1 for images)")
@@ -56,8 +56,9 @@ class RCMConfig:
     fd_type: int = opt(0, "sCM derivative: 0 exact JVP, 1 JVP in x + finite difference in t, 2 finite difference (no JVP)")
     fd_h: float = opt(1e-4, "finite-difference step h (fd_type 1, 2)")
     use_dmd: bool = opt(True, "train a fake score and add the DMD term (False = sCM only)")
-    dmd_weight: float = opt(0.01, "lambda in L = L_sCM + lambda L_DMD")
-    scm_weight: float = opt(1.0, "weight of L_sCM (0 = DMD only)")
+    dmd_weight: float = opt(0.01, "weight of L_DMD in L = scm_weight L_sCM + dmd_weight L_DMD (official rCM: 1 with scm_weight 100, its loss_scale_dmd)")
+    scm_weight: float = opt(1.0, "weight of L_sCM (0 = DMD only; official rCM: 100, its loss_scale)")
+    loss_reduction: str = opt("mean", "batch reduction of the per-sample losses (student and fake score): 'mean' or 'sum' (official rCM)")
     student_update_freq: int = opt(5, "after warm-up, the student trains every this many iterations, the fake score otherwise")
     max_simulation_steps: int = opt(4, "backward simulation uses n = student_eff % this + 1 student steps")
     time_input: str = opt("bf16", "time the networks see: 'bf16' = (1000 r) rounded to bfloat16 as the official rCM code trains and samples; 'float' = exact. Sample the student with RCMScheduler(time_input=...) set the same")
@@ -68,7 +69,7 @@ class RCMConfig:
     adam_betas: list = opt([0.0, 0.999], "AdamW betas")
     adam_eps: float = opt(1e-8, "AdamW eps")
     lr_warmup_steps: int = opt(100, "linear learning-rate warm-up (in each optimizer's own steps)")
-    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off, as the official rCM grad_clip False)")
     ema_rate: float = opt(0.10, "power-EMA rate s (0 = no EMA)")
     batch_size: int = opt(1, "samples per process and iteration")
     max_steps: int = opt(1000, "total iterations (student + fake-score steps)")
@@ -106,6 +107,8 @@ class RCMConfig:
             bad("fd_type", "use 0, 1 or 2")
         if self.time_input not in TIME_INPUTS:
             bad("time_input", f"use one of {TIME_INPUTS}")
+        if self.loss_reduction not in ("mean", "sum"):
+            bad("loss_reduction", "use 'mean' or 'sum'")
         if self.weight_dtype not in ("float32", "bfloat16", "float16"):
             bad("weight_dtype", "use float32, bfloat16 or float16")
         if self.mixed_precision not in ("no", "bf16", "fp16"):

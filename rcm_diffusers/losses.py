@@ -9,9 +9,10 @@ Losses are returned **per sample** (shape ``[B]``, summed over the non-batch dim
 caller decides the batch reduction and can log per-sample NaN counts.
 
 Guidance convention. This package exposes the standard CFG scale ``s``:
-``F = F_u + s (F_c - F_u)`` (``s = 1`` is no guidance). The rCM reference code writes
-``F_c + g (F_c - F_u)``, which is the same thing with ``s = g + 1``; its ``g = 5`` is
-``guidance_scale = 6`` here (``scale_from_reference_g``).
+``F = F_u + s (F_c - F_u)`` (``s = 1`` is no guidance), the form of the current official rCM code
+(``teacher_guidance = 5``, i.e. ``s = 5``, since 2026-02-20; SPEC §4.1). Official code before that date wrote
+``F_c + g (F_c - F_u)``, the same thing with ``s = g + 1``: its ``g = 5`` was ``s = 6``
+(``scale_from_reference_g`` converts such older settings).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def scale_from_reference_g(g: float) -> float:
-    """Standard CFG scale of the reference's ``F_c + g (F_c - F_u)``: ``s = g + 1`` (SPEC §4.1)."""
+    """Standard CFG scale of the pre-2026-02-20 official form ``F_c + g (F_c - F_u)``: ``s = g + 1`` (SPEC §4.1).
+    The current official ``teacher_guidance`` is already the standard ``s`` and needs no conversion."""
     return float(g) + 1.0
 
 
@@ -101,15 +103,15 @@ def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor,
 
 def scm_g(x_t, t, F_minus, F_T, dF, r: float) -> torch.Tensor:
     """Un-normalised sCM target direction (SPEC §4.1), float64:
-    ``g = -cos t sqrt(1 - r^2 sin^2 t) (F_minus - F_T) - r (cos t sin t x_t + dF)``.
+    ``g = -cos t sqrt(1 - r^2 sin^2 t) (F_minus - F_T) - (r cos t sin t x_t + dF)``.
 
-    The warm-up ratio ``r`` scales the whole tangent term, ``dF`` included, as in the sCM paper
-    and the reference rCM code; SPEC §4.1's text puts ``r`` on ``cos t sin t x_t`` alone. The two
-    agree once the warm-up is over (``r = 1``); during it, this form ramps the tangent in from 0."""
+    The warm-up ratio ``r`` scales ``cos t sin t x_t`` only, not the student's tangent ``dF``: the form of
+    the current official code (NVlabs/rcm ``_student_scm_step``, since 2026-01-08). The older code put
+    ``r`` on the whole tangent, ``- r (cos t sin t x_t + dF)``; both agree once the warm-up is over (``r = 1``)."""
     t = _bcast(t.to(F64), x_t)
     c, s = torch.cos(t), torch.sin(t)
     F_minus, F_T, dF, x_t = (a.to(F64) for a in (F_minus, F_T, dF, x_t))
-    return -c * torch.sqrt(1.0 - (r * s) ** 2) * (F_minus - F_T) - r * (c * s * x_t + dF)
+    return -c * torch.sqrt(1.0 - (r * s) ** 2) * (F_minus - F_T) - (r * c * s * x_t + dF)
 
 
 def normalize_g(g: torch.Tensor, c: float = 0.1) -> torch.Tensor:

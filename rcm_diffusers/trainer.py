@@ -21,8 +21,8 @@ from . import losses as L
 from .alternation import StepPlan
 from .trigflow import sample_p_D, sample_p_G, trigflow_noise
 
-__all__ = ["teacher_F", "teacher_x0", "student_step", "fake_step", "TrainState", "SpikeGuard", "MetricsWriter",
-           "latest_checkpoint", "env_snapshot", "save_student_lora", "sample_student",
+__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "fake_step", "TrainState", "SpikeGuard",
+           "MetricsWriter", "latest_checkpoint", "env_snapshot", "save_student_lora", "sample_student",
            "lr_warmup_lambda"]
 
 F64 = torch.float64
@@ -53,8 +53,19 @@ def teacher_x0(nets, x_t, t, cond, uncond, guidance_scale: float):
 # ----------------------------------------------------------------------------- steps
 
 
+def batch_reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-sample losses ``[B]`` to the scalar that is back-propagated: ``"mean"`` (ours) or ``"sum"``
+    (the official rCM trainer, ``loss.sum()`` over the per-sample losses)."""
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.mean()
+    raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
 def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0):
-    """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (SPEC §4.1, §4.2).
+    """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (SPEC §4.1, §4.2), each
+    per-sample loss reduced over the batch by ``cfg.loss_reduction`` (``batch_reduce``).
 
     ``backward(loss, last)`` back-propagates one term (``last`` marks the one that must
     synchronise gradients across processes); the DMD term goes first so each grad-enabled
@@ -72,7 +83,7 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
             x0_fake = nets.x0("fake", x_t, t_D, cond)
             x0_teach = teacher_x0(nets, x_t, t_D, cond, uncond, cfg.guidance_scale)
         l_dmd, info = L.dmd_loss(G_x0, x0_fake, x0_teach)
-        backward(cfg.dmd_weight * l_dmd.mean(), last=cfg.scm_weight == 0)
+        backward(cfg.dmd_weight * batch_reduce(l_dmd, cfg.loss_reduction), last=cfg.scm_weight == 0)
         logs.update(loss_dmd=float(l_dmd.detach().mean()), nan_dmd=info["nan"], dmd_w=info["w"], n_sim=plan.n_sim)
     if cfg.scm_weight > 0:
         t = sample_p_G(B, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=dev)
@@ -81,13 +92,14 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
         F_T = teacher_F(nets, x_t, t, cond, uncond, cfg.guidance_scale)
         l_scm, info = L.scm_loss(nets.F_fn("student", cond), x_t, t, F_T, step=plan.student_eff,
                                  tangent_warmup=cfg.tangent_warmup, fd_type=cfg.fd_type, h=cfg.fd_h)
-        backward(cfg.scm_weight * l_scm.mean(), last=True)
+        backward(cfg.scm_weight * batch_reduce(l_scm, cfg.loss_reduction), last=True)
         logs.update(loss_scm=float(l_scm.detach().mean()), nan_scm=info["nan"], g_norm=info["g_norm"], warmup_r=info["r"])
     return logs
 
 
 def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, device):
-    """One fake-score iteration: flow matching on a detached student sample (SPEC §4.3)."""
+    """One fake-score iteration: flow matching on a detached student sample (SPEC §4.3), reduced over the
+    batch by ``cfg.loss_reduction`` like the student's terms."""
     B = x0_shape[0]
     n = plan.fake_eff % cfg.max_simulation_steps + 1
     with torch.no_grad():
@@ -96,7 +108,7 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
     t = sample_p_D(B, cfg.p_D_shift, generator=generator, device=device)
     eps = torch.randn(x0_shape, dtype=F64, generator=generator, device=device)
     loss, info = L.fake_score_loss(nets.F_fn("fake", cond), G_x0, t, eps)
-    backward(loss.mean(), last=True)
+    backward(batch_reduce(loss, cfg.loss_reduction), last=True)
     return {"loss_fake": float(loss.detach().mean()), "nan_fake": info["nan"], "n_sim": n}
 
 

@@ -56,3 +56,18 @@ def test_alternation_table():
     # no fake score: every iteration is a student step, no DMD
     assert all(plan_step(i, 3, 5, 4, has_fake=False).student for i in range(10))
     assert not any(plan_step(i, 3, 5, 4, has_fake=False).dmd for i in range(10))
+
+
+def test_alternation_matches_official_rule():
+    """Against the rule of the current official code, written out here (NVlabs/rcm
+    rcm/models/t2v_model_distill_rcm.py ``is_student_phase``, ``get_effective_iteration``,
+    ``get_effective_iteration_fake``, since 2026-01-15), over warm-ups that are and are not multiples of the
+    frequency; the first release's ``i % freq == 0`` differs for warm-up 3 / freq 5 (iteration 3 is a student step)."""
+    for warmup in (0, 3, 10, 12):
+        for freq in (1, 5, 10):
+            for i in range(60):
+                student = i < warmup or (i - warmup) % freq == 0
+                eff = i if i < warmup else warmup + (i - warmup) // freq
+                p = plan_step(i, warmup, freq, 4)
+                assert (p.student, p.student_eff, p.fake_eff, p.n_sim) == (student, eff, i - eff - 1, eff % 4 + 1)
+    assert plan_step(3, 3, 5, 4).student and 3 % 5 != 0

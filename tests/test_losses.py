@@ -34,12 +34,13 @@ def np_dF(W, b, x, t, dx, dt):  # exact directional derivative of np_F
 
 
 def ref_g(W, b, x, t, F_T, r):
-    """SPEC §4.1 written out per sample in numpy."""
+    """SPEC §4.1 written out per sample in numpy, in the form of the current official code
+    (NVlabs/rcm rcm/models/t2v_model_distill_rcm.py, ``_student_scm_step``, since commit f9b7be9 of 2026-01-08):
+    ``g = -cos t sqrt(1 - r^2 sin^2 t) (F - F_T) - (r cos t sin t x_t + cos t sin t dF/dt)``."""
     cs = math.cos(t) * math.sin(t)
     Fm = np_F(W, b, x, t)
     dF = np_dF(W, b, x, t, cs * F_T, cs)
-    # r scales the whole tangent term (sCM paper, reference rCM code); see losses.scm_g
-    return -math.cos(t) * math.sqrt(1 - r**2 * math.sin(t) ** 2) * (Fm - F_T) - r * (cs * x + dF)
+    return -math.cos(t) * math.sqrt(1 - r**2 * math.sin(t) ** 2) * (Fm - F_T) - (r * cs * x + dF)
 
 
 @pytest.fixture
@@ -106,16 +107,22 @@ def test_warmup_changes_target(case):
     assert (l0 - l1).abs().max() > 1e-3
 
 
-def test_warmup_start_has_no_tangent_term():
-    """At r = 0 the target is the plain consistency direction -cos t (F_minus - F_T), whatever dF is."""
+def test_warmup_ramps_only_the_x_term():
+    """r = 0: ``-cos t (F_minus - F_T) - dF`` (the student's tangent is never switched off); r = 1: the full
+    sCM direction. The older form ``- r (cos t sin t x_t + dF)`` dropped dF at r = 0 and fails the first check."""
     g = torch.Generator().manual_seed(0)
     x, Fm, FT, dF = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(4))
     t = torch.tensor([0.3, 0.9, 1.4], dtype=torch.float64)
+    c, cs = torch.cos(t)[:, None], (torch.cos(t) * torch.sin(t))[:, None]
     out = L.scm_g(x, t, Fm, FT, dF, r=0.0)
-    assert torch.allclose(out, -torch.cos(t)[:, None] * (Fm - FT), atol=1e-14)
+    assert torch.allclose(out, -c * (Fm - FT) - dF, atol=1e-14)
     full = L.scm_g(x, t, Fm, FT, dF, r=1.0)
-    cs = (torch.cos(t) * torch.sin(t))[:, None]
-    assert torch.allclose(full, -torch.cos(t)[:, None] ** 2 * (Fm - FT) - (cs * x + dF), atol=1e-14)
+    assert torch.allclose(full, -c**2 * (Fm - FT) - (cs * x + dF), atol=1e-14)
+    half = L.scm_g(x, t, Fm, FT, dF, r=0.5)
+    s2 = torch.sin(t)[:, None] ** 2
+    assert torch.allclose(half, -c * torch.sqrt(1 - 0.25 * s2) * (Fm - FT) - (0.5 * cs * x + dF), atol=1e-14)
+    old = -c * torch.sqrt(1 - 0.25 * s2) * (Fm - FT) - 0.5 * (cs * x + dF)
+    assert (half - old).abs().max() > 0.1  # the two forms really differ mid-warm-up
 
 
 def test_normalisation_per_sample_float64():
@@ -142,13 +149,19 @@ def test_nan_sample_is_masked_others_unchanged(case):
     assert torch.isfinite(net.W.grad).all() and torch.isfinite(net.b.grad).all()
 
 
-def test_guidance_mapping():
-    c, u = torch.tensor([2.0]), torch.tensor([1.0])
+def test_guidance_is_standard_cfg():
+    """``guided`` is the current official CFG ``F_u + s (F_c - F_u)`` (NVlabs/rcm ``_student_scm_step`` /
+    ``_student_dmd_step`` since commit 4f45bdf of 2026-02-20, ``teacher_guidance = 5``): s = 5 is the official
+    setting, no conversion. ``scale_from_reference_g`` converts the older code's ``F_c + g (F_c - F_u)``."""
+    c, u = torch.tensor([2.0, -1.0], dtype=torch.float64), torch.tensor([1.0, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(L.guided(c, u, 5.0), u + 5.0 * (c - u), rtol=0, atol=0)
+    torch.testing.assert_close(L.guided(c, u, 5.0), torch.tensor([6.0, -7.0], dtype=torch.float64), rtol=0, atol=0)
+    assert L.guided(c, u, 1.0) is c
+    assert L.guided(c, None, 5.0) is c
+    # the pre-2026-02-20 form with g = 5 is the standard scale 6
     assert L.scale_from_reference_g(5) == 6.0
-    # reference convention F_c + g (F_c - F_u) equals standard u + s (c - u) with s = g + 1
     g = 5.0
     torch.testing.assert_close(L.guided(c, u, L.scale_from_reference_g(g)), c + g * (c - u))
-    assert L.guided(c, u, 1.0) is c
 
 
 def ref_dmd(G, xf, xt):

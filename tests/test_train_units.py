@@ -123,3 +123,61 @@ def test_fd2_approaches_fd0_on_wan(nets):
     errs = [float((L.scm_dF(F_stu, x, t, F_T, fd_type=2, h=h)[1] - dF0).abs().max()) for h in (1e-3, 1e-4)]
     scale = float(dF0.abs().max())
     assert errs[1] < errs[0] / 3 and errs[1] < 0.05 * scale, (errs, scale)
+
+
+def test_loss_scale_and_batch_reduction(nets):
+    """The official objective ``100 L_sCM + L_DMD`` summed over the batch (NVlabs/rcm trainer_distillation.py
+    ``loss_i.sum()`` over the per-sample ``loss_scale * loss_scm`` / ``loss_scale_dmd * loss_dmd`` of
+    t2v_model_distill_rcm.py) is ``100 B`` times our ``L_sCM + 0.01 L_DMD`` averaged over the batch, term by term;
+    the fake score's loss is reduced the same way. Same seeds, so the per-sample losses are the same draws."""
+    from types import SimpleNamespace
+
+    from rcm_diffusers.alternation import plan_step
+    from rcm_diffusers.trainer import batch_reduce, fake_step, student_step
+
+    n, _ = nets
+    B = 3
+    x0 = torch.randn(B, 4, 1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cond = {"encoder_hidden_states": torch.randn(B, 3, TEXT_DIM, generator=torch.Generator().manual_seed(2))}
+    base = dict(p_D_shift=5.0, guidance_scale=1.0, P_mean=-0.8, P_std=1.6, tangent_warmup=0, fd_type=2, fd_h=1e-3,
+                max_simulation_steps=2)
+    ours = SimpleNamespace(**base, scm_weight=1.0, dmd_weight=0.01, loss_reduction="mean")
+    official = SimpleNamespace(**base, scm_weight=100.0, dmd_weight=1.0, loss_reduction="sum")
+    plan = plan_step(0, 0, 2, 2)  # student step with DMD
+    fplan = plan_step(1, 0, 2, 2)  # fake-score step
+    fake_B = [p for k, p in n.trainable_parameters("fake").items() if ".lora_B." in k]
+    with torch.no_grad():
+        for p in fake_B:  # a fake score away from the teacher, so L_DMD is not 0
+            p.add_(0.05)
+    got = {}
+    for name, cfg in (("ours", ours), ("official", official)):
+        seen = []
+        logs = student_step(n, x0, cond, None, plan, cfg, torch.Generator().manual_seed(5), lambda l, last: seen.append(float(l.detach())))
+        fseen = []
+        flogs = fake_step(n, x0.shape, cond, fplan, cfg, torch.Generator().manual_seed(6), lambda l, last: fseen.append(float(l.detach())),
+                          torch.device("cpu"))
+        got[name] = (seen, logs, fseen, flogs)
+    with torch.no_grad():
+        for p in fake_B:
+            p.sub_(0.05)
+    (s_o, l_o, f_o, fl_o), (s_f, l_f, f_f, fl_f) = got["ours"], got["official"]
+    assert l_o["loss_dmd"] == pytest.approx(l_f["loss_dmd"], rel=1e-12) and l_o["loss_scm"] == pytest.approx(l_f["loss_scm"], rel=1e-12)
+    # backward order: DMD first, then sCM (trainer.student_step)
+    assert s_o == pytest.approx([0.01 * l_o["loss_dmd"], l_o["loss_scm"]], rel=1e-12)
+    assert s_f == pytest.approx([B * l_o["loss_dmd"], 100 * B * l_o["loss_scm"]], rel=1e-12)
+    assert min(s_o) > 0
+    assert [f / o for f, o in zip(s_f, s_o)] == pytest.approx([100 * B, 100 * B], rel=1e-12)
+    assert f_o == pytest.approx([fl_o["loss_fake"]], rel=1e-12) and f_f == pytest.approx([B * fl_o["loss_fake"]], rel=1e-12)
+    assert float(batch_reduce(torch.tensor([1.0, 2.0, 6.0]), "sum")) == 9.0
+    assert float(batch_reduce(torch.tensor([1.0, 2.0, 6.0]), "mean")) == 3.0
+    with pytest.raises(ValueError, match="loss_reduction"):
+        batch_reduce(torch.ones(2), "max")
+
+
+def test_loss_reduction_option_validated(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("pretrained: p\ndata_dir: d\n")
+    assert load_config(["--config", str(y)]).loss_reduction == "mean"
+    assert load_config(["--config", str(y), "--loss_reduction", "sum"]).loss_reduction == "sum"
+    with pytest.raises(ValueError, match="loss_reduction"):
+        load_config(["--config", str(y), "--loss_reduction", "median"])

@@ -1,0 +1,94 @@
+"""Digits rCM sweep: train one student per variant, then FD ratios to the 50-step teacher (issue 13).
+
+    python benchmarks/digits_sweep.py --name base --out outputs/sweep -- --max_steps 2500 --seed 0
+    python benchmarks/digits_sweep.py --name base --out outputs/sweep --eval_only
+
+Everything after ``--`` goes to ``training/rcm.py`` (on top of ``training/configs/digits.yaml``); the run trains
+into ``OUT/NAME`` (skipped when its ``final.json`` exists) with one torch thread and its log in ``OUT/NAME/train.log``.
+Evaluation: the EMA and live LoRA, ``RCMScheduler`` at 1 / 2 / 4 steps (``--steps``), 1000 samples, seed 1234, the
+student sampled with the time input it was trained with (``time_input`` from the run's ``env.json``: ``bf16``
+rounds the transformer's timestep ``1000 r`` to bfloat16, as training fed it). FD to held-out real digits and its
+ratio to the 50-step Euler teacher's FD (the goals: <= 1.5x at 1 step, <= 1.3x at 2, <= 1.2x at 4); one JSON line
+per run appended to ``OUT/sweep.jsonl`` with the wall clock of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rcm_diffusers import digits as D  # noqa: E402
+
+
+def _round_time(transformer):
+    """The transformer called with its ``timestep`` rounded to bfloat16 (how ``time_input: bf16`` training fed it)."""
+    def call(x, ts, cond, return_dict=False):
+        return transformer(x, ts.to(torch.bfloat16).to(ts.dtype), cond, return_dict=return_dict)
+    return call
+
+
+def teacher_fd(ev, labels, seed: int, cache: str) -> float:
+    """FD of the 50-step Euler teacher (no CFG), cached in ``cache``."""
+    if os.path.exists(cache):
+        return json.load(open(cache))["fd"]
+    tr, emb = D.load_teacher()
+    fd = ev.evaluate(D.sample_teacher(tr, emb, labels, 50, "euler", 1.0, seed), labels)["fd"]
+    D.atomic_write_text(cache, json.dumps({"fd": fd}))
+    return fd
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", required=True, help="variant name = run directory under --out")
+    p.add_argument("--out", default="outputs/sweep", help="sweep directory")
+    p.add_argument("--steps", default="1,2,4", help="student step counts")
+    p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=1234, help="evaluation seed")
+    p.add_argument("--eval_only", action="store_true", help="evaluate an existing run")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    run = os.path.abspath(os.path.join(a.out, a.name))
+    os.makedirs(run, exist_ok=True)
+    train_s = None
+    if not a.eval_only and not os.path.exists(os.path.join(run, "final.json")):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        t0 = time.perf_counter()
+        with open(os.path.join(run, "train.log"), "w") as log:
+            subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), *train_args, "--output_dir", run,
+                            "--progress", "false", "--resume", "latest"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                           check=True)
+        train_s = time.perf_counter() - t0
+    with open(os.path.join(run, "env.json")) as f:
+        cfg = json.load(f)["config"]
+    ev = D.Evaluator()
+    labels = torch.arange(a.samples) % D.NUM_CLASSES
+    ref = teacher_fd(ev, labels, a.seed, os.path.join(os.path.abspath(a.out), f"teacher50_seed{a.seed}_n{a.samples}.json"))
+    rec = {"name": a.name, "args": train_args, "train_s": train_s, "time_input": cfg.get("time_input", "float"), "teacher_fd": ref}
+    for which, d in (("ema", os.path.join(run, "ema")), ("live", run)):
+        tr, emb = D.load_student(D.TEACHER_DIR, d)
+        if rec["time_input"] == "bf16":
+            tr = _round_time(tr)
+        for n in [int(v) for v in a.steps.split(",")]:
+            m = ev.evaluate(D.sample_student(tr, emb, labels, n, a.seed, float(cfg.get("sigma_max", 80.0))), labels)
+            rec[f"{which}_fd{n}"] = round(m["fd"], 3)
+            rec[f"{which}_ratio{n}"] = round(m["fd"] / ref, 3)
+            rec[f"{which}_acc{n}"] = round(m["accuracy"], 3)
+    with open(os.path.join(a.out, "sweep.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
+if __name__ == "__main__":
+    main()
