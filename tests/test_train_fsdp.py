@@ -50,6 +50,7 @@ def runs(tmp_path_factory):
     out["resumed"] = root / "resumed"
     p = launch_fsdp(base + ["--output_dir", str(out["resumed"]), *STEPS, "--exit_after_step", "2"], check=False)
     assert p.returncode != 0 and not (out["resumed"] / "final.json").exists()
+    assert "exit_after_step 2: hard exit" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
     assert sorted(os.listdir(out["resumed"] / "checkpoints")) == ["step-00000002"]
     launch_fsdp(base + ["--output_dir", str(out["resumed"]), *STEPS, "--resume", "latest"])
     return out
