@@ -1,99 +1,123 @@
-"""QAD on the digits problem (issue 7 §6): ``python benchmarks/qad_digits.py [--out DIR] [--steps N]``.
+"""QAD on the digits problem under the arithmetic ComfyUI runs (issue 14): ``python benchmarks/qad_digits.py [--out DIR]``.
 
-Rows, all sampled with the teacher's Euler grid (``--sample_steps`` steps, shift 1) from the same seeded noise:
-full-precision teacher with CFG s (2 NFE per step); naive post-training NVFP4 and FP8 (weights only, the
-teacher's own CFG, 2 NFE per step); QAD NVFP4 and QAD NVFP4 + block-wise warm start (``training/qad.py`` with
-``training/configs/qad-digits.yaml``, CFG folded: 1 NFE per step), reloaded from their exported checkpoints
-(dequantized NVFP4 = exactly the fake-quant forward). Columns: FD to held-out real digits, FD to the
-teacher's samples, class accuracy, NFE. ``gap recovered = (FD_ptq - FD_qad) / (FD_ptq - FD_teacher)`` on FD to real
-data, and on teacher fidelity ``1 - FDvsT_qad / FDvsT_ptq`` (the goal's measure; a seed-averaged version with its
-noise floor: ``benchmarks/qad_digits_fidelity.py``).
+Per format (``--formats``, default NVFP4 and FP8 E4M3) and training seed (``--seeds``, default 0 1 2):
+one ``training/qad.py`` run with ``training/configs/qad-digits.yaml`` and ``--target comfyui`` (NVFP4: weights +
+activations with a calibrated static ``input_scale``; FP8: weights + activations with a calibrated ``input_scale``),
+and a naive post-training quantization of the teacher under the same target and the same calibration (the QAD
+run's own starting point, no training). Both are exported and reloaded with ``quant.export.comfy_runtime_copy``
+(the forward ComfyUI runs for that file on a GPU with kernels for the format), then sampled on the teacher's Euler
+grid (``--sample_steps``, shift 1) from the same seeded noise as the fp32 teacher with CFG ``s``: seed ``1234 + k``
+for training seed ``k`` (paired: one noise per training seed). PTQ keeps the teacher's CFG (2 NFE per step), QAD has
+CFG folded (1 NFE per step). Measure: FD to the teacher's samples of the same noise (teacher fidelity) and
+``gap recovered = 1 - FD_T(QAD) / FD_T(PTQ)`` per seed; mean and sd over seeds. The noise floor of FD_T is
+reported as FD between teacher sample sets of two different noises (unpaired).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.quant.export import dequantized_copy  # noqa: E402
-from rcm_diffusers.quant.modules import quantize_transformer  # noqa: E402
+from rcm_diffusers.config import QADConfig, load_config  # noqa: E402
+from rcm_diffusers.data import LatentDataset  # noqa: E402
+from rcm_diffusers.quant import trainer as Q  # noqa: E402
+from rcm_diffusers.quant.export import comfy_runtime_copy, export_quantized  # noqa: E402
+
+CONFIG = os.path.join(REPO, "training", "configs", "qad-digits.yaml")
 
 
-def train(out: str, steps: int, warm: int) -> float:
+def run_args(out: str, fmt: str, seed: int, steps: int, warm: int, target: str) -> list[str]:
+    return ["--config", CONFIG, "--output_dir", out, "--format", fmt, "--target", target, "--seed", str(seed),
+            "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true"]
+
+
+def train(args: list[str]) -> float:
     """One ``training/qad.py`` run (one CPU process); returns its wall-clock seconds."""
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "qad.py"),
-           "--config", os.path.join(REPO, "training", "configs", "qad-digits.yaml"), "--output_dir", out,
-           "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true"]
+           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "qad.py"), *args]
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     return time.perf_counter() - t0
 
 
+def export_ptq(teacher, args: list[str], path: str) -> None:
+    """Naive PTQ: the QAD run's starting point (same student build and activation calibration), exported untrained."""
+    cfg = load_config(args, config_cls=QADConfig)
+    student, layers = Q.build_student(teacher, cfg)
+    if any(m.static_act for m in layers.values()):
+        data = LatentDataset(os.path.join(REPO, cfg.data_dir))
+        Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, "cpu", torch.float32, None),
+                    Q.training_times(cfg), cfg)
+    export_quantized(student, path, layout="diffusers", arch="wan")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="outputs/qad-digits-bench")
+    p.add_argument("--formats", nargs="+", default=["nvfp4", "fp8_e4m3"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds; sampling noise 1234 + seed")
+    p.add_argument("--target", default="comfyui", help="QAD / PTQ arithmetic (comfyui or fake)")
     p.add_argument("--steps", type=int, default=200, help="QAD iterations per run")
-    p.add_argument("--warm_start_batches", type=int, default=20)
+    p.add_argument("--warm_start_batches", type=int, default=0)
     p.add_argument("--sample_steps", type=int, default=16, help="Euler steps of every row")
     p.add_argument("--guidance_scale", type=float, default=1.5, help="CFG s of the teacher (folded into the QAD students)")
     p.add_argument("--samples", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=1234)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
-    t_train = {"qad": train(os.path.join(a.out, "qad"), a.steps, 0),
-               "qad_ws": train(os.path.join(a.out, "qad_ws"), a.steps, a.warm_start_batches)}
-
     ev = D.Evaluator()
     teacher, emb = D.load_teacher()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
-    ptq = {f: copy.deepcopy(teacher) for f in ("nvfp4", "fp8_e4m3")}
-    for f, m in ptq.items():
-        quantize_transformer(m, f)
-    s, n = a.guidance_scale, a.sample_steps
-    rows = [("teacher fp32, CFG", teacher, s, 2), ("naive PTQ NVFP4, CFG", ptq["nvfp4"], s, 2),
-            ("naive PTQ FP8, CFG", ptq["fp8_e4m3"], s, 2),
-            ("QAD NVFP4, CFG folded", dequantized_copy(teacher, os.path.join(a.out, "qad", "quantized_transformer.safetensors")), 1.0, 1),
-            ("QAD NVFP4 + warm start, CFG folded",
-             dequantized_copy(teacher, os.path.join(a.out, "qad_ws", "quantized_transformer.safetensors")), 1.0, 1)]
-    results, ref = [], None
-    for name, model, g, nfe in rows:
-        x = D.sample_teacher(model, emb, labels, n, "euler", g, a.seed)
-        m = ev.evaluate(x, labels)
-        f = ev.features(x)
-        ref = f if ref is None else ref
-        results.append({"method": name, "nfe": n * nfe, "fd": m["fd"], "fd_vs_teacher": D.frechet_distance(f, ref),
-                        "accuracy": m["accuracy"]})
-        print(results[-1], flush=True)
-    fd_t, fd_p = results[0]["fd"], results[1]["fd"]
-    for r in results[3:]:
-        r["gap_recovered"] = (fd_p - r["fd"]) / (fd_p - fd_t) if fd_p != fd_t else float("nan")
-        r["fidelity_gap_recovered"] = 1 - r["fd_vs_teacher"] / results[1]["fd_vs_teacher"]
-    lines = ["| method | NFE | FD ↓ | FD vs teacher ↓ | accuracy ↑ | NVFP4 FD gap recovered | NVFP4 fidelity gap recovered |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        gr, gf = (f"{100 * r[k]:.0f}%" if k in r else "—" for k in ("gap_recovered", "fidelity_gap_recovered"))
-        lines.append(f"| {r['method']} | {r['nfe']} | {r['fd']:.2f} | {r['fd_vs_teacher']:.3f} | {r['accuracy']:.3f} | {gr} | {gf} |")
+
+    def feats(model, g, seed):
+        return ev.features(D.sample_teacher(model, emb, labels, a.sample_steps, "euler", g, 1234 + seed))
+
+    s = a.guidance_scale
+    ref = {sd: feats(teacher, s, sd) for sd in a.seeds}
+    out = {"args": vars(a), "noise_unpaired_teacher": [D.frechet_distance(ref[x], ref[y])
+                                                       for x, y in zip(a.seeds, a.seeds[1:] + a.seeds[:1])]}
+    print(f"noise floor (teacher, unpaired noises): {np.round(out['noise_unpaired_teacher'], 3)}", flush=True)
+    for fmt in a.formats:
+        rows = out[fmt] = {"ptq": [], "qad": [], "gap_recovered": [], "train_seconds": []}
+        for sd in a.seeds:
+            run = os.path.join(a.out, f"{fmt}-{a.target}-seed{sd}")
+            args = run_args(run, fmt, sd, a.steps, a.warm_start_batches, a.target)
+            if not os.path.exists(os.path.join(run, "final.json")):
+                rows["train_seconds"].append(train(args))
+            ptq_path = os.path.join(run, "ptq_quantized_transformer.safetensors")
+            export_ptq(teacher, args, ptq_path)
+            f_ptq = D.frechet_distance(feats(comfy_runtime_copy(teacher, ptq_path), s, sd), ref[sd])
+            f_qad = D.frechet_distance(feats(comfy_runtime_copy(teacher, os.path.join(run, "quantized_transformer.safetensors")),
+                                             1.0, sd), ref[sd])
+            rows["ptq"].append(f_ptq)
+            rows["qad"].append(f_qad)
+            rows["gap_recovered"].append(1 - f_qad / f_ptq)
+            print(f"{fmt} seed {sd}: FD vs teacher PTQ {f_ptq:.4f} QAD {f_qad:.4f} gap recovered {100 * (1 - f_qad / f_ptq):.0f}%",
+                  flush=True)
+    lines = [f"| format (target {a.target}) | naive PTQ FD vs teacher | QAD FD vs teacher | gap recovered (per seed) | mean ± sd |",
+             "|---|---:|---:|---|---:|"]
+    for fmt in a.formats:
+        r = out[fmt]
+        g = 100 * np.array(r["gap_recovered"])
+        lines.append(f"| {fmt} | {np.mean(r['ptq']):.3f} ± {np.std(r['ptq'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
+                     f"{np.mean(r['qad']):.3f} ± {np.std(r['qad'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
+                     f"{', '.join(f'{x:.0f}%' for x in g)} | {g.mean():.0f}% ± {g.std(ddof=1) if len(g) > 1 else 0:.0f} |")
     table = "\n".join(lines) + "\n"
     D.atomic_write_text(os.path.join(a.out, "report.md"), table)
-    D.atomic_write_text(os.path.join(a.out, "results.json"), json.dumps({"rows": results, "train_seconds": t_train,
-                                                                        "args": vars(a)}, indent=1))
+    D.atomic_write_text(os.path.join(a.out, "results.json"), json.dumps(out, indent=1))
     print(table)
-    return results
+    return out
 
 
 if __name__ == "__main__":

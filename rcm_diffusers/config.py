@@ -152,7 +152,12 @@ class QADConfig:
     data_dir: str = opt("", "latent dataset (rcm_diffusers.data): x0 of the flow-matching term and of the noised inputs x_r")
     # quantization (SPEC §7)
     format: str = opt("nvfp4", "weight format: nvfp4 | mxfp4 | fp8_e4m3 | int8")
-    act_format: str = opt("", "activation format ('' = weight-only); static per-tensor range calibrated on calibration_batches")
+    act_format: str = opt("", "target fake: activation format ('' = weight-only); static per-tensor range calibrated on calibration_batches")
+    target: str = opt("auto", "arithmetic trained: comfyui = what ComfyUI runs for the format on a GPU with kernels for it "
+                      "(nvfp4 W+A, fp8 W+A with calibrated input_scale, int8 W8A8 per-row dynamic) | fake = format / "
+                      "act_format as given | auto = comfyui when the export layout is comfyui, else fake")
+    act_scale: str = opt("static", "target comfyui, nvfp4: static = calibrated input_scale (exported) | dynamic = per-call "
+                         "amax, ComfyUI's mode without input_scale (fp8 is always static, int8 always dynamic per row)")
     per_channel: bool = opt(False, "fp8_e4m3: per-output-channel weight scales (no ComfyUI field; export refuses it)")
     calibration_batches: int = opt(4, "batches run to calibrate activation ranges (act_format only)")
     exclude: list = opt([], "extra fnmatch patterns of Linear names kept in high precision (added to rcm_diffusers.quant.modules.DEFAULT_EXCLUDE)")
@@ -184,6 +189,8 @@ class QADConfig:
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
     batch_size: int = opt(1, "samples per process and iteration")
     max_steps: int = opt(1000, "total iterations")
+    ema_rate: float = opt(0.0, "power-EMA rate s of the trained weights (0 = off); exports an EMA variant in ema/")
+    export_delta: bool = opt(True, "scope all: also export the bf16 full-weight delta student - teacher (ComfyUI LoRA layout, .diff/.diff_b)")
     seed: int = opt(0, "base seed; every random draw is a function of (seed, step, rank)")
     eval_batches: int = opt(2, "fixed-seed batches of the distillation-loss probe logged before/after warm start and at the end")
     # outputs and guards
@@ -274,7 +281,35 @@ class QADConfig:
             bad("adam_betas", "two numbers in [0, 1)")
         if self.per_channel and self.format != "fp8_e4m3":
             bad("per_channel", "only fp8_e4m3 has a per-channel option (int8 is always per-channel)")
+        if self.target not in ("auto", "comfyui", "fake"):
+            bad("target", "use auto, comfyui or fake")
+        if self.act_scale not in ("static", "dynamic"):
+            bad("act_scale", "use static or dynamic")
+        if self.target == "comfyui":
+            from .quant.formats import COMFY_ACT
+
+            if self.format not in COMFY_ACT:
+                bad("format", f"target comfyui: ComfyUI has no layout for it (use {', '.join(COMFY_ACT)}, or target fake)")
+            if self.act_format and self.act_format != self.format:
+                bad("act_format", f"target comfyui quantizes activations as the weight format ({self.format}); leave it ''")
+            if self.format == "fp8_e4m3" and self.act_scale == "dynamic":
+                bad("act_scale", "target comfyui, fp8: ComfyUI without input_scale casts at scale 1.0; use static")
+            if self.per_channel:
+                bad("per_channel", "target comfyui: per-channel FP8 has no ComfyUI field")
+        if not 0 <= self.ema_rate < 1:
+            bad("ema_rate", "must lie in [0, 1)")
         return self
+
+    def resolved_target(self, arch: str) -> str:
+        """``target`` with ``auto`` resolved: ``comfyui`` when the export layout is comfyui (Wan under
+        ``export_layout auto``) and the format has a ComfyUI layout, else ``fake``."""
+        if self.target != "auto":
+            return self.target
+        from .quant.formats import COMFY_ACT
+
+        layout = self.export_layout if self.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")
+        ok = self.format in COMFY_ACT and not self.per_channel and self.act_format in ("", self.format)
+        return "comfyui" if layout == "comfyui" and ok else "fake"
 
 # the script each config drives (kept off the dataclass fields)
 RCMConfig.script = "training/rcm.py"

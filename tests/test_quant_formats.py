@@ -215,3 +215,96 @@ def test_nvfp4_and_mxfp4_agree_with_torchao():
     ours = dequantize(quantize(x, "mxfp4"))
     theirs = MXTensor.to_mx(x, torch.float4_e2m1fn_x2, 32).dequantize(torch.float32)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- ComfyUI's activation arithmetic
+# References written element by element from comfy-kitchen 0.2.24 backends/eager/quantization.py
+# (quantize_nvfp4, quantize_per_tensor_fp8, quantize_int8_rowwise) and ComfyUI 0.29 comfy/quant_ops.py
+# (TensorCoreNVFP4Layout / _TensorCoreFP8LayoutBase.quantize: the dynamic / missing input_scale fallbacks).
+
+
+def ref_comfy_nvfp4(rows, input_scale=None):
+    """float64 per element; the per-tensor scale is the FP32 number ComfyUI holds (file value or amax/2688 in fp32)."""
+    s2 = f32(max(abs(v) for r in rows for v in r) / 2688.0) if input_scale is None else input_scale
+    out = []
+    for r in rows:
+        o = []
+        for b0 in range(0, len(r), 16):
+            blk = r[b0:b0 + 16]
+            s_b = ref_e4m3(min(f32(f32(max(abs(v) for v in blk) / 6.0) / s2), 448.0))
+            tot = f32(s2 * s_b)
+            o += [0.0 if tot == 0 else ref_e2m1(max(-6.0, min(6.0, v / tot))) * tot for v in blk]
+        out.append(o)
+    return out
+
+
+def test_comfy_nvfp4_activations_static_and_dynamic_vs_float64():
+    from rcm_diffusers.quant.formats import comfy_act_fake_quant, comfy_act_quant, input_scale_of
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 40, generator=g) * torch.logspace(-3, 1, 40)  # K = 40: a zero-padded tail block
+    x[0, 1, 7] = 9.0  # an outlier the static range below clips
+    rows = x.reshape(-1, 40).double().tolist()
+    for scale in (None, input_scale_of("nvfp4", torch.tensor(4.0))):
+        got = comfy_act_quant(x, "nvfp4", scale).reshape(-1, 40).double()
+        ref = torch.tensor(ref_comfy_nvfp4(rows, None if scale is None else float(scale))).double()  # x_hat held in fp32
+        # fp32 vs float64 division can only move a value lying within ~1e-7 of a rounding boundary
+        assert (got == ref).double().mean() > 0.995 and torch.allclose(got, ref, rtol=0, atol=0.35), scale
+    # static range: |x| > 6 * 448 * s2 = 4 saturates at +-4 and gets no gradient; the rest passes straight through
+    xs = x.clone().requires_grad_(True)
+    y = comfy_act_fake_quant(xs, "nvfp4", input_scale_of("nvfp4", torch.tensor(4.0)))
+    assert y[0, 1, 7].item() == pytest.approx(4.0, rel=1e-6)
+    y.sum().backward()
+    assert xs.grad[0, 1, 7] == 0 and torch.equal(xs.grad.flatten()[x.abs().flatten() <= 4.0 - 1e-6],
+                                                torch.ones(int((x.abs() <= 4.0 - 1e-6).sum())))
+    # dynamic: the tensor scale is the whole call's amax (the batch matters), not a per-sample one
+    a, b = comfy_act_quant(x, "nvfp4"), comfy_act_quant(x[1:], "nvfp4")
+    assert not torch.equal(a[1:], b)
+
+
+def test_comfy_fp8_activations_multiply_by_the_rounded_reciprocal():
+    from rcm_diffusers.quant.formats import comfy_act_fake_quant, comfy_act_quant, input_scale_of
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 48, generator=g) * 3
+    s = input_scale_of("fp8_e4m3", torch.tensor(5.0))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        r = float((1.0 / s).to(dtype))  # ComfyUI: x * (1 / scale).to(x.dtype), product in x.dtype
+        ref = torch.tensor([[ref_e4m3(max(-448.0, min(448.0, float(torch.tensor(v * r, dtype=torch.float64).to(dtype)))))
+                             * float(s) for v in row] for row in xd.double().tolist()], dtype=torch.float64)
+        got = comfy_act_quant(xd, "fp8_e4m3", s).double()
+        assert torch.allclose(got, ref.to(dtype).double(), rtol=0, atol=0), dtype
+    # bf16: dividing by the scale instead would give other numbers (the reciprocal is rounded to bf16 first)
+    xb = x.to(torch.bfloat16)
+    by_division = (round_e4m3(xb.float() / s) * s).to(torch.bfloat16)
+    assert not torch.equal(comfy_act_quant(xb, "fp8_e4m3", s), by_division)
+    # no input_scale: ComfyUI casts at scale 1.0: |x| > 448 saturates (no gradient), tiny values flush to 0
+    x1 = torch.tensor([1000.0, -500.0, 300.0, 1e-4, 0.01], requires_grad=True)
+    y = comfy_act_fake_quant(x1, "fp8_e4m3")
+    assert y.tolist() == [448.0, -448.0, 288.0, 0.0, ref_e4m3(0.01)]
+    y.sum().backward()
+    assert x1.grad.tolist() == [0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_comfy_int8_activations_per_row_vs_float64():
+    from rcm_diffusers.quant.formats import comfy_act_fake_quant, comfy_act_quant
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 33, generator=g) * torch.linspace(0.01, 10, 7)[:, None]
+    x[0, 2] = 0.0  # an all-zero row stays zero
+    ref = []
+    for row in x.reshape(-1, 33).double().tolist():
+        s = max(f32(max(abs(v) for v in row) / 127.0), 1e-30)
+        ref.append([max(-128, min(127, round(v / s))) * s for v in row])  # Python round: half to even
+    got = comfy_act_quant(x, "int8").reshape(-1, 33).double()
+    ref = torch.tensor(ref, dtype=torch.float64)
+    assert (got == ref.float().double()).double().mean() > 0.995 and torch.allclose(got, ref, rtol=1e-6, atol=0)
+    assert torch.equal(got[2], torch.zeros(33, dtype=torch.float64))
+    xs = x.clone().requires_grad_(True)
+    comfy_act_fake_quant(xs, "int8").sum().backward()
+    assert torch.equal(xs.grad, torch.ones_like(x))  # dynamic: nothing saturates
+    with pytest.raises(ValueError, match="no input_scale"):
+        comfy_act_quant(x, "int8", torch.tensor(0.1))
+    with pytest.raises(ValueError, match="no activation quantizer"):
+        comfy_act_quant(x, "mxfp4")

@@ -109,6 +109,7 @@ def test_blocked_layout_and_nibbles():
     assert torch.equal(unpack_e2m1(p), v)
 
 
+@pytest.mark.filterwarnings("ignore:.*W8A8 with dynamic per-row")  # int8 weight-only: warned, tested below
 @pytest.mark.parametrize("fmt,act", [("nvfp4", "nvfp4"), ("fp8_e4m3", "fp8_e4m3"), ("int8", None)])
 def test_export_reload_exact(tmp_path, fmt, act):
     m = tiny_wan_transformer()
@@ -158,3 +159,91 @@ def test_export_refuses_mxfp4_and_uncalibrated(tmp_path):
     with pytest.raises(ValueError, match="input_amax is not calibrated"):
         export_quantized(m, tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("fmt,act_scale", [("nvfp4", "static"), ("nvfp4", "dynamic"), ("fp8_e4m3", "static"),
+                                           ("int8", "dynamic")])
+def test_target_comfyui_forward_export_and_runtime_reload(tmp_path, fmt, act_scale):
+    """Target comfyui: each layer computes comfy_act_quant(x) W_hat^T + b; the export carries exactly the
+    input_scale trained with (none when dynamic), and comfy_runtime_copy of it reproduces the model."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    from rcm_diffusers.quant.export import comfy_runtime_copy
+    from rcm_diffusers.quant.formats import comfy_act_quant
+
+    m = tiny_wan_transformer()
+    layers = quantize_transformer(m, fmt, target="comfyui", act_scale=act_scale)
+    lay = layers["blocks.0.ffn.net.0.proj"]
+    assert lay.act_fmt == fmt and lay.static_act == (act_scale == "static")
+    if lay.static_act:
+        with pytest.raises(RuntimeError, match="needs a calibrated"):
+            m(**wan_inputs())
+        with calibration(m):
+            m(**wan_inputs(1))
+    x = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(3))
+    expected = F.linear(comfy_act_quant(x, fmt, lay.input_scale()), lay.quantized_weight(), lay.bias)
+    assert torch.equal(lay(x), expected)
+    with torch.no_grad():
+        y = m(**wan_inputs(2)).sample
+    for layout in ("comfyui", "diffusers"):
+        path = tmp_path / f"{layout}.safetensors"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # trained as ComfyUI runs it: nothing to warn about
+            export_quantized(m, path, layout=layout)
+        with safe_open(str(path), "pt") as f:
+            keys = set(f.keys())
+            assert f.metadata()["rcm_quant_target"] == "comfyui"
+            W = "blocks.0.ffn.0" if layout == "comfyui" else "blocks.0.ffn.net.0.proj"
+            if lay.static_act:
+                assert torch.equal(f.get_tensor(f"{W}.input_scale"), lay.input_scale())
+        assert lay.static_act == any(k.endswith(".input_scale") for k in keys)
+        rt = comfy_runtime_copy(tiny_wan_transformer(), path)
+        with torch.no_grad():
+            assert torch.equal(rt(**wan_inputs(2)).sample, y), layout
+            wo = comfy_runtime_copy(tiny_wan_transformer(), path, native=False)(**wan_inputs(2)).sample
+        assert torch.equal(wo, y) == (fmt == "int8")  # nvfp4 / fp8 without kernels: weight-only, other numbers
+
+
+def test_target_comfyui_refuses_what_comfyui_cannot_run():
+    for kw, match in (({"fmt": "mxfp4"}, "no layout for 'mxfp4'"), ({"fmt": "nvfp4", "act_fmt": "fp8_e4m3"}, "not fp8_e4m3"),
+                      ({"fmt": "fp8_e4m3", "act_scale": "dynamic"}, "scale 1.0"),
+                      ({"fmt": "fp8_e4m3", "per_channel": True}, "per-channel")):
+        with pytest.raises(ValueError, match=match):
+            QuantLinear(32, 16, target="comfyui", **kw)
+    with pytest.raises(ValueError, match="target 'gpu'"):
+        QuantLinear(32, 16, target="gpu")
+
+
+@pytest.mark.parametrize("fmt,act,kind,match", [
+    ("nvfp4", None, "warn", "quantizes the activations to NVFP4 per call"),
+    ("fp8_e4m3", None, "warn", "at scale 1.0"),
+    ("int8", None, "warn", "W8A8 with dynamic per-row"),
+    ("int8", "int8", "refuse", "has no input_scale"),
+    ("nvfp4", "fp8_e4m3", "refuse", "input as NVFP4"),
+    ("fp8_e4m3", "nvfp4", "refuse", "input as float8_e4m3fn"),
+    ("nvfp4", "nvfp4", None, None),
+    ("fp8_e4m3", "fp8_e4m3", None, None)])
+def test_export_warns_or_refuses_train_deploy_mismatch(tmp_path, fmt, act, kind, match):
+    import warnings
+
+    m = tiny_wan_transformer()
+    quantize_transformer(m, fmt, act_fmt=act, target="fake")
+    if act:
+        with calibration(m):
+            m(**wan_inputs())
+    path = tmp_path / "q.safetensors"
+    if kind == "refuse":
+        with pytest.raises(ValueError, match=match):
+            export_quantized(m, path)
+        assert not path.exists()
+        export_quantized(m, path, check_comfyui=False)  # the caller can still insist
+    elif kind == "warn":
+        with pytest.warns(UserWarning, match=match):
+            export_quantized(m, path)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            export_quantized(m, path)
+    assert path.exists()

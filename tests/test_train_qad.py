@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rcm_diffusers.config import QADConfig, format_help, load_config
 from rcm_diffusers.quant import trainer as Q
-from rcm_diffusers.quant.export import _rename_wan, load_quantized
+from rcm_diffusers.quant.export import _rename_wan, comfy_runtime_copy, load_quantized
 from rcm_diffusers.quant.modules import quantize_transformer
 from train_helpers import REPO, plant_pickles, run_trainer, tiny_wan_run, trainer_args
 
@@ -50,7 +50,9 @@ def test_lora_run_logs_and_distillation_loss_falls(lora_run):
     ptq, warm = recs[0]["eval_distill"], recs[1]["eval_distill"]
     final = json.load(open(lora_run / "final.json"))
     assert recs[0]["phase"] == "ptq" and recs[1]["phase"] == "warm_start"
-    assert warm < 0.97 * ptq, (ptq, warm)  # block-wise warm start helps on its own
+    # block-wise warm start helps on its own (target comfyui, NVFP4 W+A: measured 0.01475 -> 0.01460; it was
+    # 3-7% weight-only: activation rounding the blocks cannot train away bounds what a block regression gains)
+    assert warm < 0.995 * ptq, (ptq, warm)
     assert final["eval_distill"] < 0.8 * ptq, (ptq, final)  # measured: 0.0131 -> 0.0122 -> 0.0087
     for r in recs[2:]:
         assert 0 < r["loss_distill"] < 1 and 0 < r["loss_fm"] < 10 and r["grad_norm"] > 0
@@ -82,7 +84,11 @@ def test_exports_reload_to_the_trained_student(wan, lora_run):
     assert len(alphas) == 20 and set(alphas.values()) == {4.0}  # lora_alpha = rank (diffusers omits it then)
     assert set(d) == set(c) - set(alphas) and all(torch.equal(d[k], c[k]) for k in d)
     assert {v.dtype for k, v in load_file(lora_run / "pytorch_lora_weights.safetensors").items()} == {torch.bfloat16}
-    # quantized base + exported LoRA reproduce the run's final probe (bf16 LoRA rounding only)
+    # the Wan default trains ComfyUI's arithmetic (target auto -> comfyui: NVFP4 W+A, static input_scale)
+    assert json.load(open(lora_run / "env.json"))["config"]["target"] == "auto"
+    assert all(f"{ren[f'{n}.weight'][:-len('.weight')]}.input_scale" in sd for n in layers)
+    # quantized base reloaded as ComfyUI runs it + exported LoRA reproduce the run's final probe (bf16 LoRA rounding only)
+    student = comfy_runtime_copy(teacher, lora_run / "quantized_transformer.safetensors")
     student.load_lora_adapter(str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="student")
     cfg = load_config(_args(wan, lora_run), config_cls=QADConfig)
     from rcm_diffusers.data import LatentDataset
@@ -109,13 +115,15 @@ def test_kill_and_resume_is_bitwise(wan, lora_run):
 
 
 def test_rcm_student_teacher_scope_all_fp8_activations(wan, lora_run):
-    """A LoRA'd teacher (stands in for an rCM student), its 2-step sampling times, scope all, FP8 W+A."""
+    """A LoRA'd teacher (stands in for an rCM student), its 2-step sampling times, scope all, FP8 W+A, power EMA;
+    the bf16 full-weight delta on the teacher gives back the trained student."""
     from rcm_diffusers.schedulers import RCMScheduler
 
     out = wan[2] / "run_all"
     run_trainer(_args(wan, out, "--scope", "all", "--teacher_lora", str(lora_run), "--r_source", "rcm", "--rcm_steps", "2",
                       "--format", "fp8_e4m3", "--act_format", "fp8_e4m3", "--guidance", "1", "--alpha", "0",
-                      "--warm_start_batches", "0", "--max_steps", "6", "--lr", "1e-4", "--checkpoint_every", "0"), script="qad.py")
+                      "--warm_start_batches", "0", "--max_steps", "6", "--lr", "1e-4", "--checkpoint_every", "0",
+                      "--ema_rate", "0.3"), script="qad.py")
     env = json.load(open(out / "env.json"))
     sch = RCMScheduler(sigma_max=80.0)
     sch.set_timesteps(2)
@@ -128,11 +136,35 @@ def test_rcm_student_teacher_scope_all_fp8_activations(wan, lora_run):
     assert {c["format"] for c in meta.values()} == {"float8_e4m3fn"}
     assert all(raw[f"{n}.input_scale"].item() > 0 for n in meta)
     assert not (out / "pytorch_lora_weights.safetensors").exists()
+    final = json.load(open(out / "final.json"))
     # 6 Adam steps of 1e-4 mostly stay inside one FP8 rounding cell (a grid step of ~1/8 of the weight's
     # binade), so the probe moves by chance either way (seen: -13 % and +18 %); what must hold here is
     # that the quantized student trained without diverging (improvement is asserted by the LoRA-scope runs).
-    end = json.load(open(out / "final.json"))["eval_distill"]
-    assert math.isfinite(end) and end < 2 * recs[0]["eval_distill"]
+    assert math.isfinite(final["eval_distill"]) and final["eval_distill"] < 2 * recs[0]["eval_distill"]
+    # bf16 full-weight delta (ComfyUI layout): teacher + delta = the trained student (bf16 rounding of the delta)
+    from rcm_diffusers.lora.keys import to_diffusers
+
+    teacher = _teacher(wan[0])
+    Q.fuse_lora_file(teacher, str(lora_run))
+    trained = {k.split("::", 1)[1]: v for k, v in
+               load_file(out / "checkpoints" / "step-00000006" / "trainable.safetensors").items()}
+    delta = load_file(out / "delta_comfyui.safetensors")
+    assert all(k.startswith("diffusion_model.") and k.endswith((".diff", ".diff_b")) for k in delta)
+    assert {v.dtype for v in delta.values()} == {torch.bfloat16}
+    delta = to_diffusers(delta, arch="wan", prefix="")
+    tp = dict(teacher.named_parameters())
+    for name, w in trained.items():
+        key = (name.removesuffix(".bias") + ".diff_b") if name.endswith(".bias") else (name.removesuffix(".weight") + ".diff")
+        d = w.float() - tp[name].float()
+        if not torch.any(d):
+            assert key not in delta
+            continue
+        assert (tp[name] + delta[key].float() - w).abs().max() <= 2.0**-8 * d.abs().max() + 1e-7, name
+    assert len(delta) > 20
+    # power EMA: its own exports in ema/, from weights that differ from the last iterate
+    assert set(final["exports_ema"]) == {"quantized", "delta_comfyui"}
+    e, r = load_file(out / "ema" / "delta_comfyui.safetensors"), load_file(out / "delta_comfyui.safetensors")
+    assert e.keys() == r.keys() and any(not torch.equal(e[k], r[k]) for k in e)
 
 
 def test_fuse_lora_file_equals_unfused_adapter(wan, lora_run):
@@ -154,7 +186,11 @@ def test_bad_config_and_patterns(wan):
                          (["--scope", "half"], "scope"), (["--overrides", "blocks.*=fp9"], "overrides"),
                          (["--overrides", "blocks.*"], "overrides"), (["--guidance", "[[0.5, 1], [0.2, 2]]"], "guidance"),
                          (["--alpha", "1.5"], "alpha"), (["--r_source", "karras"], "r_source"),
-                         (["--per_channel", "true"], "per_channel"), (["--lr_rate", "1"], "unknown config option")):
+                         (["--per_channel", "true"], "per_channel"), (["--lr_rate", "1"], "unknown config option"),
+                         (["--target", "gpu"], "target"), (["--target", "comfyui", "--format", "mxfp4"], "no layout"),
+                         (["--target", "comfyui", "--act_format", "fp8_e4m3"], "act_format"),
+                         (["--target", "comfyui", "--format", "fp8_e4m3", "--act_scale", "dynamic"], "act_scale"),
+                         (["--ema_rate", "1"], "ema_rate")):
         with pytest.raises(ValueError, match=match):
             load_config(base + extra, config_cls=QADConfig)
     with pytest.raises(ValueError, match="data_dir"):

@@ -8,8 +8,10 @@ in by the schedule ``s(r)`` (the student runs one branch). Scope ``all`` trains 
 ``--help`` lists every option. Outputs in ``output_dir``: ``env.json``, ``metrics.jsonl`` (step -1
 rows: the distillation probe after quantization and after the warm start), ``warm_start.json``,
 ``checkpoints/step-*`` (``--resume latest`` continues exactly), ``final.json``,
-``quantized_transformer.safetensors`` (ComfyUI layout for Wan) and, for scope ``lora``,
-``pytorch_lora_weights.safetensors`` + ``lora_comfyui.safetensors``.
+``quantized_transformer.safetensors`` (ComfyUI layout for Wan; ``--target comfyui``, the default there,
+trains the arithmetic ComfyUI runs for the format), for scope ``lora``
+``pytorch_lora_weights.safetensors`` + ``lora_comfyui.safetensors``, for scope ``all`` the bf16 full-weight
+delta ``delta_comfyui.safetensors``; with ``--ema_rate s > 0`` the same from the power-EMA weights in ``ema/``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers import trainer as T  # noqa: E402
 from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
 from rcm_diffusers.config import QADConfig  # noqa: E402
+from rcm_diffusers.ema import PowerEMA  # noqa: E402
 from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator  # noqa: E402
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 from rcm_diffusers.quant import trainer as Q  # noqa: E402
@@ -79,7 +82,7 @@ def main(argv=None):
     data = LatentDataset(cfg.data_dir)
     flux_g = cfg.flux_guidance if getattr(teacher.config, "guidance_embeds", False) else None
     probe = Q.fixed_batches(data, cfg, cfg.eval_batches, 2, device, dtype, flux_g)
-    if cfg.act_format:
+    if any(m.static_act for m in layers.values()):
         Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, device, dtype, flux_g), times, cfg, accelerator)
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -113,7 +116,9 @@ def main(argv=None):
     params = [p for p in student.parameters() if p.requires_grad]
     state = T.TrainState()
     named = {n: p for n, p in student.named_parameters() if p.requires_grad}
-    checkpointer = Checkpointer(accelerator, ([student], ["student"]), {"student": (opt, named)}, {"student": sched}, state)
+    ema = PowerEMA(Q.trainable(accelerator.unwrap_model(student)), s=cfg.ema_rate) if cfg.ema_rate > 0 else None
+    # the EMA is a float32 shadow of the trainable weights (scope lora: the adapter only)
+    checkpointer = Checkpointer(accelerator, ([student], ["student"]), {"student": (opt, named)}, {"student": sched}, state, ema)
     state.init_checksum = R.param_checksum(params)
     if ckpt:
         checkpointer.load(ckpt, verify=False)  # verified by choose_start
@@ -151,6 +156,8 @@ def main(argv=None):
         if math.isfinite(norm) or not cfg.skip_nonfinite:
             opt.step()
             sched.step()
+            if ema is not None:
+                ema.update(Q.trainable(accelerator.unwrap_model(student)), i + 1)
         else:
             R.note_skip(state, cfg, i, "student", norm, ids, accelerator.print)
         state.step = i + 1
@@ -173,7 +180,10 @@ def main(argv=None):
         final = {"step": state.step, "skipped": state.skipped, "skipped_steps": state.skipped_steps,
                  "skipped_fraction": state.skipped / max(1, state.step), "student_checksum_per_rank": sums,
                  "eval_distill": Q.distill_probe(base, teacher, probe, times, cfg)}
-        final["exports"] = Q.export_student(base, cfg.output_dir, cfg)
+        final["exports"] = Q.export_student(base, cfg.output_dir, cfg, teacher=teacher)
+        if ema is not None:
+            final["exports_ema"] = Q.export_student(Q.ema_student(base, ema.shadow), os.path.join(cfg.output_dir, "ema"),
+                                                    cfg, teacher=teacher)
         write_json(os.path.join(cfg.output_dir, "final.json"), final)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -20,16 +20,18 @@ layout through ``rcm_diffusers.lora.keys``; ``layout="diffusers"`` keeps diffuse
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 from safetensors import safe_open
 
 from ..lora.io import atomic_save_safetensors
-from .formats import E2M1_VALUES, QTensor, dequantize
+from .formats import E2M1_VALUES, QTensor, comfy_act_quant, dequantize
 from .modules import quant_layers
 
 __all__ = ["COMFY_FORMAT", "HI_FIRST", "to_blocked", "from_blocked", "pack_e2m1", "unpack_e2m1",
-           "export_quantized", "load_quantized"]
+           "comfy_mismatch", "export_quantized", "load_quantized", "dequantized_copy", "ComfyRuntimeLinear",
+           "comfy_runtime_copy"]
 
 COMFY_FORMAT = {"nvfp4": "nvfp4", "fp8_e4m3": "float8_e4m3fn", "int8": "int8_tensorwise"}
 HI_FIRST = True  # ComfyUI / comfy-kitchen packing: element 2j in bits 7..4, element 2j+1 in bits 3..0
@@ -92,6 +94,38 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(codes >= 8, -mag, mag)
 
 
+def comfy_mismatch(layer) -> tuple[str, str] | None:
+    """``("refuse" | "warn", reason)`` when ComfyUI 0.29 would run ``layer``'s export differently from how
+    it was trained (``comfy/ops.py`` ``mixed_precision_ops``; on GPUs with native kernels for the format),
+    else ``None``. Target ``comfyui`` trains that arithmetic and always matches."""
+    if layer.target == "comfyui":
+        return None
+    if layer.fmt == "nvfp4":
+        if layer.act_fmt is None:
+            return ("warn", "trained weight-only, but ComfyUI on GPUs with NVFP4 kernels (SM >= 10.0) also quantizes "
+                            "the activations to NVFP4 per call (amax / (6 * 448)); train with target comfyui")
+        if layer.act_fmt != "nvfp4":
+            return ("refuse", f"activations trained as {layer.act_fmt}, but ComfyUI quantizes an nvfp4 layer's input "
+                              "as NVFP4 (and would read input_scale as an NVFP4 tensor scale)")
+        if not layer.static_act:
+            return None  # dynamic per call: exported without input_scale, as ComfyUI then runs it
+    elif layer.fmt == "fp8_e4m3":
+        if layer.act_fmt is None:
+            return ("warn", "trained weight-only, but ComfyUI on GPUs with FP8 kernels (SM >= 8.9) casts the activations "
+                            "to float8_e4m3fn at scale 1.0 when the file has no input_scale (|x| > 448 saturates, small "
+                            "values lose precision); train with target comfyui (calibrated input_scale)")
+        if layer.act_fmt != "fp8_e4m3" or not layer.static_act:
+            return ("refuse", f"activations trained as {layer.act_fmt} ({layer.act_scale}), but ComfyUI quantizes an fp8 "
+                              "layer's input as float8_e4m3fn with the exported input_scale (or 1.0 without one)")
+    elif layer.fmt == "int8":
+        if layer.act_fmt is None:
+            return ("warn", "trained weight-only, but ComfyUI runs int8_tensorwise as W8A8 with dynamic per-row INT8 "
+                            "activations on every device (CPU included); train with target comfyui")
+        return ("refuse", f"activations trained as {layer.act_fmt} ({layer.act_scale} per tensor), but ComfyUI's "
+                          "int8_tensorwise has no input_scale: it quantizes activations per row dynamically")
+    return None
+
+
 def _layer_tensors(name: str, layer) -> tuple[dict, dict]:
     q = layer.qtensor()
     N, K = layer.weight.shape
@@ -99,9 +133,11 @@ def _layer_tensors(name: str, layer) -> tuple[dict, dict]:
     if fmt is None:
         raise ValueError(f"{name}: format {layer.fmt!r} has no ComfyUI checkpoint layout (export nvfp4, fp8_e4m3 or int8)")
     t = {}
-    amax = layer.input_amax.float() if layer.act_fmt is not None else None
-    if amax is not None and torch.isnan(amax):
+    if layer.static_act and torch.isnan(layer.input_amax):
         raise ValueError(f"{name}: activation format {layer.act_fmt} but input_amax is not calibrated")
+    input_scale = None
+    if layer.static_act and layer.act_fmt == layer.fmt and layer.fmt in ("nvfp4", "fp8_e4m3"):
+        input_scale = layer.input_scale()
     if layer.fmt == "nvfp4":
         Np, Kp = _roundup(N, 16), _roundup(K, 16)
         v = torch.zeros(Np, Kp)
@@ -111,20 +147,18 @@ def _layer_tensors(name: str, layer) -> tuple[dict, dict]:
         t["weight"] = pack_e2m1(v)
         t["weight_scale"] = to_blocked(s.to(torch.float8_e4m3fn))
         t["weight_scale_2"] = q.scale_2.reshape(()).float()
-        if amax is not None:
-            t["input_scale"] = (amax / (6.0 * 448.0)).reshape(())
     elif layer.fmt == "fp8_e4m3":
         if layer.per_channel:
             raise ValueError(f"{name}: per-channel FP8 has no ComfyUI field (float8_e4m3fn weight_scale is a scalar)")
         t["weight"] = q.values.to(torch.float8_e4m3fn)
         t["weight_scale"] = q.scale.reshape(()).float()
-        if amax is not None:
-            t["input_scale"] = (amax / 448.0).reshape(())
     else:  # int8
         if not layer.per_channel:
             raise ValueError(f"{name}: int8_tensorwise export expects per-channel weights")
         t["weight"] = q.values.to(torch.int8)
         t["weight_scale"] = q.scale.reshape(N, 1).float()
+    if input_scale is not None:
+        t["input_scale"] = input_scale.reshape(())
     if layer.bias is not None:
         t["bias"] = layer.bias.detach()
     return t, {"format": fmt}
@@ -143,10 +177,12 @@ def _rename_wan(keys: list[str]) -> dict[str, str]:
 
 
 def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", arch: str = "wan",
-                     prefix: str = "") -> dict:
+                     prefix: str = "", check_comfyui: bool = True) -> dict:
     """Write ``model``'s quantized layers as real low-bit tensors + scales and the rest unchanged (SPEC §7).
 
-    Returns the ``_quantization_metadata`` dict. ``layout="comfyui"`` is implemented for Wan
+    ``check_comfyui``: refuse (``ValueError``) or warn (``UserWarning``) with the reason when ComfyUI
+    would run a layer differently from how it was trained (``comfy_mismatch``); warnings name the
+    first layers and the count. Returns the ``_quantization_metadata`` dict. ``layout="comfyui"`` is implemented for Wan
     (Flux's original layout fuses q/k/v, which would need one shared NVFP4 tensor scale).
     """
     if layout not in ("comfyui", "diffusers"):
@@ -156,6 +192,18 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
     layers = quant_layers(model)
     if not layers:
         raise ValueError("model has no QuantLinear layers (run quantize_transformer first)")
+    if check_comfyui:
+        found = {n: f for n, f in ((n, comfy_mismatch(m)) for n, m in layers.items()) if f is not None}
+        refused = {n: r for n, (kind, r) in found.items() if kind == "refuse"}
+        if refused:
+            n, r = next(iter(refused.items()))
+            raise ValueError(f"{len(refused)} layer(s) would run differently in ComfyUI, e.g. {n}: {r} "
+                             "(export_quantized(..., check_comfyui=False) writes it anyway)")
+        warned = {n: r for n, (kind, r) in found.items()}
+        for reason in dict.fromkeys(warned.values()):
+            names = [n for n, r in warned.items() if r == reason]
+            warnings.warn(f"{len(names)} layer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): {reason}",
+                          UserWarning, stacklevel=2)
     sd = {}
     for k, v in model.state_dict().items():
         if "lora_" in k or k.endswith("input_amax"):
@@ -184,8 +232,10 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
         shapes = {lay_ren[n]: s for n, s in shapes.items()}
     sd = {prefix + k: v for k, v in sd.items()}
     meta = {"format_version": "1.0", "layers": {prefix + k: v for k, v in qlayers.items()}}
+    targets = sorted({m.target for m in layers.values()})
     atomic_save_safetensors(sd, path, metadata={"_quantization_metadata": json.dumps(meta),
-                                                "rcm_quant_shapes": json.dumps({prefix + k: v for k, v in shapes.items()})})
+                                                "rcm_quant_shapes": json.dumps({prefix + k: v for k, v in shapes.items()}),
+                                                "rcm_quant_target": ",".join(targets)})
     return meta
 
 
@@ -235,4 +285,52 @@ def dequantized_copy(model: torch.nn.Module, path) -> torch.nn.Module:
         sd = to_diffusers(sd, prefix="")
     m = copy.deepcopy(model)
     m.load_state_dict(sd, strict=True)
+    return m.eval()
+
+
+class ComfyRuntimeLinear(torch.nn.Linear):
+    """A Linear layer loaded from an exported file that computes as ComfyUI does (SPEC §7):
+    ``y = comfy_act_quant(x) W_hat^T + b`` with ``W_hat`` the dequantized stored weight and the
+    activation quantizer of the file's format (``formats.comfy_act_quant``: nvfp4 with the file's
+    ``input_scale`` or per call, fp8 with ``input_scale`` or 1.0, int8 per row); ``native=False``:
+    weight-only, as ComfyUI runs nvfp4 / fp8 on devices without kernels for them (CPU, older GPUs)."""
+
+    def __init__(self, weight, bias, fmt: str, input_scale, native: bool = True):
+        super().__init__(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(weight)
+            if bias is not None:
+                self.bias.copy_(bias)
+        self.requires_grad_(False)
+        self.fmt, self.input_scale, self.native = fmt, input_scale, native
+
+    def forward(self, x):
+        if self.native or self.fmt == "int8":
+            x = comfy_act_quant(x, self.fmt, self.input_scale)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+def comfy_runtime_copy(model: torch.nn.Module, path, *, native: bool = True) -> torch.nn.Module:
+    """``dequantized_copy`` whose quantized layers are ``ComfyRuntimeLinear``: the forward ComfyUI runs for
+    this file on a GPU with kernels for its formats (``native=True``) or weight-only for nvfp4 / fp8
+    (``native=False``; int8 is W8A8 everywhere). The reference the QAD benchmarks sample with."""
+    from ..lora.keys import detect_format, to_diffusers
+
+    m = dequantized_copy(model, path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        scales = {k[: -len(".input_scale")]: f.get_tensor(k).float() for k in f.keys() if k.endswith(".input_scale")}
+    layers = json.loads(meta["_quantization_metadata"])["layers"]
+    fmt_of = {"nvfp4": "nvfp4", "float8_e4m3fn": "fp8_e4m3", "int8_tensorwise": "int8"}
+    if detect_format({f"{n}.weight": torch.zeros(1) for n in layers}) == "original":
+        names = {next(iter(to_diffusers({f"{n}.weight": torch.zeros(1)}, arch="wan", prefix=""))).removesuffix(".weight"): n
+                 for n in layers}
+    else:
+        names = {n: n for n in layers}
+    for dn, fn in names.items():
+        lin = m.get_submodule(dn)
+        parent, _, leaf = dn.rpartition(".")
+        new = ComfyRuntimeLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(),
+                                 fmt_of[layers[fn]["format"]], scales.get(fn), native)
+        setattr(m.get_submodule(parent) if parent else m, leaf, new)
     return m.eval()

@@ -28,6 +28,23 @@ inside, so the gradient is the identity; saturation caused only by scale roundin
 scales, the E8M0 floor rule) counts as rounding, not clipping. With a static ``amax`` (calibrated
 activations) elements with ``|x| > amax`` are clipped to ``+-amax`` in the forward pass and get
 gradient 0 (clipped straight-through estimator).
+
+**Deployment arithmetic** (``comfy_act_quant``): the activation quantizers ComfyUI 0.29 runs
+(``comfy/ops.py`` ``mixed_precision_ops.Linear.forward`` -> ``QuantizedTensor.from_float`` ->
+comfy-kitchen 0.2.24 ``backends/eager/quantization.py``), reproduced operation by operation:
+
+- ``nvfp4`` (``quantize_nvfp4``): per-tensor ``s2 = input_scale`` (static, exported) or, without one,
+  ``amax(|x|) / (448 * 6)`` of the whole 2-D input per call (dynamic); per block of 16
+  ``s_b = e4m3(min(amax_b / 6 / s2, 448))``; ``q = e2m1(clamp(x / (s2 s_b), +-6))`` (no clipping of ``x``
+  before the block scales). Elements with ``|x| > 6 * 448 * s2`` saturate (gradient 0).
+- ``fp8_e4m3`` (``quantize_per_tensor_fp8``): ``q = e4m3(clamp(x * (1 / s), +-448))`` with the reciprocal
+  rounded to ``x.dtype`` and the product taken in ``x.dtype``; ``s = input_scale``, or ``1.0`` when the
+  file has none (ComfyUI's fallback). Saturated elements get gradient 0.
+- ``int8`` (``int8_linear`` -> ``quantize_int8_rowwise``): dynamic per row (one token):
+  ``s = max(amax_row / 127, 1e-30)``, ``q = clamp(round(x / s), -128, 127)``.
+
+``x_hat = q * scale`` in float32, returned in ``x.dtype``: the tensor-core GEMM accumulates the exact
+products ``q_x q_w`` in float32 and applies the scales after, the same numbers up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -38,7 +55,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["FORMATS", "E2M1_VALUES", "E4M3_MAX", "QTensor", "check_format", "round_e2m1", "round_e4m3",
-           "quantize", "dequantize", "fake_quant"]
+           "quantize", "dequantize", "fake_quant", "COMFY_ACT", "input_scale_of", "comfy_act_quant",
+           "comfy_act_fake_quant"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -182,3 +200,80 @@ def fake_quant(x: torch.Tensor, fmt: str, *, amax=None, per_channel: bool = Fals
     check_format(fmt)
     return _FakeQuant.apply(x, fmt, amax, per_channel, pad)
 
+
+
+#: weight format -> how ComfyUI quantizes that layer's input: "static_or_dynamic" (nvfp4: ``input_scale``
+#: if the file has one, else per call), "static" (fp8: ``input_scale``, else scale 1.0), "dynamic_row" (int8)
+COMFY_ACT = {"nvfp4": "static_or_dynamic", "fp8_e4m3": "static", "int8": "dynamic_row"}
+
+
+def input_scale_of(fmt: str, amax: torch.Tensor) -> torch.Tensor:
+    """The exported FP32 ``input_scale`` for a calibrated range ``amax``: ``amax / (6 * 448)`` (nvfp4),
+    ``amax / 448`` (fp8_e4m3). Training under target ``comfyui`` uses exactly this number."""
+    amax = amax.detach().to(torch.float32)
+    if fmt == "nvfp4":
+        return amax / (E2M1_MAX * E4M3_MAX)
+    if fmt == "fp8_e4m3":
+        return amax / E4M3_MAX
+    raise ValueError(f"{fmt}: ComfyUI has no input_scale field for this format")
+
+
+def _comfy_act(x: torch.Tensor, fmt: str, input_scale):
+    """``(x_hat, inside)``: ComfyUI's activation quantization of ``x`` (see the module docstring) and the
+    mask of elements inside the representable range (the straight-through region)."""
+    K = x.shape[-1]
+    x2 = x.detach().reshape(-1, K)
+    if fmt == "nvfp4":
+        s2 = (torch.amax(x2.abs()) / (E4M3_MAX * E2M1_MAX)).to(torch.float32) if input_scale is None \
+            else torch.as_tensor(input_scale, dtype=torch.float32, device=x.device)
+        xb = _blocks(x2, 16, True)
+        s_b = round_e4m3(torch.clamp(torch.amax(xb.abs(), -1).to(torch.float32) / E2M1_MAX / s2, max=E4M3_MAX))
+        total = s2 * s_b
+        zero = total == 0
+        q = xb.float() / torch.where(zero, torch.ones_like(total), total)[..., None]
+        q = torch.where(zero[..., None], torch.zeros_like(q), q)
+        q = round_e2m1(q.clamp(-E2M1_MAX, E2M1_MAX))
+        y = (q * total[..., None]).flatten(-2)[:, :K]
+        inside = x2.abs().float() <= E2M1_MAX * E4M3_MAX * s2
+    elif fmt == "fp8_e4m3":
+        s = torch.ones((), dtype=torch.float32, device=x.device) if input_scale is None \
+            else torch.as_tensor(input_scale, dtype=torch.float32, device=x.device)
+        t = x2 * (1.0 / s).to(x2.dtype)
+        inside = t.abs() <= E4M3_MAX
+        q = t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        y = q.to(torch.float32) * s
+    elif fmt == "int8":
+        if input_scale is not None:
+            raise ValueError("int8: ComfyUI quantizes activations per row dynamically; it has no input_scale")
+        s = (x2.abs().amax(-1, keepdim=True).float() / INT8_MAX).clamp(min=1e-30)
+        q = torch.round(x2 / s.to(x2.dtype)).clamp(-128.0, 127.0)
+        y = q.float() * s
+        inside = torch.ones_like(x2, dtype=torch.bool)
+    else:
+        raise ValueError(f"{fmt}: ComfyUI has no activation quantizer for this format (nvfp4, fp8_e4m3, int8)")
+    return y.to(x.dtype).reshape(x.shape), inside.reshape(x.shape)
+
+
+def comfy_act_quant(x: torch.Tensor, fmt: str, input_scale=None) -> torch.Tensor:
+    """ComfyUI's quantize -> dequantize of a Linear input ``x`` for weight format ``fmt`` (no gradient);
+    ``input_scale`` as exported (``input_scale_of``) or ``None`` (nvfp4: per call; fp8: 1.0; int8: always None)."""
+    return _comfy_act(x, fmt, input_scale)[0]
+
+
+class _ComfyActQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fmt, input_scale):
+        y, inside = _comfy_act(x, fmt, input_scale)
+        ctx.save_for_backward(inside)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (inside,) = ctx.saved_tensors
+        return g * inside, None, None
+
+
+def comfy_act_fake_quant(x: torch.Tensor, fmt: str, input_scale=None) -> torch.Tensor:
+    """``comfy_act_quant`` in the forward pass, straight-through gradient inside the representable range
+    (0 where an element saturates) in the backward (SPEC §7)."""
+    return _ComfyActQuant.apply(x, fmt, input_scale)

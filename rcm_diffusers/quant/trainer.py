@@ -19,7 +19,7 @@ from .modules import DEFAULT_EXCLUDE, calibration, quant_layers, quantize_transf
 from .qad import GuidanceSchedule, qad_loss
 
 __all__ = ["fuse_lora_file", "build_student", "training_times", "fixed_batches", "calibrate", "distill_probe",
-           "export_student", "save_qad_lora", "arch_of"]
+           "export_student", "trainable", "ema_student", "full_delta", "save_full_delta", "save_qad_lora", "arch_of"]
 
 
 def arch_of(transformer) -> str:
@@ -47,7 +47,8 @@ def fuse_lora_file(transformer, path: str) -> None:
 def build_student(teacher, cfg):
     """Quantized student initialised from ``teacher`` (SPEC §7); returns ``(student, {name: QuantLinear})``.
 
-    Scope ``all``: a full copy whose every weight trains through the fake quantizer. Scope ``lora``:
+    The arithmetic is ``cfg.resolved_target`` (``comfyui``: what ComfyUI runs for the format; ``fake``:
+    ``format`` / ``act_format`` as given). Scope ``all``: a full copy whose every weight trains through the fake quantizer. Scope ``lora``:
     the frozen quantized base shares the teacher's weight tensors (no copy) and a peft adapter
     ``"student"`` (rank ``lora_rank``) on top trains in the weight dtype.
     """
@@ -57,7 +58,8 @@ def build_student(teacher, cfg):
         student = copy.deepcopy(teacher)
     layers = quantize_transformer(student, cfg.format, act_fmt=cfg.act_format or None,
                                   per_channel=cfg.per_channel if cfg.format == "fp8_e4m3" else None,
-                                  exclude=DEFAULT_EXCLUDE, extra_exclude=tuple(cfg.exclude), overrides=cfg.quant_overrides())
+                                  exclude=DEFAULT_EXCLUDE, extra_exclude=tuple(cfg.exclude), overrides=cfg.quant_overrides(),
+                                  target=cfg.resolved_target(arch_of(teacher)), act_scale=cfg.act_scale)
     if cfg.scope == "all":
         student.requires_grad_(True)
         return student, layers
@@ -127,19 +129,68 @@ def distill_probe(student, teacher, batches, times, cfg) -> float:
     return total / max(1, len(batches))
 
 
-def export_student(student, out_dir: str, cfg) -> dict:
+def export_student(student, out_dir: str, cfg, teacher=None) -> dict:
     """Write ``quantized_transformer.safetensors`` (``export_quantized``: ComfyUI layout for Wan by default)
-    and, for scope ``lora``, the LoRA via ``save_lora_weights``; returns ``{what: path}``."""
+    and, for scope ``lora``, the LoRA via ``save_lora_weights``; for scope ``all`` with ``export_delta`` and a
+    ``teacher``, the bf16 full-weight delta ``delta_comfyui.safetensors`` (``save_full_delta``). Returns ``{what: path}``."""
     from .export import export_quantized
 
     arch = arch_of(student)
     layout = cfg.export_layout if cfg.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")
+    os.makedirs(out_dir, exist_ok=True)
     paths = {"quantized": os.path.join(out_dir, "quantized_transformer.safetensors")}
     export_quantized(student, paths["quantized"], layout=layout, arch=arch)
+    meta = {"base_model": cfg.pretrained, "made_by": "training/qad.py", "quantized_base": cfg.format,
+            "quantized_layout": layout, "target": cfg.resolved_target(arch)}
     if cfg.scope == "lora":
-        paths.update(save_qad_lora(student, out_dir, arch, {"base_model": cfg.pretrained, "made_by": "training/qad.py",
-                                                             "quantized_base": cfg.format, "quantized_layout": layout}))
+        paths.update(save_qad_lora(student, out_dir, arch, meta))
+    elif cfg.export_delta and teacher is not None:
+        paths["delta_comfyui"] = os.path.join(out_dir, "delta_comfyui.safetensors")
+        save_full_delta(student, teacher, paths["delta_comfyui"], arch, meta)
     return paths
+
+
+def trainable(model) -> dict:
+    """``{name: parameter}`` of the parameters that train (what the QAD EMA averages)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def ema_student(student, shadow: dict):
+    """A deep copy of ``student`` whose trainable weights are replaced by the EMA weights ``shadow``
+    (keyed like ``trainable``); the frozen ones are shared, not copied."""
+    frozen = {id(p): p for p in student.parameters() if not p.requires_grad}
+    m = copy.deepcopy(student, memo=frozen)
+    params = trainable(m)
+    if set(params) != set(shadow):
+        raise KeyError(f"EMA weights do not match the trainable parameters: {sorted(set(params) ^ set(shadow))[:3]}")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(shadow[k].to(p.dtype))
+    return m
+
+
+def full_delta(student, teacher) -> dict:
+    """``{target.diff | target.diff_b: W_student - W_teacher}`` in bf16 for every parameter that changed
+    (diffusers names, the canonical suffixes of ``rcm_diffusers.lora.keys``). Raises on a key/shape mismatch."""
+    t = dict(_base_model(teacher).named_parameters())
+    out = {}
+    for name, p in _base_model(student).named_parameters():
+        if name not in t or t[name].shape != p.shape:
+            raise ValueError(f"full delta: student parameter {name} {tuple(p.shape)} has no teacher counterpart")
+        d = p.detach().float() - t[name].detach().float()
+        if torch.any(d):
+            target, kind = (name[: -len(".bias")], "diff_b") if name.endswith(".bias") else \
+                (name[: -len(".weight")] if name.endswith(".weight") else name, "diff")
+            out[f"{target}.{kind}"] = d.to(torch.bfloat16).cpu().contiguous()
+    return out
+
+
+def save_full_delta(student, teacher, path: str, arch: str, metadata: dict) -> dict:
+    """The bf16 full-weight delta (``full_delta``) in ComfyUI's LoRA layout (``.diff`` / ``.diff_b``),
+    written atomically: ``teacher + delta`` is the trained student (SPEC §7 export)."""
+    from ..lora.io import save_lora
+
+    return save_lora(path, full_delta(student, teacher), arch=arch, format="comfyui", metadata=metadata)
 
 
 def save_qad_lora(student, out_dir: str, arch: str, metadata: dict) -> dict:
