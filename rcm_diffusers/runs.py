@@ -192,7 +192,9 @@ FIXED_ON_RESUME = {
                   "rcm_steps": "the activation ranges are calibrated at these times", "sigma_max": "the activation ranges are calibrated at these times",
                   "mid_t": "the activation ranges are calibrated at these times", "seed": _STREAM, "batch_size": _STREAM,
                   "warm_start_batches": _START, "warm_start_steps_per_batch": _START, "warm_start_lr": _START,
-                  "time_input": "the student was trained at the old time input"},
+                  "time_input": "the student was trained at the old time input",
+                  "target": "the student was trained through the old runtime arithmetic",
+                  "act_scale": "the activation quantizer"},
 }
 # changed freely on resume, without a message (where and how often things are written, guards, testing aids)
 BOOKKEEPING = {"output_dir", "resume", "overwrite", "checkpoint_every", "checkpoints_total_limit", "log_every", "report_to",

@@ -96,14 +96,17 @@ def test_fsdp2_resume_is_bit_exact(runs):
 
 def test_fsdp2_equals_ddp_same_global_batch(runs):
     """Same global batch (2 ranks x batch_size 2) and per-rank noise: FSDP2 (sharded base, replicated
-    LoRA, averaged grads) and DDP must give the same LoRA up to float32 round-off. Tolerance: each AdamW
-    update is at most lr (1e-3) per weight; gradients that differ in float32 round-off (other reduction
-    orders) move it by far less than 0.1 % of that, so 4 steps x 1e-3 x lr = 4e-6. A missing or doubled
-    gradient average changes updates by O(lr) and fails."""
+    LoRA, averaged grads) and DDP must give the same LoRA up to float32 round-off. Tolerance: AdamW with
+    beta1 = 0 moves each weight by about lr * g / sqrt(v) (about lr = 1e-3 in the first steps), so an
+    element whose gradient is near zero can flip its update on round-off alone (seen: 101 of 3968 elements
+    above 4e-6, max 9.1e-5, median 1.9e-7). The typical element must agree to round-off (median below
+    1e-6, i.e. 0.1 % of one update); a missing or wrong gradient average changes typical updates by O(lr)
+    and fails. No element may differ by more than Adam's bound 2 * lr * steps."""
     a, b = lora(runs["fsdp"]), lora(runs["ddp"])
     assert a.keys() == b.keys()
-    for k in a:
-        assert float((a[k] - b[k]).abs().max()) <= 4 * 1e-3 * 1e-3, k
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert float(diff.median()) <= 1e-6, float(diff.median())
+    assert float(diff.max()) <= 2 * 1e-3 * 4
     assert max(float(v.abs().max()) for v in b.values()) > 1e-3  # the LoRA moved by more than the tolerance
     ma = [json.loads(x) for x in open(runs["fsdp"] / "metrics.jsonl")]
     mb = [json.loads(x) for x in open(runs["ddp"] / "metrics.jsonl")]
