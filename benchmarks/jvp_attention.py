@@ -1,4 +1,4 @@
-"""Benchmark of JVP attention (SPEC §5) on one GPU: time, TFLOP/s and peak memory.
+"""Benchmark of JVP attention (docs/math.md §5) on one GPU: time, TFLOP/s and peak memory.
 
 Rows per shape (B=1, D=128, bf16, self-attention of length S):
   sdpa_fwd      F.scaled_dot_product_attention forward (flash on H100/H200), 2 matmuls

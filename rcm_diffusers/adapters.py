@@ -1,10 +1,10 @@
-"""Teacher, student and fake score as three views of one diffusers transformer (SPEC §6), or as
+"""Teacher, student and fake score as three views of one diffusers transformer (docs/math.md §6), or as
 three separate copies (full fine-tune).
 
 ``shared`` (LoRA) mode: one frozen base; the teacher is the base with adapters disabled, the
 student is the base + peft adapter ``"student"``, the fake score the base + adapter ``"fake"``.
 Only adapter weights (and their optimizer states and EMA) are trained and stored. Both adapters
-start with ``lora_B = 0``, so student and fake score start equal to the teacher (SPEC §4.3).
+start with ``lora_B = 0``, so student and fake score start equal to the teacher (docs/math.md §4.3).
 
 ``full`` mode: the student and the fake score are full trainable copies of the teacher.
 
@@ -46,7 +46,7 @@ def default_lora_targets(transformer) -> list[str]:
 
 def add_rcm_adapters(transformer, rank: int, alpha: float | None, target_modules=None, fake_rank: int | None = None,
                      with_fake: bool = True):
-    """Freeze ``transformer`` and add the peft adapters ``"student"`` (and ``"fake"``) (SPEC §6)."""
+    """Freeze ``transformer`` and add the peft adapters ``"student"`` (and ``"fake"``) (docs/math.md §6)."""
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
@@ -77,7 +77,7 @@ def lora_parameters(module, adapter: str) -> dict[str, torch.nn.Parameter]:
 
 
 class Networks:
-    """Teacher / student / fake score views (SPEC §6) with TrigFlow ``F``, ``x0`` and raw ``v``.
+    """Teacher / student / fake score views (docs/math.md §6) with TrigFlow ``F``, ``x0`` and raw ``v``.
 
     ``modules`` maps role -> module to call (the accelerate-prepared one where trained).
     In shared mode all three roles map to the same module.
@@ -168,12 +168,12 @@ class Networks:
         return self._layers
 
     def F(self, role: str, x_t, t, cond):
-        """TrigFlow velocity ``F_hat`` of ``role`` at ``(x_t, t)`` (SPEC §1)."""
+        """TrigFlow velocity ``F_hat`` of ``role`` at ``(x_t, t)`` (docs/math.md §1)."""
         with self.role(role) as d:
             return d.F(x_t, t, **cond)
 
     def x0(self, role: str, x_t, t, cond):
-        """``x0_hat`` of ``role`` at ``(x_t, t)`` (SPEC §1)."""
+        """``x0_hat`` of ``role`` at ``(x_t, t)`` (docs/math.md §1)."""
         with self.role(role) as d:
             return d.x0(x_t, t, **cond)
 

@@ -1,4 +1,4 @@
-"""Student / fake-score alternation and effective iterations (SPEC §4.3, §4.2).
+"""Student / fake-score alternation and effective iterations (docs/math.md §4.3, §4.2).
 
 The schedule is the current official one (NVlabs/rcm ``rcm/models/t2v_model_distill_rcm.py``,
 ``is_student_phase`` / ``get_effective_iteration``, since 2026-01-15): after the tangent warm-up, iteration ``i``
@@ -18,28 +18,28 @@ __all__ = ["is_student_step", "student_effective_iter", "fake_effective_iter", "
 
 def is_student_step(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> bool:
     """Iteration ``i`` trains the student when there is no fake score, during the tangent warm-up,
-    or when ``(i - tangent_warmup) % student_update_freq == 0``; otherwise the fake score (SPEC §4.3)."""
+    or when ``(i - tangent_warmup) % student_update_freq == 0``; otherwise the fake score (docs/math.md §4.3)."""
     if not has_fake or i < tangent_warmup:
         return True
     return (i - tangent_warmup) % student_update_freq == 0
 
 
 def student_effective_iter(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> int:
-    """``i`` during warm-up (or without a fake score), then ``tangent_warmup + (i - tangent_warmup) // freq`` (SPEC §4.3)."""
+    """``i`` during warm-up (or without a fake score), then ``tangent_warmup + (i - tangent_warmup) // freq`` (docs/math.md §4.3)."""
     if not has_fake or i < tangent_warmup:
         return i
     return tangent_warmup + (i - tangent_warmup) // student_update_freq
 
 
 def fake_effective_iter(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> int:
-    """The fake score's effective iteration ``i - student_eff - 1`` (SPEC §4.3)."""
+    """The fake score's effective iteration ``i - student_eff - 1`` (docs/math.md §4.3)."""
     return i - student_effective_iter(i, tangent_warmup, student_update_freq, has_fake) - 1
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """What iteration ``i`` does: which network, its effective iteration, whether DMD is on and
-    the number of backward-simulation steps ``n`` (SPEC §4.2, §4.3)."""
+    the number of backward-simulation steps ``n`` (docs/math.md §4.2, §4.3)."""
 
     i: int
     student: bool

@@ -1,4 +1,4 @@
-"""Training checkpoints that load no code: safetensors + JSON only, verified by a manifest (SPEC §4.4-§4.5, §6).
+"""Training checkpoints that load no code: safetensors + JSON only, verified by a manifest (docs/math.md §4.4-§4.5, §6).
 
 A checkpoint ``<output_dir>/checkpoints/step-XXXXXXXX/`` holds
 

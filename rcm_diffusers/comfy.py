@@ -3,7 +3,7 @@
 ComfyUI runs Wan and Flux with CONST model sampling: a SIGMAS value is the RF time ``r``,
 ``x_r = (1 - r) x0 + r noise``, and the denoiser a sampler calls returns ``x0``. So the rCM
 RF times of :mod:`rcm_diffusers.sampling` are ComfyUI sigmas as they are, and the sampler
-below is the SPEC §2.1 loop over ``x0`` through :func:`rcm_diffusers.sampling.rcm_update`,
+below is the docs/math.md §2.1 loop over ``x0`` through :func:`rcm_diffusers.sampling.rcm_update`,
 the same move the diffusers ``RCMScheduler`` makes.
 
 The node classes only parse widgets, call these functions and wrap the results.
@@ -50,7 +50,7 @@ _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 def parse_mid_t(text: str | Sequence[float]) -> tuple[float, ...]:
-    """Intermediate TrigFlow angles from a widget string such as ``"1.5, 1.4, 1.0"`` (SPEC §2.1).
+    """Intermediate TrigFlow angles from a widget string such as ``"1.5, 1.4, 1.0"`` (docs/math.md §2.1).
 
     Commas, spaces or brackets separate the numbers; an empty string means no intermediate
     angle (1 step only). Every angle must lie in (0, pi/2) and the list must strictly decrease.
@@ -88,7 +88,7 @@ def _as_sigmas(r: np.ndarray) -> torch.Tensor:
 
 
 def rcm_sigmas(steps: int, sigma_max: float = 80.0, mid_t: str | Sequence[float] = DEFAULT_MID_T_TEXT) -> torch.Tensor:
-    """SIGMAS of the ``steps``-step rCM sampler: SPEC §2.1's RF times, ``steps + 1`` values ending at 0.
+    """SIGMAS of the ``steps``-step rCM sampler: docs/math.md §2.1's RF times, ``steps + 1`` values ending at 0.
 
     ``sigma_max`` is the EDM-scale start (80 for Wan T2V, 200 for Wan I2V); ``mid_t`` the
     intermediate TrigFlow angles (text or numbers). Steps beyond ``len(mid_t) + 1`` need more angles.
@@ -134,7 +134,7 @@ def teacher_sigmas(
     rho: float = 7.0,
     sigma_min: float = 0.002,
 ) -> torch.Tensor:
-    """SIGMAS of the teacher ODE grid (SPEC §2.2) from ``r_max = sigma_max / (1 + sigma_max)`` to 0."""
+    """SIGMAS of the teacher ODE grid (docs/math.md §2.2) from ``r_max = sigma_max / (1 + sigma_max)`` to 0."""
     if spacing not in SPACINGS:
         raise ValueError(f"spacing={spacing!r} is unknown; choose one of {list(SPACINGS)}.")
     return _as_sigmas(teacher_rf_grid(steps, sigma_max, spacing, shift=shift, rho=rho, sigma_min=sigma_min))
@@ -217,7 +217,7 @@ def seeded_noise_sampler(x: torch.Tensor, seed: int | None = None) -> Callable:
 @torch.no_grad()
 def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, stochastic=True,
                time_input="float"):
-    """rCM few-step sampler (SPEC §2.1) over a denoiser ``model(x, sigma) -> x0``, k-diffusion signature.
+    """rCM few-step sampler (docs/math.md §2.1) over a denoiser ``model(x, sigma) -> x0``, k-diffusion signature.
 
     ``x`` arrives already noised to ``sigmas[0]`` (ComfyUI does ``r_0 noise + (1 - r_0) latent``).
     Each step asks the model for ``x0`` and moves with :func:`rcm_update`: stochastic (default)

@@ -1,4 +1,4 @@
-"""Training configuration: a YAML file plus ``--key value`` overrides, validated (SPEC §3, §4, §6, §8).
+"""Training configuration: a YAML file plus ``--key value`` overrides, validated (docs/math.md §3, §4, §6, §8).
 
 ``python training/rcm.py --help`` prints every option with its default and meaning.
 """
@@ -28,25 +28,25 @@ def opt(default, help: str, **kw):
 class RCMConfig:
     """All knobs of ``training/rcm.py``; names follow docs/math.md."""
 
-    # model (SPEC §1, §6)
+    # model (docs/math.md §1, §6)
     pretrained: str = opt("", "diffusers pipeline directory or hub id holding the teacher transformer")
     transformer_subfolder: str = opt("transformer", "subfolder of the transformer to distill (Wan2.2 A14B: 'transformer' = high-noise expert, 'transformer_2' = low-noise expert)")
     pipeline_class: str = opt("auto", "diffusers pipeline class used to save/load the LoRA and for sample grids ('auto' = from model_index.json)")
     weight_dtype: str = opt("float32", "dtype of the frozen base weights: float32 | bfloat16")
     mixed_precision: str = opt("no", "accelerate mixed precision: no | bf16 | fp16")
-    mode: str = opt("shared", "'shared' = one frozen base + peft adapters 'student' and 'fake' (SPEC §6); 'full' = full fine-tune copies")
+    mode: str = opt("shared", "'shared' = one frozen base + peft adapters 'student' and 'fake' (docs/math.md §6); 'full' = full fine-tune copies")
     lora_rank: int = opt(32, "LoRA rank of the student adapter")
     lora_alpha: float = opt(0.0, "LoRA alpha (0 = equal to rank)")
     fake_lora_rank: int = opt(0, "LoRA rank of the fake-score adapter (0 = lora_rank)")
     lora_target_modules: list = opt([], "module names to adapt ([] = family default, see rcm_diffusers.adapters.DEFAULT_LORA_TARGETS)")
     gradient_checkpointing: bool = opt(False, "checkpoint transformer blocks in the grad passes (JVP passes run under no_grad without it)")
     flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored when the transformer has no guidance embedding)")
-    # data (SPEC §8)
+    # data (docs/math.md §8)
     data_dir: str = opt("", "directory in the rcm latent format (rcm_diffusers.data; make one with training/prepare_data.py)")
     synthetic: bool = opt(False, "replace the dataset's latents by teacher samples (TrigFlow Euler + CFG) generated at start")
     synthetic_steps: int = opt(100, "teacher Euler steps for --synthetic")
     synthetic_shift: float = opt(3.0, "flow shift of the teacher grid for --synthetic")
-    # objective (SPEC §3, §4)
+    # objective (docs/math.md §3, §4)
     guidance_scale: float = opt(5.0, "standard CFG scale s of the teacher, F_u + s (F_c - F_u): the official rCM teacher_guidance (5); official code before 2026-02-20 wrote F_c + g (F_c - F_u), i.e. s = g + 1")
     P_mean: float = opt(-0.8, "p_G: mean of ln sigma")
     P_std: float = opt(1.6, "p_G: std of ln sigma")
@@ -62,7 +62,7 @@ class RCMConfig:
     student_update_freq: int = opt(5, "after warm-up, the student trains every this many iterations, the fake score otherwise")
     max_simulation_steps: int = opt(4, "backward simulation uses n = student_eff % this + 1 student steps")
     time_input: str = opt("bf16", "time the networks see: 'bf16' = (1000 r) rounded to bfloat16 as the official rCM code trains and samples; 'float' = exact. Sample the student with RCMScheduler(time_input=...) set the same")
-    # optimisation (SPEC §4.4, §4.5)
+    # optimisation (docs/math.md §4.4, §4.5)
     lr: float = opt(1e-4, "student learning rate (LoRA needs larger rates than the full fine-tune 2e-6)")
     fake_lr: float = opt(2e-5, "fake-score learning rate")
     weight_decay: float = opt(0.01, "AdamW weight decay")
@@ -140,7 +140,7 @@ class RCMConfig:
 
 @dataclass
 class QADConfig:
-    """All knobs of ``training/qad.py`` (quantization-aware distillation, SPEC §7)."""
+    """All knobs of ``training/qad.py`` (quantization-aware distillation, docs/math.md §7)."""
 
     # teacher (bf16 base model, or an rCM few-step student = base + its LoRA fused in)
     pretrained: str = opt("", "diffusers pipeline directory or hub id holding the teacher transformer")
@@ -150,7 +150,7 @@ class QADConfig:
     mixed_precision: str = opt("no", "accelerate mixed precision: no | bf16 | fp16")
     flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored without a guidance embedding)")
     data_dir: str = opt("", "latent dataset (rcm_diffusers.data): x0 of the flow-matching term and of the noised inputs x_r")
-    # quantization (SPEC §7)
+    # quantization (docs/math.md §7)
     format: str = opt("nvfp4", "weight format: nvfp4 | mxfp4 | fp8_e4m3 | int8")
     act_format: str = opt("", "target fake: activation format ('' = weight-only); static per-tensor range calibrated on calibration_batches")
     target: str = opt("auto", "arithmetic trained: comfyui = what ComfyUI runs for the format on a GPU with kernels for it "
@@ -167,16 +167,16 @@ class QADConfig:
     lora_rank: int = opt(32, "LoRA rank (scope lora)")
     lora_alpha: float = opt(0.0, "LoRA alpha (0 = equal to rank)")
     lora_target_modules: list = opt([], "module names to adapt ([] = family default, rcm_diffusers.adapters.DEFAULT_LORA_TARGETS)")
-    # objective (SPEC §7): L = alpha L_FM + (1 - alpha) L_distill
+    # objective (docs/math.md §7): L = alpha L_FM + (1 - alpha) L_distill
     alpha: float = opt(0.1, "weight of flow matching on real data; 1 - alpha weighs distillation of the guided teacher velocity")
     guidance: list = opt([[0.0, 2.0], [0.5, 5.0], [1.0, 4.0]], "teacher CFG schedule s(r): piecewise-linear [[r, s], ...] knots (a single number = constant; 1 = no CFG)")
     r_source: str = opt("shifted", "training times: 'shifted' = shifted uniform r (shift); 'rcm' = the rCM student's rcm_steps sampling times")
     shift: float = opt(3.0, "flow shift s of r = s u / (1 + (s - 1) u) (r_source shifted)")
     rcm_steps: int = opt(4, "number of RCMScheduler steps whose times r is drawn from (r_source rcm)")
     sigma_max: float = opt(80.0, "RCMScheduler sigma_max of those times (r_source rcm)")
-    mid_t: list = opt([], "RCMScheduler intermediate TrigFlow angles ([] = SPEC §2.1 default; r_source rcm)")
+    mid_t: list = opt([], "RCMScheduler intermediate TrigFlow angles ([] = docs/math.md §2.1 default; r_source rcm)")
     time_input: str = opt("bf16", "time the teacher and student see: 'bf16' = rounded to bfloat16 as the official rCM code; 'float' = exact")
-    # block-wise warm start (SPEC §7)
+    # block-wise warm start (docs/math.md §7)
     warm_start_batches: int = opt(0, "batches of block-wise warm start before end-to-end QAD (0 = off)")
     warm_start_steps_per_batch: int = opt(1, "optimizer steps per block and warm-start batch")
     warm_start_lr: float = opt(1e-4, "warm-start learning rate")

@@ -1,4 +1,4 @@
-"""Precomputed-latent datasets (SPEC §8) and the model inputs built from them.
+"""Precomputed-latent datasets (docs/math.md §8) and the model inputs built from them.
 
 On-disk format (a directory; training never runs a VAE or text encoder)::
 
@@ -54,7 +54,7 @@ def _atomic_save(tensors: dict, path: str) -> None:
 def write_latent_dataset(out_dir: str, samples: dict[str, torch.Tensor], *, family: str,
                          tables: dict[str, torch.Tensor] | None = None, table_index: dict[str, str | None] | None = None,
                          shard_size: int = 4096, extra_meta: dict | None = None) -> str:
-    """Write the SPEC §8 latent format: per-sample tensors ``samples`` (leading dim N) sharded, and
+    """Write the docs/math.md §8 latent format: per-sample tensors ``samples`` (leading dim N) sharded, and
     shared ``tables`` looked up by ``table_index[name]`` (or broadcast when ``None``)."""
     if "latents" not in samples:
         raise ValueError("a latent dataset needs a 'latents' entry [N, ...]")
@@ -88,7 +88,7 @@ def write_latent_dataset(out_dir: str, samples: dict[str, torch.Tensor], *, fami
 
 
 class LatentDataset:
-    """Reader of the SPEC §8 format; ``get(indices)`` returns a batch dict of float32 tensors."""
+    """Reader of the docs/math.md §8 format; ``get(indices)`` returns a batch dict of float32 tensors."""
 
     def __init__(self, root: str):
         path = os.path.join(root, "meta.json")
@@ -217,5 +217,5 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
 
 
 def video_noise_multiplier(x0: torch.Tensor, family: str) -> float:
-    """``sqrt(latent frames)`` for Wan video latents ``[B, C, T, H, W]``, 1 otherwise (SPEC §3)."""
+    """``sqrt(latent frames)`` for Wan video latents ``[B, C, T, H, W]``, 1 otherwise (docs/math.md §3)."""
     return math.sqrt(x0.shape[2]) if family.startswith("wan") and x0.dim() == 5 else 1.0

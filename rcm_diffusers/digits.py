@@ -8,7 +8,7 @@ A small but real distillation problem that runs on a CPU with nothing downloaded
   patch ``(1, 2, 2)`` the 8x8 image is 16 tokens on a 4x4 grid, enough for attention to matter,
   and 16x16 would make every teacher/student call 4x dearer on 2 CPU cores for the same content.
 - **Teacher**: ``WanTransformer3DModel`` (~0.94M parameters, dim 128, 4 layers), rectified flow
-  (``x_r = (1 - r) x0 + r eps``, target ``v = eps - x0``, SPEC §1), conditioned through
+  (``x_r = (1 - r) x0 + r eps``, target ``v = eps - x0``, docs/math.md §1), conditioned through
   ``encoder_hidden_states`` = a learned ``[TEXT_LEN, TEXT_DIM]`` embedding per class; row
   ``NULL_CLASS`` (= 10) is the null embedding for CFG. The table ships beside the model
   (``class_embeddings.safetensors``) in a diffusers ``WanPipeline`` directory.
@@ -161,7 +161,7 @@ def load_student(path: str = TEACHER_DIR, lora_dir: str | None = None, device="c
 
 
 def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, class_embeddings: torch.Tensor) -> str:
-    """The train split in the trainer's latent format (``rcm_diffusers.data``, SPEC §8): ``latents`` ``[N,1,1,8,8]``,
+    """The train split in the trainer's latent format (``rcm_diffusers.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
     ``prompt_index``/``label`` per sample, tables ``prompt_embeds`` (per class) and ``negative_prompt_embeds`` (null)."""
     from .data import write_latent_dataset
 
@@ -281,7 +281,7 @@ class Evaluator:
 
 
 def _velocity(transformer, class_embeddings, labels, guidance_scale: float, time_input: str = "float"):
-    """``v(x, r)`` with CFG ``v_u + s (v_c - v_u)`` (SPEC §2.2); one batched call for both branches; the network
+    """``v(x, r)`` with CFG ``v_u + s (v_c - v_u)`` (docs/math.md §2.2); one batched call for both branches; the network
     sees ``network_timestep(r, 1000, time_input)``."""
     from .models import network_timestep
 
@@ -304,7 +304,7 @@ def _velocity(transformer, class_embeddings, labels, guidance_scale: float, time
 def sample_teacher(transformer, class_embeddings, labels: torch.Tensor, steps: int, solver: str = "euler",
                    guidance_scale: float = 1.0, seed: int = 0, shift: float = 1.0, sigma_max: float = 5000.0,
                    batch_size: int = 500) -> torch.Tensor:
-    """Teacher ODE samples ``[B, 1, 1, 8, 8]`` with ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler`` (SPEC §2.2),
+    """Teacher ODE samples ``[B, 1, 1, 8, 8]`` with ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler`` (docs/math.md §2.2),
     starting from ``noise`` drawn by ``torch.Generator().manual_seed(seed)``. NFE = steps x (2 with CFG, else 1)."""
     from .schedulers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
 
@@ -326,7 +326,7 @@ def sample_teacher(transformer, class_embeddings, labels: torch.Tensor, steps: i
 @torch.no_grad()
 def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, sigma_max: float = 80.0,
                    mid_t=None, guidance_scale: float = 1.0, batch_size: int = 500, time_input: str = "bf16") -> torch.Tensor:
-    """Few-step rCM samples with ``RCMScheduler`` (SPEC §2.1): ``x = r_0 noise``, then ``steps`` x0-and-renoise moves
+    """Few-step rCM samples with ``RCMScheduler`` (docs/math.md §2.1): ``x = r_0 noise``, then ``steps`` x0-and-renoise moves
     with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG). ``time_input``: the time the student
     saw in training (``RCMConfig.time_input``)."""
     from .sampling import DEFAULT_MID_T
@@ -421,7 +421,7 @@ def write_report(path: str, rows: list[Row], header: str = "") -> str:
 
 # Trainer overrides of the issue-5 ablations, applied on top of the rCM config (same iterations, same data):
 # sCM-only drops the fake score, so every iteration is a student sCM step; DMD-only zeroes the sCM term and
-# the tangent warm-up, because during the warm-up DMD is off by design (SPEC §4.3) and with scm_weight 0 those
+# the tangent warm-up, because during the warm-up DMD is off by design (docs/math.md §4.3) and with scm_weight 0 those
 # iterations would be empty student steps (no loss, yet they consume the lr warm-up and the EMA schedule).
 ABLATIONS = {"scm-only": {"use_dmd": False}, "dmd-only": {"scm_weight": 0.0, "tangent_warmup": 0}}
 

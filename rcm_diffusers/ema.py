@@ -1,4 +1,4 @@
-"""Power EMA of the student's trainable weights (SPEC §4.5)."""
+"""Power EMA of the student's trainable weights (docs/math.md §4.5)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__ = ["power_ema_exponent", "power_ema_beta", "PowerEMA"]
 
 
 def power_ema_exponent(s: float = 0.10) -> float:
-    """Largest real root of ``x^3 + 7x^2 + (16 - s^-2) x + (12 - s^-2) = 0`` (SPEC §4.5; 6.94 for s = 0.1)."""
+    """Largest real root of ``x^3 + 7x^2 + (16 - s^-2) x + (12 - s^-2) = 0`` (docs/math.md §4.5; 6.94 for s = 0.1)."""
     if not 0.0 < s < 1.0:
         raise ValueError(f"power-EMA rate s must lie in (0, 1), got {s}")
     roots = np.roots([1.0, 7.0, 16.0 - s**-2, 12.0 - s**-2])
@@ -17,7 +17,7 @@ def power_ema_exponent(s: float = 0.10) -> float:
 
 
 def power_ema_beta(i: int, alpha: float) -> float:
-    """``beta(i) = (1 - 1/(i+1))^(alpha+1)``, 0 for ``i < 1`` (SPEC §4.5)."""
+    """``beta(i) = (1 - 1/(i+1))^(alpha+1)``, 0 for ``i < 1`` (docs/math.md §4.5)."""
     if i < 1:
         return 0.0
     return (1.0 - 1.0 / (i + 1)) ** (alpha + 1.0)
@@ -25,7 +25,7 @@ def power_ema_beta(i: int, alpha: float) -> float:
 
 class PowerEMA:
     """Float32 power EMA of named parameters, updated after each student step at its effective
-    iteration ``i``: ``ema = beta(i) ema + (1 - beta(i)) param`` (SPEC §4.5)."""
+    iteration ``i``: ``ema = beta(i) ema + (1 - beta(i)) param`` (docs/math.md §4.5)."""
 
     def __init__(self, named_params: dict[str, torch.Tensor], s: float = 0.10):
         self.s = s

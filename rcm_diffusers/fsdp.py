@@ -1,4 +1,4 @@
-"""FSDP2 for rCM training in shared-base LoRA mode (SPEC §6): the frozen base is sharded per
+"""FSDP2 for rCM training in shared-base LoRA mode (docs/math.md §6): the frozen base is sharded per
 transformer block, the LoRA adapters stay whole on every rank (their gradients are averaged as DDP
 does), so checkpoints, EMA and the LoRA export are the single-process ones.
 

@@ -1,16 +1,16 @@
-"""rCM losses (SPEC §4): the sCM term with its JVP rearrangement, the DMD term with backward
+"""rCM losses (docs/math.md §4): the sCM term with its JVP rearrangement, the DMD term with backward
 simulation, the fake-score flow-matching loss, and the classifier-free-guided teacher.
 
 Every function takes networks as plain callables ``F(x_t, t) -> F`` or ``x0(x_t, t) -> x0``
 (conditions already bound), so the same code serves a diffusers transformer wrapped by
 ``rcm_diffusers.models.denoiser`` and a small test module. ``x_t``, ``t`` and every
-coefficient are float64 (SPEC preamble); only the network calls run in the model dtype.
+coefficient are float64 (docs/math.md, conventions); only the network calls run in the model dtype.
 Losses are returned **per sample** (shape ``[B]``, summed over the non-batch dims) so the
 caller decides the batch reduction and can log per-sample NaN counts.
 
 Guidance convention. This package exposes the standard CFG scale ``s``:
 ``F = F_u + s (F_c - F_u)`` (``s = 1`` is no guidance), the form of the current official rCM code
-(``teacher_guidance = 5``, i.e. ``s = 5``, since 2026-02-20; SPEC §4.1). Official code before that date wrote
+(``teacher_guidance = 5``, i.e. ``s = 5``, since 2026-02-20; docs/math.md §4.1). Official code before that date wrote
 ``F_c + g (F_c - F_u)``, the same thing with ``s = g + 1``: its ``g = 5`` was ``s = 6``
 (``scale_from_reference_g`` converts such older settings).
 """
@@ -44,13 +44,13 @@ Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def scale_from_reference_g(g: float) -> float:
-    """Standard CFG scale of the pre-2026-02-20 official form ``F_c + g (F_c - F_u)``: ``s = g + 1`` (SPEC §4.1).
+    """Standard CFG scale of the pre-2026-02-20 official form ``F_c + g (F_c - F_u)``: ``s = g + 1`` (docs/math.md §4.1).
     The current official ``teacher_guidance`` is already the standard ``s`` and needs no conversion."""
     return float(g) + 1.0
 
 
 def guided(out_cond: torch.Tensor, out_uncond: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
-    """Classifier-free guidance ``out_u + s (out_c - out_u)`` (SPEC §2.2, §4.1); ``s == 1`` or no
+    """Classifier-free guidance ``out_u + s (out_c - out_u)`` (docs/math.md §2.2, §4.1); ``s == 1`` or no
     unconditional output returns ``out_c``. Linear, so it applies equally to ``F``, ``v`` and ``x0``."""
     if out_uncond is None or guidance_scale == 1.0:
         return out_cond
@@ -63,14 +63,14 @@ def per_sample_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def tangent_warmup_ratio(step: int, tangent_warmup: int) -> float:
-    """``r = min(1, step / tangent_warmup)`` (SPEC §4.1); ``tangent_warmup <= 0`` means no warm-up."""
+    """``r = min(1, step / tangent_warmup)`` (docs/math.md §4.1); ``tangent_warmup <= 0`` means no warm-up."""
     if tangent_warmup <= 0:
         return 1.0
     return min(1.0, float(step) / float(tangent_warmup))
 
 
 def scm_tangents(x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor):
-    """JVP tangents of the sCM rearrangement: ``dx = cos t sin t F_T``, ``dt = cos t sin t`` (SPEC §4.1)."""
+    """JVP tangents of the sCM rearrangement: ``dx = cos t sin t F_T``, ``dt = cos t sin t`` (docs/math.md §4.1)."""
     cs = torch.cos(t) * torch.sin(t)
     return _bcast(cs, x_t) * F_T, cs
 
@@ -78,7 +78,7 @@ def scm_tangents(x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor):
 @torch.no_grad()
 def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor, fd_type: int = 0, h: float = 1e-4):
     """``(F_minus, dF)``: the student's velocity and its derivative along the teacher flow,
-    already multiplied by ``cos t sin t`` (SPEC §4.1). No gradient.
+    already multiplied by ``cos t sin t`` (docs/math.md §4.1). No gradient.
 
     ``fd_type`` 0: ``torch.func.jvp`` in ``x_t`` and ``t``; 1: JVP in ``x_t`` plus a finite
     difference in ``t``; 2: a finite difference along a DDIM step of size ``h`` (no JVP).
@@ -102,7 +102,7 @@ def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor,
 
 
 def scm_g(x_t, t, F_minus, F_T, dF, r: float) -> torch.Tensor:
-    """Un-normalised sCM target direction (SPEC §4.1), float64:
+    """Un-normalised sCM target direction (docs/math.md §4.1), float64:
     ``g = -cos t sqrt(1 - r^2 sin^2 t) (F_minus - F_T) - (r cos t sin t x_t + dF)``.
 
     The warm-up ratio ``r`` scales ``cos t sin t x_t`` only, not the student's tangent ``dF``: the form of
@@ -115,7 +115,7 @@ def scm_g(x_t, t, F_minus, F_T, dF, r: float) -> torch.Tensor:
 
 
 def normalize_g(g: torch.Tensor, c: float = 0.1) -> torch.Tensor:
-    """``g / (||g||_2 + c)`` per sample over every non-batch dim, in float64 (SPEC §4.1)."""
+    """``g / (||g||_2 + c)`` per sample over every non-batch dim, in float64 (docs/math.md §4.1)."""
     g = g.to(F64)
     norm = torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1)
     return g / _bcast(norm + c, g)
@@ -133,7 +133,7 @@ def scm_loss(
     h: float = 1e-4,
     norm_c: float = 0.1,
 ):
-    """Per-sample sCM loss ``sum (F_theta - sg(F_theta) - g)^2`` with NaN masking (SPEC §4.1).
+    """Per-sample sCM loss ``sum (F_theta - sg(F_theta) - g)^2`` with NaN masking (docs/math.md §4.1).
 
     ``F_T`` is the (guided) teacher velocity at ``(x_t, t)``. Returns ``(loss[B], info)``; ``info``
     holds ``nan`` (samples masked), ``g_norm`` (mean un-normalised norm) and ``r`` (warm-up ratio).
@@ -161,7 +161,7 @@ def backward_simulation(
     generator: torch.Generator | None = None,
     device=None,
 ):
-    """Few-step student sample ``G_x0`` by ``n`` student calls, gradient on the last only (SPEC §4.2).
+    """Few-step student sample ``G_x0`` by ``n`` student calls, gradient on the last only (docs/math.md §4.2).
 
     Starts at ``t = pi/2`` from pure noise; the ``n - 1`` intermediate angles are drawn from
     ``p_D`` and clamped to at most the previous one; after each non-final call the student's
@@ -188,7 +188,7 @@ def backward_simulation(
 
 
 def dmd_loss(G_x0: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: torch.Tensor, w_min: float = 1e-5):
-    """Per-sample DMD loss with the adaptive weight (SPEC §4.2), float64:
+    """Per-sample DMD loss with the adaptive weight (docs/math.md §4.2), float64:
     ``w = max(mean|G_x0 - x0_teacher|, w_min)``, ``grad = (x0_fake - x0_teacher) / w``,
     ``L = sum (G_x0 - sg(G_x0 - grad))^2``; a non-finite sample gives 0. Returns ``(loss[B], info)``.
     """
@@ -204,7 +204,7 @@ def dmd_loss(G_x0: torch.Tensor, x0_fake: torch.Tensor, x0_teacher: torch.Tensor
 
 
 def fake_score_loss(F_fake: Fn, G_x0: torch.Tensor, t: torch.Tensor, eps: torch.Tensor):
-    """Per-sample fake-score flow-matching loss ``||F_fake(x_t, t) - (cos t eps - sin t G_x0)||^2`` (SPEC §4.3).
+    """Per-sample fake-score flow-matching loss ``||F_fake(x_t, t) - (cos t eps - sin t G_x0)||^2`` (docs/math.md §4.3).
 
     ``G_x0`` is a detached student sample; ``x_t = cos t G_x0 + sin t eps``. Non-finite samples give 0.
     """

@@ -1,4 +1,4 @@
-"""Memory model of rCM training (SPEC §4, §6): how many bytes a configuration needs, part by part.
+"""Memory model of rCM training (docs/math.md §4, §6): how many bytes a configuration needs, part by part.
 
 ``predict_training(TrainSetup(...))`` returns, in bytes and GiB:
 

@@ -1,6 +1,6 @@
 """Model adapters: call a diffusers transformer as a rectified-flow velocity ``v(x_r, r, **cond)``.
 
-Each supported transformer takes its time in its own scale (SPEC §1): the Wan transformer
+Each supported transformer takes its time in its own scale (docs/math.md §1): the Wan transformer
 is called with ``r * 1000``; the Flux transformer with ``r`` (it multiplies by 1000 inside).
 ``TrigFlowDenoiser(velocity_fn(transformer))`` then gives the TrigFlow ``F(x_t, t)`` used
 by every loss and sampler of the package.
@@ -35,7 +35,7 @@ def network_timestep(r: torch.Tensor, scale: float, time_input: str = "float") -
     Flux takes ``r`` and multiplies by 1000 inside, so it gets ``bf16(1000 r) / 1000`` -- the value
     ``RCMScheduler(time_input="bf16")`` hands it through FluxPipeline's ``timesteps / 1000``.
     The rounding is a plain cast, so under ``torch.func.jvp`` the time tangent passes through the
-    same cast, as in the official JVP path (SPEC preamble, §4.1)."""
+    same cast, as in the official JVP path (docs/math.md, time input and §4.1)."""
     if time_input not in TIME_INPUTS:
         raise ValueError(f"time_input must be one of {TIME_INPUTS}, got {time_input!r}")
     if time_input == "bf16":
@@ -129,7 +129,7 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
 
 
 def denoiser(transformer, model_dtype: torch.dtype | None = None, time_input: str = "float"):
-    """``TrigFlowDenoiser`` around a diffusers transformer (SPEC §1)."""
+    """``TrigFlowDenoiser`` around a diffusers transformer (docs/math.md §1)."""
     from .trigflow import TrigFlowDenoiser
 
     dtype = model_dtype or next(transformer.parameters()).dtype

@@ -1,4 +1,4 @@
-"""Build SPEC §8 latent datasets with a pipeline's own VAE and text encoder (``training/prepare_data.py``).
+"""Build docs/math.md §8 latent datasets with a pipeline's own VAE and text encoder (``training/prepare_data.py``).
 
 Two sources, one output format (:func:`rcm_diffusers.data.write_latent_dataset`):
 
@@ -8,7 +8,7 @@ Two sources, one output format (:func:`rcm_diffusers.data.write_latent_dataset`)
   decode time: Wan ``(z - latents_mean) / latents_std``, Flux ``(z - shift_factor) * scaling_factor``
   (stored unpacked ``[C, H, W]``; the trainer packs). Captions go through ``pipe.encode_prompt``.
 - **synthetic**: teacher samples from prompts, ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler``
-  + CFG (SPEC §8: Euler 100 steps, shift 3, CFG 5). Sample ``i`` starts from
+  + CFG (docs/math.md §8: Euler 100 steps, shift 3, CFG 5). Sample ``i`` starts from
   ``randn(latent shape, generator=torch.Generator().manual_seed(seed + i))``, so it equals
   ``pipe(prompt_i, generator=..., output_type="latent")`` with the same scheduler and guidance scale.
 
@@ -171,7 +171,7 @@ def family_of(pipe) -> str:
 
 
 class PipelineEncoder:
-    """The pipeline's own text encoder(s) and VAE, producing tensors in the SPEC §8 layout."""
+    """The pipeline's own text encoder(s) and VAE, producing tensors in the docs/math.md §8 layout."""
 
     def __init__(self, pipe, height: int, width: int, num_frames: int = 1, max_sequence_length: int | None = None,
                  device="cpu", dtype=torch.float32):
@@ -263,7 +263,7 @@ def _negative(enc: PipelineEncoder, negative_prompt: str | None) -> dict[str, to
 
 
 class ShardWriter:
-    """Streams per-sample rows into the SPEC §8 format (``rcm_diffusers.data``): a shard file every
+    """Streams per-sample rows into the docs/math.md §8 format (``rcm_diffusers.data``): a shard file every
     ``shard_size`` samples, then tables and ``meta.json`` last, so an interrupted run leaves no dataset."""
 
     def __init__(self, out_dir: str, shard_size: int = 256, dtype: torch.dtype = torch.float32):
@@ -350,7 +350,7 @@ def _close(writer: ShardWriter, enc: PipelineEncoder, text: _Text, neg: dict, ne
 def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negative_prompt: str | None = "",
                  resize: str = "error", batch_size: int = 4, shard_size: int = 256, save_dtype=torch.float32,
                  progress: bool = True) -> str:
-    """Encode media + captions with the pipeline into a SPEC §8 dataset at ``out_dir``, streamed shard by shard."""
+    """Encode media + captions with the pipeline into a docs/math.md §8 dataset at ``out_dir``, streamed shard by shard."""
     from tqdm.auto import tqdm
 
     if not items:
@@ -389,7 +389,7 @@ def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
 def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: list[int], *, steps: int = 100,
                     shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler", sigma_max: float = 5000.0,
                     flux_guidance: float | None = None, device="cpu") -> torch.Tensor:
-    """Teacher ODE samples ``x0`` in the dataset layout from conditions ``batch`` (SPEC §2.2, §8).
+    """Teacher ODE samples ``x0`` in the dataset layout from conditions ``batch`` (docs/math.md §2.2, §8).
 
     Noise of sample ``j``: ``randn(latent_shape, generator=manual_seed(seeds[j]))`` (float32, dataset layout;
     Flux packs it as FluxPipeline does). Velocity ``v_u + s (v_c - v_u)`` (standard CFG scale ``s``; no CFG
@@ -422,7 +422,7 @@ def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *,
                       sigma_max: float = 5000.0, flux_guidance: float | None = 3.5, negative_prompt: str | None = "",
                       images: list[str] | None = None, resize: str = "error", batch_size: int = 4, shard_size: int = 256,
                       save_dtype=torch.float32, progress: bool = True) -> str:
-    """Synthetic dataset: sample ``i`` = teacher sample of ``prompts[i % P]`` with seed ``seed + i`` (SPEC §8).
+    """Synthetic dataset: sample ``i`` = teacher sample of ``prompts[i % P]`` with seed ``seed + i`` (docs/math.md §8).
     Wan I2V needs ``images`` (first frames, one per prompt)."""
     from tqdm.auto import tqdm
 

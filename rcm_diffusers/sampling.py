@@ -1,4 +1,4 @@
-"""Time grids of the samplers (SPEC §2), as float64 NumPy arrays of RF times ``r`` ending at 0.
+"""Time grids of the samplers (docs/math.md §2), as float64 NumPy arrays of RF times ``r`` ending at 0.
 
 These are the single source of the step times: the diffusers schedulers
 (``rcm_diffusers.schedulers``) and the ComfyUI nodes (``comfy_nodes``) both call them.
@@ -26,7 +26,7 @@ __all__ = [
     "rcm_update",
 ]
 
-#: Intermediate TrigFlow angles of the few-step sampler (SPEC §2.1).
+#: Intermediate TrigFlow angles of the few-step sampler (docs/math.md §2.1).
 DEFAULT_MID_T = (1.5, 1.4, 1.0)
 SPACINGS = ("linear", "karras", "exponential")
 
@@ -56,7 +56,7 @@ def parse_mid_t(mid_t) -> list[float]:
 
 def rcm_config_for_rf_times(rf_times: Sequence[float]) -> dict:
     """``sigma_max`` and ``mid_t`` whose rCM grid is exactly the given RF times ``r_0 > r_1 > ... (> 0)``:
-    ``sigma_max = r_0 / (1 - r_0)``, ``mid_t_i = arctan(r_i / (1 - r_i))`` (inverse of SPEC §2.1's map).
+    ``sigma_max = r_0 / (1 - r_0)``, ``mid_t_i = arctan(r_i / (1 - r_i))`` (inverse of docs/math.md §2.1's map).
 
     Use it to run explicit times inside pipelines that call ``set_timesteps(n)`` themselves:
     ``RCMScheduler.from_config(cfg, **rcm_config_for_rf_times([0.95, 0.8, 0.5]))``, then ``num_inference_steps=3``."""
@@ -67,7 +67,7 @@ def rcm_config_for_rf_times(rf_times: Sequence[float]) -> dict:
 
 
 def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
-    """TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` of an ``n``-step rCM sampler (SPEC §2.1)."""
+    """TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` of an ``n``-step rCM sampler (docs/math.md §2.1)."""
     sigma_max = _finite("sigma_max", sigma_max)
     if sigma_max <= 0:
         raise ValueError(f"sigma_max must be > 0 (80 for Wan T2V, 200 for Wan I2V), got {sigma_max}.")
@@ -94,7 +94,7 @@ def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] =
 
 
 def rcm_rf_times(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
-    """RF times ``r = sin t / (sin t + cos t)`` of the rCM angles, ``n + 1`` values ending at 0 (SPEC §2.1)."""
+    """RF times ``r = sin t / (sin t + cos t)`` of the rCM angles, ``n + 1`` values ending at 0 (docs/math.md §2.1)."""
     t = rcm_angles(num_steps, sigma_max, mid_t)
     r = np.sin(t) / (np.sin(t) + np.cos(t))
     r[-1] = 0.0
@@ -127,7 +127,7 @@ def validate_rf_times(r: Sequence[float], append_zero: bool = True, name: str = 
 
 
 def shift_family(r, a: float, b: float = 1.0):
-    """Time shift ``r' = a / (a + (1/r - 1)^b)`` (SPEC §2.2). ``a = s, b = 1`` is ``s r / (1 + (s-1) r)``."""
+    """Time shift ``r' = a / (a + (1/r - 1)^b)`` (docs/math.md §2.2). ``a = s, b = 1`` is ``s r / (1 + (s-1) r)``."""
     r = np.asarray(r, dtype=np.float64)
     with np.errstate(divide="ignore"):
         odds = np.where(r > 0, (1.0 / np.where(r > 0, r, 1.0) - 1.0), np.inf)
@@ -153,7 +153,7 @@ def teacher_rf_grid(
     sigma_min: float = 0.002,
     shift_b: float = 1.0,
 ) -> np.ndarray:
-    """Teacher ODE grid (SPEC §2.2): ``num_steps + 1`` RF times from ``r_max = sigma_max/(1+sigma_max)`` to 0.
+    """Teacher ODE grid (docs/math.md §2.2): ``num_steps + 1`` RF times from ``r_max = sigma_max/(1+sigma_max)`` to 0.
 
     - ``linear``: ``u`` uniform from the un-shifted start ``unshift(r_max)`` to 0, then ``r = shift_family(u, shift, shift_b)``
       (``shift_b = 1``: the usual ``s u / (1 + (s-1) u)``), so that the grid starts exactly at ``r_max``.
@@ -198,7 +198,7 @@ def teacher_rf_grid(
 
 
 def rcm_update(x, x0, r_cur: float, r_next: float, noise=None, stochastic: bool = True):
-    """One rCM sampler move from ``r_cur`` to ``r_next`` given the model's ``x0`` (SPEC §2.1).
+    """One rCM sampler move from ``r_cur`` to ``r_next`` given the model's ``x0`` (docs/math.md §2.1).
 
     Stochastic: ``x' = (1 - r_next) x0 + r_next noise``. Deterministic ("ode"):
     ``x' = x - (r_cur - r_next) v`` with ``v = (x - x0) / r_cur``, i.e.

@@ -1,4 +1,4 @@
-"""diffusers schedulers: the few-step rCM sampler and the TrigFlow-wrapped teacher ODE solvers (SPEC §2).
+"""diffusers schedulers: the few-step rCM sampler and the TrigFlow-wrapped teacher ODE solvers (docs/math.md §2).
 
 All three are ordinary ``SchedulerMixin``/``ConfigMixin`` schedulers that run unchanged in
 ``WanPipeline``, ``WanImageToVideoPipeline`` (incl. Wan 2.2 ``boundary_ratio``) and ``FluxPipeline``:
@@ -233,7 +233,7 @@ def _seed_from(sample: torch.Tensor) -> int:
 
 
 class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
-    """Few-step consistency sampler of an rCM student (SPEC §2.1).
+    """Few-step consistency sampler of an rCM student (docs/math.md §2.1).
 
     Step times: TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` mapped to RF times
     ``r = sin/(sin+cos)``; each step takes ``x0 = x - r_cur v`` and moves to ``r_next`` by fresh
@@ -309,7 +309,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
 
     def _network_timesteps(self, r: np.ndarray) -> torch.Tensor:
         """``r * num_train_timesteps``; with ``time_input="bf16"`` computed as the official sampler does,
-        ``(float32(r) * 1000).to(bfloat16)`` (SPEC §2.1), returned as float32."""
+        ``(float32(r) * 1000).to(bfloat16)`` (docs/math.md §2.1), returned as float32."""
         if self.config.time_input == "float":
             return super()._network_timesteps(r)
         ts = torch.from_numpy(np.asarray(r, dtype=np.float64)).float().double() * self.config.num_train_timesteps
@@ -339,7 +339,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         self._noise_generators = None
 
     def scale_initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
-        """``x = r_0 * noise``: the official sampler's first input (SPEC §2.1). Call after ``set_timesteps``,
+        """``x = r_0 * noise``: the official sampler's first input (docs/math.md §2.1). Call after ``set_timesteps``,
         or it uses the config's ``sigma_max`` (``r_0 = sigma_max / (1 + sigma_max)``)."""
         r0 = float(self._rf[0]) if self._rf is not None else self.sigma_max / (1.0 + self.sigma_max)
         return (noise.double() * r0).to(noise.dtype)
@@ -371,7 +371,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         return_dict: bool = True,
     ) -> RCMSchedulerOutput | tuple:
         """``x0 = x - r_cur v``; then ``x' = (1 - r_next) x0 + r_next noise`` (stochastic) or
-        ``x' = x - (r_cur - r_next) v`` (ode). float64 arithmetic, result in ``sample``'s dtype (SPEC §2.1)."""
+        ``x' = x - (r_cur - r_next) v`` (ode). float64 arithmetic, result in ``sample``'s dtype (docs/math.md §2.1)."""
         if self._rf is None:
             raise ValueError("RCMScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
         self._explicit_pending = False
@@ -393,7 +393,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
 
 
 class _TeacherGridMixin(_FlowTimesMixin):
-    """Teacher grid of SPEC §2.2 from the config (``sigma_max``, ``spacing``, shift or dynamic shift)."""
+    """Teacher grid of docs/math.md §2.2 from the config (``sigma_max``, ``spacing``, shift or dynamic shift)."""
 
     _aliases = {"sigma_max": "teacher_sigma_max", "sigma_min": "teacher_sigma_min"}
     ignore_for_config = ["sigma_max", "sigma_min"]
@@ -451,7 +451,7 @@ class _TeacherGridMixin(_FlowTimesMixin):
 
 
 class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
-    """Teacher flow-ODE Euler solver ``x_{i+1} = x_i + v (r_{i+1} - r_i)`` on the SPEC §2.2 grid.
+    """Teacher flow-ODE Euler solver ``x_{i+1} = x_i + v (r_{i+1} - r_i)`` on the docs/math.md §2.2 grid.
 
     In TrigFlow terms each step is the exact DDIM move ``x_s = cos(t-s) x_t - sin(t-s) F``.
     Grid: from ``r_max = sigma_max/(1+sigma_max)`` to 0, ``linear`` (uniform then shifted, the start
@@ -492,11 +492,11 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         self.init_noise_sigma = 1.0
 
     def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, timesteps=None, mu=None):
-        """Build the SPEC §2.2 grid, or take explicit RF times (``sigmas``) / ``timesteps`` as given."""
+        """Build the docs/math.md §2.2 grid, or take explicit RF times (``sigmas``) / ``timesteps`` as given."""
         self._set_grid(self._teacher_rf(num_inference_steps, sigmas, timesteps, mu), device)
 
     def step(self, model_output, timestep, sample, generator=None, return_dict: bool = True):
-        """Euler: ``x' = x + (r_next - r_cur) v``, float64 arithmetic (SPEC §2.2)."""
+        """Euler: ``x' = x + (r_next - r_cur) v``, float64 arithmetic (docs/math.md §2.2)."""
         if self._rf is None:
             raise ValueError("TrigFlowEulerScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
         if self._step_index is None:
@@ -513,7 +513,7 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
 
 
 class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
-    """Teacher UniPC (bh2, order 2-3, flow prediction) on the SPEC §2.2 grid.
+    """Teacher UniPC (bh2, order 2-3, flow prediction) on the docs/math.md §2.2 grid.
 
     The predictor-corrector itself is diffusers' ``UniPCMultistepScheduler`` (flow_prediction,
     use_flow_sigmas, no internal shift), held inside and fed this scheduler's grid; so results

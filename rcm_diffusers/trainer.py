@@ -1,4 +1,4 @@
-"""The pieces of the rCM training loop (SPEC §4, §6, §8): one student step, one fake-score step,
+"""The pieces of the rCM training loop (docs/math.md §4, §6, §8): one student step, one fake-score step,
 checkpoints, metrics, guards, the environment snapshot and the LoRA export.
 
 ``training/rcm.py`` strings these together top to bottom.
@@ -40,13 +40,13 @@ def _teacher_guided(call, x_t, t, cond, uncond, guidance_scale: float):
 
 @torch.no_grad()
 def teacher_F(nets, x_t, t, cond, uncond, guidance_scale: float):
-    """Guided teacher velocity ``F_u + s (F_c - F_u)`` (SPEC §4.1), float64, no grad."""
+    """Guided teacher velocity ``F_u + s (F_c - F_u)`` (docs/math.md §4.1), float64, no grad."""
     return _teacher_guided(nets.F, x_t, t, cond, uncond, guidance_scale)
 
 
 @torch.no_grad()
 def teacher_x0(nets, x_t, t, cond, uncond, guidance_scale: float):
-    """Guided teacher ``x0`` (CFG is linear, so it equals ``x0`` of the guided velocity) (SPEC §4.2)."""
+    """Guided teacher ``x0`` (CFG is linear, so it equals ``x0`` of the guided velocity) (docs/math.md §4.2)."""
     return _teacher_guided(nets.x0, x_t, t, cond, uncond, guidance_scale)
 
 
@@ -64,7 +64,7 @@ def batch_reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0):
-    """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (SPEC §4.1, §4.2), each
+    """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (docs/math.md §4.1, §4.2), each
     per-sample loss reduced over the batch by ``cfg.loss_reduction`` (``batch_reduce``).
 
     ``backward(loss, last)`` back-propagates one term (``last`` marks the one that must
@@ -98,7 +98,7 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
 
 
 def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, device):
-    """One fake-score iteration: flow matching on a detached student sample (SPEC §4.3), reduced over the
+    """One fake-score iteration: flow matching on a detached student sample (docs/math.md §4.3), reduced over the
     batch by ``cfg.loss_reduction`` like the student's terms."""
     B = x0_shape[0]
     n = plan.fake_eff % cfg.max_simulation_steps + 1
@@ -113,7 +113,7 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
 
 
 def lr_warmup_lambda(warmup_steps: int):
-    """Linear learning-rate warm-up over ``warmup_steps`` optimizer steps, then constant (SPEC §4.4)."""
+    """Linear learning-rate warm-up over ``warmup_steps`` optimizer steps, then constant (docs/math.md §4.4)."""
     return lambda k: min(1.0, (k + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
@@ -304,7 +304,7 @@ def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weig
 
 @torch.no_grad()
 def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student"):
-    """Few-step student samples with ``RCMScheduler`` (SPEC §2.1), model-layout float32 latents; the network
+    """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1), model-layout float32 latents; the network
     sees its time as in training (``nets.time_input``), the update runs on the exact RF times."""
     from .models import velocity_fn
     from .schedulers import RCMScheduler

@@ -1,6 +1,6 @@
 """TrigFlow time, the rectified-flow -> TrigFlow wrapping, and training-time distributions.
 
-SPEC §1 (TrigFlow, wrapping a rectified-flow teacher) and §3 (p_G, p_D).
+docs/math.md §1 (TrigFlow, wrapping a rectified-flow teacher) and §3 (p_G, p_D).
 All schedule and coefficient arithmetic is float64; the network runs in its own dtype.
 Every function here is plain torch arithmetic, so it works inside ``torch.func.jvp``
 in both ``x_t`` and ``t``.
@@ -44,7 +44,7 @@ def _as_f64(t) -> torch.Tensor:
 
 
 def t_to_r(t):
-    """RF time of a TrigFlow angle: ``r(t) = sin t / (sin t + cos t)`` (SPEC §1, c_noise)."""
+    """RF time of a TrigFlow angle: ``r(t) = sin t / (sin t + cos t)`` (docs/math.md §1, c_noise)."""
     t = _as_f64(t)
     s, c = torch.sin(t), torch.cos(t)
     return s / (s + c)
@@ -57,12 +57,12 @@ def r_to_t(r):
 
 
 def sigma_to_t(sigma):
-    """EDM noise level to TrigFlow angle: ``t = arctan(sigma)`` (SPEC §1)."""
+    """EDM noise level to TrigFlow angle: ``t = arctan(sigma)`` (docs/math.md §1)."""
     return torch.atan(_as_f64(sigma))
 
 
 def t_to_sigma(t):
-    """TrigFlow angle to EDM noise level: ``sigma = tan t`` (SPEC §1)."""
+    """TrigFlow angle to EDM noise level: ``sigma = tan t`` (docs/math.md §1)."""
     return torch.tan(_as_f64(t))
 
 
@@ -79,7 +79,7 @@ def sigma_to_r(sigma):
 
 
 def shift_r(r, shift: float):
-    """Flow-matching time shift ``r' = s r / (1 + (s - 1) r)`` (SPEC §2.2, §3)."""
+    """Flow-matching time shift ``r' = s r / (1 + (s - 1) r)`` (docs/math.md §2.2, §3)."""
     r = _as_f64(r)
     return shift * r / (1.0 + (shift - 1.0) * r)
 
@@ -88,31 +88,31 @@ def shift_r(r, shift: float):
 
 
 def x0_from_F(x_t, F, t):
-    """``x0 = cos t x_t - sin t F`` (SPEC §1). ``t`` broadcasts from the batch dim."""
+    """``x0 = cos t x_t - sin t F`` (docs/math.md §1). ``t`` broadcasts from the batch dim."""
     t = _bcast(t, x_t)
     return torch.cos(t) * x_t - torch.sin(t) * F
 
 
 def eps_from_F(x_t, F, t):
-    """``eps = sin t x_t + cos t F`` (SPEC §1)."""
+    """``eps = sin t x_t + cos t F`` (docs/math.md §1)."""
     t = _bcast(t, x_t)
     return torch.sin(t) * x_t + torch.cos(t) * F
 
 
 def F_from_x0_eps(x0, eps, t):
-    """Velocity ``F = -sin t x0 + cos t eps`` (SPEC §1)."""
+    """Velocity ``F = -sin t x0 + cos t eps`` (docs/math.md §1)."""
     t = _bcast(t, x0)
     return -torch.sin(t) * x0 + torch.cos(t) * eps
 
 
 def trigflow_noise(x0, eps, t):
-    """``x_t = cos t x0 + sin t eps`` (SPEC §1)."""
+    """``x_t = cos t x0 + sin t eps`` (docs/math.md §1)."""
     t = _bcast(t, x0)
     return torch.cos(t) * x0 + torch.sin(t) * eps
 
 
 def rf_precond(t):
-    """RF -> TrigFlow preconditioner (SPEC §1): returns ``(c_skip, c_out, c_in, c_noise)``.
+    """RF -> TrigFlow preconditioner (docs/math.md §1): returns ``(c_skip, c_out, c_in, c_noise)``.
 
     ``c_in = c_skip = 1/(sin t + cos t)``, ``c_out = -sin t/(sin t + cos t)``,
     ``c_noise = r(t) = sin t/(sin t + cos t)`` (before the model's timestep scale).
@@ -125,14 +125,14 @@ def rf_precond(t):
 
 
 def F_hat_from_v(x_t, v, t):
-    """``F_hat = ((cos t - sin t) x_t + v) / (sin t + cos t)`` (SPEC §1, the form finite at t -> 0)."""
+    """``F_hat = ((cos t - sin t) x_t + v) / (sin t + cos t)`` (docs/math.md §1, the form finite at t -> 0)."""
     t = _bcast(t, x_t)
     s, c = torch.sin(t), torch.cos(t)
     return ((c - s) * x_t + v) / (s + c)
 
 
 def x0_hat_from_v(x_t, v, t):
-    """``x0_hat = c_skip x_t + c_out v`` (SPEC §1)."""
+    """``x0_hat = c_skip x_t + c_out v`` (docs/math.md §1)."""
     t = _bcast(t, x_t)
     s, c = torch.sin(t), torch.cos(t)
     return (x_t - s * v) / (s + c)
@@ -157,7 +157,7 @@ def sample_p_G(
     generator: torch.Generator | None = None,
     device=None,
 ) -> torch.Tensor:
-    """sCM angles: ``ln sigma ~ N(P_mean, P_std^2)``, ``sigma *= video_noise_multiplier``, ``t = arctan sigma`` (SPEC §3)."""
+    """sCM angles: ``ln sigma ~ N(P_mean, P_std^2)``, ``sigma *= video_noise_multiplier``, ``t = arctan sigma`` (docs/math.md §3)."""
     n = torch.randn(batch, dtype=F64, generator=generator, device=device)
     sigma = torch.exp(P_mean + P_std * n) * video_noise_multiplier
     return torch.atan(sigma)
@@ -166,7 +166,7 @@ def sample_p_G(
 def sample_p_D(
     batch: int, shift: float = 5.0, generator: torch.Generator | None = None, device=None
 ) -> torch.Tensor:
-    """DMD/critic angles: ``u ~ U[0,1)``, ``r = s u / (1 + (s-1) u)``, ``t = arctan(r / (1 - r))`` (SPEC §3)."""
+    """DMD/critic angles: ``u ~ U[0,1)``, ``r = s u / (1 + (s-1) u)``, ``t = arctan(r / (1 - r))`` (docs/math.md §3)."""
     u = torch.rand(batch, dtype=F64, generator=generator, device=device)
     return r_to_t(shift_r(u, shift))
 
@@ -175,7 +175,7 @@ def sample_p_D(
 
 
 class TrigFlowDenoiser:
-    """Call a rectified-flow velocity model as a TrigFlow velocity ``F(x_t, t)`` (SPEC §1).
+    """Call a rectified-flow velocity model as a TrigFlow velocity ``F(x_t, t)`` (docs/math.md §1).
 
     ``velocity_fn(x_r, r, **cond) -> v`` is the raw model (``v = eps - x0``) taking the RF time
     ``r`` in [0, 1]; the model adapters (``rcm_diffusers.models``) turn a diffusers transformer
@@ -197,11 +197,11 @@ class TrigFlowDenoiser:
         return v.to(x_t.dtype)
 
     def F(self, x_t: torch.Tensor, t: torch.Tensor, **cond) -> torch.Tensor:
-        """``F_hat(x_t, t)`` by the finite-at-0 form of SPEC §1."""
+        """``F_hat(x_t, t)`` by the finite-at-0 form of docs/math.md §1."""
         return F_hat_from_v(x_t, self.velocity(x_t, t, **cond), t)
 
     def x0(self, x_t: torch.Tensor, t: torch.Tensor, **cond) -> torch.Tensor:
-        """``x0_hat(x_t, t) = c_skip x_t + c_out v`` (SPEC §1)."""
+        """``x0_hat(x_t, t) = c_skip x_t + c_out v`` (docs/math.md §1)."""
         return x0_hat_from_v(x_t, self.velocity(x_t, t, **cond), t)
 
     __call__ = F

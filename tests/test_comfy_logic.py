@@ -1,4 +1,4 @@
-"""Logic of the ComfyUI nodes (rcm_diffusers.comfy), without ComfyUI: SPEC §2.1/§2.2 numbers."""
+"""Logic of the ComfyUI nodes (rcm_diffusers.comfy), without ComfyUI: docs/math.md §2.1/§2.2 numbers."""
 
 import math
 import sys
@@ -117,7 +117,7 @@ class AffineDenoiser:
 
 
 def reference_loop(x, c, r, noises, stochastic):
-    """SPEC §2.1 in float64, velocity form: v = (x - x0)/r, x0 = x - r v."""
+    """docs/math.md §2.1 in float64, velocity form: v = (x - x0)/r, x0 = x - r v."""
     x = x.double()
     for i in range(len(r) - 1):
         x0 = (0.5 - 0.3 * r[i]) * x + (1.0 + r[i]) * c.double()
@@ -156,7 +156,7 @@ def test_sample_rcm_matches_float64_spec_loop(stochastic):
     ref = reference_loop(x, c, r, noises, stochastic)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
-    # the model saw the SPEC RF times and the extra args; the callback got i and x0 for previews
+    # the model saw the docs/math.md §2.1 RF times and the extra args; the callback got i and x0 for previews
     np.testing.assert_allclose([s for s, _ in model.calls], SPEC_4STEP[:4], atol=1e-5)
     assert all(kw == {"cond": 1} for _, kw in model.calls)
     assert [i for i, _ in seen] == [0, 1, 2, 3]

@@ -71,7 +71,7 @@ def test_demo_with_ablations_end_to_end(tmp_path):
     def metrics(run):
         return [json.loads(line) for line in open(run / "metrics.jsonl")]
 
-    # the trainer's alternation (SPEC §4.3) per variant, with the loss terms each step computed
+    # the trainer's alternation (docs/math.md §4.3) per variant, with the loss terms each step computed
     want = {out: [("student", {"loss_scm"}), ("student", {"loss_scm", "loss_dmd"}), ("fake", {"loss_fake"}), ("student", {"loss_scm", "loss_dmd"})],
             tmp_path / "digits-scm-only": [("student", {"loss_scm"})] * 4,
             tmp_path / "digits-dmd-only": [("student", {"loss_dmd"}), ("fake", {"loss_fake"})] * 2}

@@ -1,4 +1,4 @@
-"""Power EMA (SPEC §4.5) and the student/fake alternation (SPEC §4.3)."""
+"""Power EMA (docs/math.md §4.5) and the student/fake alternation (docs/math.md §4.3)."""
 
 import pytest
 import torch
@@ -46,7 +46,7 @@ def test_ema_state_roundtrip():
 
 
 def test_alternation_table():
-    # warm-up 3, student every 5th iteration, up to 4 simulation steps (hand-computed from SPEC §4.3)
+    # warm-up 3, student every 5th iteration, up to 4 simulation steps (hand-computed from docs/math.md §4.3)
     plans = [plan_step(i, 3, 5, 4) for i in range(15)]
     assert [p.student for p in plans] == [True] * 4 + [False] * 4 + [True] + [False] * 4 + [True] + [False]
     assert [p.student_eff for p in plans] == [0, 1, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 5, 5]

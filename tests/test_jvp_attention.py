@@ -1,4 +1,4 @@
-"""JVP attention kernels (SPEC §5) against a float64 reference built from plain matmul/softmax
+"""JVP attention kernels (docs/math.md §5) against a float64 reference built from plain matmul/softmax
 and ``torch.func.jvp``: torch backend, and the Triton kernel (interpreted on CPU)."""
 
 import os

@@ -1,6 +1,6 @@
 """JVP through unmodified tiny diffusers Wan (T2V, I2V) and Flux transformers with our processors
-(SPEC §5): vs a float64 math-attention reference, vs finite differences, and stock equality
-(outputs, gradients) outside JVP passes. Plus the float32 time-embedding switch (SPEC §4.1)."""
+(docs/math.md §5): vs a float64 math-attention reference, vs finite differences, and stock equality
+(outputs, gradients) outside JVP passes. Plus the float32 time-embedding switch (docs/math.md §4.1)."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""rCM losses against independent float64 references written from SPEC §4 (numpy, closed forms)."""
+"""rCM losses against independent float64 references written from docs/math.md §4 (numpy, closed forms)."""
 
 import math
 
@@ -34,7 +34,7 @@ def np_dF(W, b, x, t, dx, dt):  # exact directional derivative of np_F
 
 
 def ref_g(W, b, x, t, F_T, r):
-    """SPEC §4.1 written out per sample in numpy, in the form of the current official code
+    """docs/math.md §4.1 written out per sample in numpy, in the form of the current official code
     (NVlabs/rcm rcm/models/t2v_model_distill_rcm.py, ``_student_scm_step``, since commit f9b7be9 of 2026-01-08):
     ``g = -cos t sqrt(1 - r^2 sin^2 t) (F - F_T) - (r cos t sin t x_t + cos t sin t dF/dt)``."""
     cs = math.cos(t) * math.sin(t)

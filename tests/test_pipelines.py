@@ -37,7 +37,7 @@ def _rf(t):
 
 def test_wan_official_sampler_exact():
     """4 steps, guidance 1, time_input="float": 4 calls at 1000*r_i, first input r_0*noise, output = float64
-    SPEC §2.1 loop. (The default bf16 time input against the official loop: tests/test_official_parity.py.)"""
+    docs/math.md §2.1 loop. (The default bf16 time input against the official loop: tests/test_official_parity.py.)"""
     pipe = tiny_wan_pipeline()
     pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, time_input="float")
     pipe.scheduler.set_generator(torch.Generator().manual_seed(7))
@@ -54,7 +54,7 @@ def test_wan_official_sampler_exact():
     r = [_rf(a) for a in [math.atan(80.0), 1.5, 1.4, 1.0]] + [0.0]
     assert torch.allclose(rec.calls[0]["hidden_states"].double(), r[0] * noise.double(), atol=1e-7)
 
-    # plain float64 loop of SPEC §2.1 with the same transformer, noise and fresh-noise generator
+    # plain float64 loop of docs/math.md §2.1 with the same transformer, noise and fresh-noise generator
     g = torch.Generator().manual_seed(7)
     x = r[0] * noise.double()
     with torch.no_grad():

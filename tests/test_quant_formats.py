@@ -1,4 +1,4 @@
-"""Fake-quant numerics (SPEC §7) against an independent float64 reference written element by element."""
+"""Fake-quant numerics (docs/math.md §7) against an independent float64 reference written element by element."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Linear swap on a tiny Wan / Flux transformer, calibration, and the ComfyUI export / reload (SPEC §7)."""
+"""Linear swap on a tiny Wan / Flux transformer, calibration, and the ComfyUI export / reload (docs/math.md §7)."""
 
 from __future__ import annotations
 

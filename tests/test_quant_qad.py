@@ -1,4 +1,4 @@
-"""QAD loss with CFG folded and the block-wise warm start (SPEC §7)."""
+"""QAD loss with CFG folded and the block-wise warm start (docs/math.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RCMScheduler and TrigFlow teacher schedulers (SPEC §2) against float64 references and diffusers."""
+"""RCMScheduler and TrigFlow teacher schedulers (docs/math.md §2) against float64 references and diffusers."""
 
 import math
 
@@ -134,7 +134,7 @@ def test_rcm_step_equals_float64_loop(stochastic):
     for i, t in enumerate(s.timesteps):
         out = s.step(_velocity(x, float(s.sigmas[i])), t, x)
         x = out.prev_sample
-    # reference: SPEC §2.1 written out in float64
+    # reference: docs/math.md §2.1 written out in float64
     r = [_rf(a) for a in [math.atan(80.0), 1.5, 1.4, 1.0]] + [0.0]
     y = r[0] * noise.double()
     for i in range(4):
@@ -206,7 +206,7 @@ def test_teacher_linear_grid_shift_and_unshift():
     r = teacher_rf_grid(n, sigma_max=smax, shift=s)
     r_max = smax / (1 + smax)
     assert len(r) == n + 1 and r[-1] == 0.0 and abs(r[0] - r_max) < 1e-15
-    u_max = r_max / (s - (s - 1) * r_max)  # SPEC §2.2 un-shifted start
+    u_max = r_max / (s - (s - 1) * r_max)  # docs/math.md §2.2 un-shifted start
     u = np.linspace(u_max, 0.0, n + 1)
     assert np.allclose(r, s * u / (1 + (s - 1) * u), atol=1e-14)
 

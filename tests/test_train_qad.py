@@ -1,4 +1,4 @@
-"""``training/qad.py`` end to end on a tiny random Wan (CPU, ``accelerate launch`` with one process) (SPEC §7)."""
+"""``training/qad.py`` end to end on a tiny random Wan (CPU, ``accelerate launch`` with one process) (docs/math.md §7)."""
 
 import copy
 import json

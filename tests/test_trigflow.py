@@ -1,4 +1,4 @@
-"""TrigFlow core (SPEC §1, §3) against float64 math written from the spec."""
+"""TrigFlow core (docs/math.md §1, §3) against float64 math written from the spec."""
 
 import math
 

@@ -42,7 +42,7 @@ def main(argv=None):
     p.add_argument("--ref_steps", type=int, default=50, help="steps of the reference teacher rows")
     p.add_argument("--shift", type=float, default=1.0, help="flow shift of the teacher grid")
     p.add_argument("--sigma_max", type=float, default=80.0, help="student sampler sigma_max")
-    p.add_argument("--mid_t", default="", help="student intermediate TrigFlow angles, e.g. 1.5,1.4,1.0 (default SPEC §2.1)")
+    p.add_argument("--mid_t", default="", help="student intermediate TrigFlow angles, e.g. 1.5,1.4,1.0 (default docs/math.md §2.1)")
     p.add_argument("--time_input", default="bf16", choices=["bf16", "float"],
                    help="time the student network sees; use the time_input it was trained with (RCMConfig.time_input)")
     p.add_argument("--seed", type=int, default=1234)

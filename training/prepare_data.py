@@ -1,4 +1,4 @@
-"""Precompute an rCM latent dataset (SPEC §8) with a pipeline's own VAE and text encoder.
+"""Precompute an rCM latent dataset (docs/math.md §8) with a pipeline's own VAE and text encoder.
 
 Real pairs (folder of media + same-stem .txt captions, or a .jsonl/.csv manifest)::
 
@@ -45,9 +45,9 @@ def parse_args(argv=None):
     ap.add_argument("--negative_prompt", default=None, help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux)")
     ap.add_argument("--no_negative_prompt", action="store_true", help="store no negative embeddings (the trainer's teacher then runs without CFG)")
     ap.add_argument("--max_sequence_length", type=int, default=0, help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling)")
-    ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (SPEC §8: 100)")
-    ap.add_argument("--shift", type=float, default=3.0, help="--synthetic: flow shift of the teacher grid (SPEC §8: 3)")
-    ap.add_argument("--guidance_scale", type=float, default=5.0, help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (SPEC §8: 5); 1 = no CFG")
+    ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (docs/math.md §8: 100)")
+    ap.add_argument("--shift", type=float, default=3.0, help="--synthetic: flow shift of the teacher grid (docs/math.md §8: 3)")
+    ap.add_argument("--guidance_scale", type=float, default=5.0, help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (docs/math.md §8: 5); 1 = no CFG")
     ap.add_argument("--solver", default="euler", choices=["euler", "unipc"], help="--synthetic: TrigFlowEulerScheduler or TrigFlowUniPCScheduler")
     ap.add_argument("--sigma_max", type=float, default=5000.0, help="--synthetic: EDM sigma of the first grid point (r_max = sigma_max / (1 + sigma_max))")
     ap.add_argument("--flux_guidance", type=float, default=3.5, help="--synthetic, Flux-dev: guidance-embedding value")

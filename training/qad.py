@@ -1,7 +1,7 @@
 """Quantization-aware distillation: ``accelerate launch training/qad.py --config training/configs/<name>.yaml [--key value ...]``.
 
 A frozen teacher (a base model, or an rCM few-step student: ``--teacher_lora``) is distilled into
-a student initialised from it whose Linear layers run through low-bit fake quantization (SPEC §7):
+a student initialised from it whose Linear layers run through low-bit fake quantization (docs/math.md §7):
 ``L = alpha ||v_S - (eps - x0)||^2 + (1 - alpha) ||v_S - v_T^g||^2``, with the teacher's CFG folded
 in by the schedule ``s(r)`` (the student runs one branch). Scope ``all`` trains every weight, scope
 ``lora`` a bf16 LoRA on the frozen quantized base. Optional block-wise warm start first.

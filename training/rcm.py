@@ -1,8 +1,8 @@
 """rCM distillation: ``accelerate launch training/rcm.py --config training/configs/<name>.yaml [--key value ...]``.
 
 Distills a rectified-flow teacher (Wan T2V/I2V, Flux) into a 1-4 step student with
-L = L_sCM + lambda L_DMD (SPEC §4). Default mode trains two LoRA adapters on one frozen base
-(SPEC §6). ``--help`` lists every option. Outputs in ``output_dir``: ``env.json``,
+L = L_sCM + lambda L_DMD (docs/math.md §4). Default mode trains two LoRA adapters on one frozen base
+(docs/math.md §6). ``--help`` lists every option. Outputs in ``output_dir``: ``env.json``,
 ``metrics.jsonl``, ``checkpoints/step-*`` (``--resume latest`` continues exactly), and the
 student LoRA (``pytorch_lora_weights.safetensors``, loadable by ``pipe.load_lora_weights``)
 plus its power-EMA variant in ``ema/``.
@@ -72,7 +72,7 @@ def main(argv=None):
     if ckpt and saved.get("world_size") != world:
         changed["world_size"] = [saved.get("world_size"), world]  # the data shards per process change from here on
 
-    # ---- teacher, student, fake score (SPEC §6); adapter init (lora_A) draws from the global RNG: same on every rank
+    # ---- teacher, student, fake score (docs/math.md §6); adapter init (lora_A) draws from the global RNG: same on every rank
     torch.manual_seed(cfg.seed)
     index = R.model_index(cfg.pretrained)
     pipeline_cls = getattr(diffusers, index["_class_name"] if cfg.pipeline_class == "auto" else cfg.pipeline_class)
@@ -97,7 +97,7 @@ def main(argv=None):
             raise SystemExit("FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP (training/accelerate/ddp_8gpu.yaml)")
         FS.shard_frozen_base(transformer, **fsdp)
 
-    # ---- optimizers: separate for student and fake score (SPEC §4.4)
+    # ---- optimizers: separate for student and fake score (docs/math.md §4.4)
     def adamw(params, lr):
         return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
 

@@ -1,6 +1,6 @@
 """Train the embedded digits teacher: ``python training/train_teacher_digits.py [--steps N] [--out DIR]``.
 
-Class-conditional rectified flow (SPEC §1: ``x_r = (1 - r) x0 + r eps``, ``r ~ U[0, 1)``, loss
+Class-conditional rectified flow (docs/math.md §1: ``x_r = (1 - r) x0 + r eps``, ``r ~ U[0, 1)``, loss
 ``||v - (eps - x0)||^2``) on the sklearn digits train split with a tiny ``WanTransformer3DModel``
 and a learned class-embedding table (class dropped to the null row with ``--p_uncond`` for CFG).
 Seeded; writes the EMA weights as a diffusers ``WanPipeline`` directory (rcm_diffusers.digits.save_teacher),

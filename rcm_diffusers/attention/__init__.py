@@ -1,4 +1,4 @@
-"""JVP-capable attention for diffusers transformers (SPEC §5).
+"""JVP-capable attention for diffusers transformers (docs/math.md §5).
 
 ``jvp_attention`` computes attention and its tangent in one fused pass (Triton on CUDA, an exact
 chunked torch path elsewhere); ``enable_jvp_attention(transformer)`` installs processors that make

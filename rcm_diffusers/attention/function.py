@@ -1,4 +1,4 @@
-"""Functional JVP attention, backend choice, input checks, and the forward-mode AD rule (SPEC §5).
+"""Functional JVP attention, backend choice, input checks, and the forward-mode AD rule (docs/math.md §5).
 
 ``jvp_attention`` is the explicit API: primals and tangents in, ``(O, tO)`` out.
 ``attention`` is a drop-in ``softmax(scale Q K^T) V`` on ``[B, S, H, D]`` that PyTorch's forward
@@ -85,7 +85,7 @@ def _check(q, k, v, t_q, t_k, t_v, backend):
 
 def jvp_attention(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, backend: str = "auto", return_lse: bool = False):
     """``(O, tO)`` with ``O = softmax(S) V``, ``S = scale Q K^T`` and
-    ``tO = (P * tS) V - rowsum(P * tS) O + P tV``, ``tS = scale (tQ K^T + Q tK^T)`` (SPEC §5).
+    ``tO = (P * tS) V - rowsum(P * tS) O + P tV``, ``tS = scale (tQ K^T + Q tK^T)`` (docs/math.md §5).
 
     Layout ``[B, S, H, D]``; ``Lq`` may differ from ``Lk``; a ``None`` tangent is zero;
     ``scale`` defaults to ``D**-0.5``. ``return_lse=True`` also returns ``LSE = logsumexp(S)``
@@ -162,7 +162,7 @@ class _JVPAttention(torch.autograd.Function):
 
 
 def attention(q, k, v, scale=None, backend: str = "auto"):
-    """``softmax(scale Q K^T) V`` on ``[B, S, H, D]`` with a forward-AD rule (SPEC §5).
+    """``softmax(scale Q K^T) V`` on ``[B, S, H, D]`` with a forward-AD rule (docs/math.md §5).
 
     No tangent attached: SDPA, with SDPA's backward. Tangents attached (JVP pass): one fused
     ``jvp_attention`` call gives ``O`` and ``tO``; the primal's backward goes through SDPA;

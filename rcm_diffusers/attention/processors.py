@@ -1,5 +1,5 @@
-"""diffusers attention processors for Wan and Flux whose attention has a forward-AD rule (SPEC §5),
-and a float32 switch for the time embedding in JVP passes (SPEC §4.1).
+"""diffusers attention processors for Wan and Flux whose attention has a forward-AD rule (docs/math.md §5),
+and a float32 switch for the time embedding in JVP passes (docs/math.md §4.1).
 
 Outside a JVP pass each processor calls diffusers' ``dispatch_attention_fn`` with the same
 arguments as the stock processor, so outputs and gradients are the stock ones. When the query,
@@ -51,7 +51,7 @@ class _JVPAttend:
         if attn_mask is not None:
             raise ValueError("JVP attention takes no attention mask; Wan and Flux call attention without one")
         if parallel_config is not None:
-            raise NotImplementedError("JVP attention under context parallelism is not implemented (SPEC §5, Ulysses)")
+            raise NotImplementedError("JVP attention under context parallelism is not implemented (docs/math.md §5, Ulysses)")
         return attention(q, k, v, backend=self.backend)
 
 
@@ -66,7 +66,7 @@ def _wan_rotary(x, freqs_cos, freqs_sin):
 class WanJVPAttnProcessor(_JVPAttend):
     """Wan attention (self-attn with RoPE, text cross-attn, I2V image-context branch) with a JVP rule.
 
-    Same computation as diffusers' ``WanAttnProcessor``; attention by ``_attend`` (SPEC §5).
+    Same computation as diffusers' ``WanAttnProcessor``; attention by ``_attend`` (docs/math.md §5).
     """
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
@@ -103,7 +103,7 @@ class WanJVPAttnProcessor(_JVPAttend):
 class FluxJVPAttnProcessor(_JVPAttend):
     """Flux attention (joint text+image blocks and single blocks, RoPE) with a JVP rule.
 
-    Same computation as diffusers' ``FluxAttnProcessor``; attention by ``_attend`` (SPEC §5).
+    Same computation as diffusers' ``FluxAttnProcessor``; attention by ``_attend`` (docs/math.md §5).
     """
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
@@ -139,8 +139,8 @@ def _base(transformer):
 
 def enable_jvp_attention(transformer, backend: str = "auto", fp32_time_embedding: bool = True):
     """Install ``WanJVPAttnProcessor`` / ``FluxJVPAttnProcessor`` on every attention of ``transformer``
-    so ``torch.func.jvp`` runs through it (SPEC §5); with ``fp32_time_embedding`` the time embedding
-    runs in float32 whenever its input carries a tangent (SPEC §4.1). Returns ``transformer``."""
+    so ``torch.func.jvp`` runs through it (docs/math.md §5); with ``fp32_time_embedding`` the time embedding
+    runs in float32 whenever its input carries a tangent (docs/math.md §4.1). Returns ``transformer``."""
     model = _base(transformer)
     new = {}
     for name, proc in model.attn_processors.items():
@@ -222,7 +222,7 @@ def _remove_fp32(model):
 
 @contextlib.contextmanager
 def time_embedding_fp32(transformer):
-    """Within the block every call of the transformer's time embedding runs in float32 (SPEC §4.1),
+    """Within the block every call of the transformer's time embedding runs in float32 (docs/math.md §4.1),
     e.g. for the finite-difference passes of ``fd_type`` 1 and 2, which carry no tangent."""
     model = _base(transformer)
     module = _time_embedding(model)

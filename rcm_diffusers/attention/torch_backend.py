@@ -1,4 +1,4 @@
-"""Exact chunked torch backend of the attention JVP (SPEC §5), the CPU path and a readable reference.
+"""Exact chunked torch backend of the attention JVP (docs/math.md §5), the CPU path and a readable reference.
 
 Queries are processed in chunks of ``chunk`` rows, so the score matrix held at any time is
 ``[B, H, chunk, Lk]``: memory O(chunk * Lk) instead of O(Lq * Lk). Accumulation is float32
@@ -13,7 +13,7 @@ __all__ = ["jvp_attention_torch"]
 
 
 def jvp_attention_torch(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, chunk: int = 1024):
-    """``(O, tO, LSE)`` for ``O = softmax(scale Q K^T) V`` on ``[B, S, H, D]`` (SPEC §5).
+    """``(O, tO, LSE)`` for ``O = softmax(scale Q K^T) V`` on ``[B, S, H, D]`` (docs/math.md §5).
 
     ``tS = scale (tQ K^T + Q tK^T)``, ``tO = (P * tS) V - rowsum(P * tS) O + P tV``,
     ``LSE = logsumexp(S)`` of shape ``[B, H, Lq]`` (float32, or float64 for float64 inputs). A ``None`` tangent counts as zero.
@@ -38,7 +38,7 @@ def jvp_attention_torch(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, chunk
             tS += tQ @ K.transpose(-1, -2)
         if tK is not None:
             tS += Q @ tK.transpose(-1, -2)
-        H_ = P * (scale * tS)  # H~ of SPEC §5, normalised
+        H_ = P * (scale * tS)  # H~ of docs/math.md §5, normalised
         tO = H_ @ V - H_.sum(-1, keepdim=True) * O
         if tV is not None:
             tO = tO + P @ tV

@@ -1,7 +1,7 @@
-"""Fused FlashAttention-2-style forward of attention and its JVP in one pass (SPEC §5).
+"""Fused FlashAttention-2-style forward of attention and its JVP in one pass (docs/math.md §5).
 
 One program owns BLOCK_M query rows of one (batch, head) and streams the K/V tiles once,
-keeping per row the running max ``m`` and the accumulators of SPEC §5 (all float32):
+keeping per row the running max ``m`` and the accumulators of docs/math.md §5 (all float32):
 ``l = sum P~``, ``O~ = P~ V``, ``A~ = P~ tV``, ``r = sum H~``, ``B~ = H~ V`` with ``H~ = P~ * tS``.
 Six matrix products per tile: ``Q K^T``, ``tQ K^T``, ``Q tK^T``, ``P~ V``, ``P~ tV``, ``H~ V``
 (the tangent products are skipped at compile time when a tangent is absent).
@@ -138,7 +138,7 @@ def _autotuned(small_d: bool):
 
 
 def jvp_attention_triton(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, block=None):
-    """Fused ``(O, tO, LSE)`` of SPEC §5 on ``[B, S, H, D]``; inputs already validated.
+    """Fused ``(O, tO, LSE)`` of docs/math.md §5 on ``[B, S, H, D]``; inputs already validated.
 
     ``block=(BLOCK_M, BLOCK_N)`` fixes the tile (default: autotuned on GPU, 16x16 in the interpreter).
     """

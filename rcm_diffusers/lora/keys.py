@@ -544,7 +544,7 @@ def _emit(groups: dict, prefix: str, lora_names: tuple[str, str], arch: str, lay
 
 
 def _patch_embedding_forms(group: dict, layout: str) -> dict:
-    """Wan's patch embedding in the form each layout's loader needs (exact reshapes, SPEC-free).
+    """Wan's patch embedding in the form each layout's loader needs (exact reshapes, no model math).
 
     Weights and full deltas: the Conv3d form ``[dim, C, 1, 2, 2]`` in both layouts (the official
     rCM Linear form ``[dim, C*4]`` is reshaped, see :mod:`.rcm_official`). LoRA factors: the

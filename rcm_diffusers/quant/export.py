@@ -1,4 +1,4 @@
-"""Export a fake-quantized transformer as a ComfyUI-loadable low-bit safetensors file, and read it back (SPEC §7).
+"""Export a fake-quantized transformer as a ComfyUI-loadable low-bit safetensors file, and read it back (docs/math.md §7).
 
 Per quantized layer ``L`` (field names as ComfyUI's ``comfy/quant_ops.py`` ``QUANT_ALGOS`` reads them):
 
@@ -178,7 +178,7 @@ def _rename_wan(keys: list[str]) -> dict[str, str]:
 
 def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", arch: str = "wan",
                      prefix: str = "", check_comfyui: bool = True) -> dict:
-    """Write ``model``'s quantized layers as real low-bit tensors + scales and the rest unchanged (SPEC §7).
+    """Write ``model``'s quantized layers as real low-bit tensors + scales and the rest unchanged (docs/math.md §7).
 
     ``check_comfyui``: refuse (``ValueError``) or warn (``UserWarning``) with the reason when ComfyUI
     would run a layer differently from how it was trained (``comfy_mismatch``); warnings name the
@@ -241,7 +241,7 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
 
 def load_quantized(path) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an ``export_quantized`` file: ``({key: tensor}, layers)`` with each quantized layer's
-    ``weight`` dequantized to float32 exactly as the fake-quant forward computes it (SPEC §7)."""
+    ``weight`` dequantized to float32 exactly as the fake-quant forward computes it (docs/math.md §7)."""
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
         raw = {k: f.get_tensor(k) for k in f.keys()}
@@ -289,7 +289,7 @@ def dequantized_copy(model: torch.nn.Module, path) -> torch.nn.Module:
 
 
 class ComfyRuntimeLinear(torch.nn.Linear):
-    """A Linear layer loaded from an exported file that computes as ComfyUI does (SPEC §7):
+    """A Linear layer loaded from an exported file that computes as ComfyUI does (docs/math.md §7):
     ``y = comfy_act_quant(x) W_hat^T + b`` with ``W_hat`` the dequantized stored weight and the
     activation quantizer of the file's format (``formats.comfy_act_quant``: nvfp4 with the file's
     ``input_scale`` or per call, fp8 with ``input_scale`` or 1.0, int8 per row); ``native=False``:

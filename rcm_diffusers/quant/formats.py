@@ -1,4 +1,4 @@
-"""Low-bit number formats and fake quantization with a straight-through gradient (SPEC §7).
+"""Low-bit number formats and fake quantization with a straight-through gradient (docs/math.md §7).
 
 Written here rather than taken from torchao / modelopt / comfy-kitchen: their NVFP4 and MX
 fake-quant paths either need CUDA (Blackwell kernels) or have no straight-through gradient, and
@@ -75,7 +75,7 @@ def check_format(fmt: str) -> str:
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """Round to the nearest E2M1 value (ties to even mantissa), saturating at +-6 (SPEC §7)."""
+    """Round to the nearest E2M1 value (ties to even mantissa), saturating at +-6 (docs/math.md §7)."""
     a = y.abs()
     # grid step 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6]; torch.round is half-to-even on the step index,
     # and an even step index is an even mantissa in every binade
@@ -84,7 +84,7 @@ def round_e2m1(y: torch.Tensor) -> torch.Tensor:
 
 
 def round_e4m3(y: torch.Tensor) -> torch.Tensor:
-    """Round float32 to the nearest FP8 E4M3 (fn) value, saturating at +-448 (SPEC §7)."""
+    """Round float32 to the nearest FP8 E4M3 (fn) value, saturating at +-448 (docs/math.md §7)."""
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
 
@@ -120,7 +120,7 @@ def _safe(s: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, fmt: str, *, amax: torch.Tensor | float | None = None, per_channel: bool = False,
              pad: bool = True) -> QTensor:
-    """Quantize ``x`` along its last dimension (SPEC §7 formats and scale rules, see the module docstring).
+    """Quantize ``x`` along its last dimension (docs/math.md §7 formats and scale rules, see the module docstring).
 
     ``amax``: a static range (calibrated activations); ``x`` is clipped to ``+-amax`` first and the
     per-tensor scales (NVFP4 ``s2``, FP8/INT8 ``s``) use it. ``None``: scales from ``x`` itself.
@@ -166,7 +166,7 @@ def quantize(x: torch.Tensor, fmt: str, *, amax: torch.Tensor | float | None = N
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x_hat`` of a ``QTensor`` in ``dtype`` (SPEC §7): ``values * scale`` (NVFP4: ``values * (scale_2 * scale)``)."""
+    """``x_hat`` of a ``QTensor`` in ``dtype`` (docs/math.md §7): ``values * scale`` (NVFP4: ``values * (scale_2 * scale)``)."""
     if q.fmt in ("nvfp4", "mxfp4"):
         s = q.scale if q.scale_2 is None else q.scale_2 * q.scale
         y = (q.values * s[..., None]).flatten(-2)[..., : q.shape[-1]]
@@ -192,7 +192,7 @@ class _FakeQuant(torch.autograd.Function):
 
 
 def fake_quant(x: torch.Tensor, fmt: str, *, amax=None, per_channel: bool = False, pad: bool = True) -> torch.Tensor:
-    """Quantize -> dequantize in the forward pass, straight-through gradient in the backward (SPEC §7).
+    """Quantize -> dequantize in the forward pass, straight-through gradient in the backward (docs/math.md §7).
 
     ``dx = dy`` where ``|x| <= amax`` (everywhere when ``amax`` is None), ``0`` elsewhere.
     NaN/inf in ``x`` are not checked here (one device sync per call); calibration and export check.
@@ -275,5 +275,5 @@ class _ComfyActQuant(torch.autograd.Function):
 
 def comfy_act_fake_quant(x: torch.Tensor, fmt: str, input_scale=None) -> torch.Tensor:
     """``comfy_act_quant`` in the forward pass, straight-through gradient inside the representable range
-    (0 where an element saturates) in the backward (SPEC §7)."""
+    (0 where an element saturates) in the backward (docs/math.md §7)."""
     return _ComfyActQuant.apply(x, fmt, input_scale)

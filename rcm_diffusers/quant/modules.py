@@ -1,4 +1,4 @@
-"""Fake-quantized Linear layers over a diffusers Wan / Flux transformer (SPEC §7).
+"""Fake-quantized Linear layers over a diffusers Wan / Flux transformer (docs/math.md §7).
 
 ``quantize_transformer(model, "nvfp4")`` swaps every ``nn.Linear`` whose dotted name is not
 excluded for a ``QuantLinear`` (a ``nn.Linear`` subclass: same parameters, same state-dict keys,
@@ -43,7 +43,7 @@ DEFAULT_EXCLUDE = (
 
 
 class QuantLinear(torch.nn.Linear):
-    """``y = x_hat W_hat^T + b`` with ``W_hat = fake_quant(W)`` and ``x_hat = fake_quant(x, amax)`` (SPEC §7).
+    """``y = x_hat W_hat^T + b`` with ``W_hat = fake_quant(W)`` and ``x_hat = fake_quant(x, amax)`` (docs/math.md §7).
 
     Weights: dynamic scales (NVFP4 / MXFP4 blocks; FP8 per tensor or, with ``per_channel``, per
     row; INT8 per row). Activations (``act_fmt``): static per-tensor range ``input_amax``.
@@ -155,7 +155,7 @@ def quantize_transformer(model: torch.nn.Module, fmt: str = "nvfp4", *, act_fmt:
                          per_channel: bool | None = None, exclude=DEFAULT_EXCLUDE, extra_exclude=(),
                          overrides: dict | None = None, target: str = "fake",
                          act_scale: str = "static") -> dict[str, QuantLinear]:
-    """Swap ``model``'s Linear layers for ``QuantLinear`` in place; return ``{name: QuantLinear}`` (SPEC §7).
+    """Swap ``model``'s Linear layers for ``QuantLinear`` in place; return ``{name: QuantLinear}`` (docs/math.md §7).
 
     A layer is skipped when its name matches ``exclude`` or ``extra_exclude``, unless an
     ``overrides`` pattern names a format for it (``None`` as the format skips it). ``target`` /

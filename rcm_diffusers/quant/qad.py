@@ -1,8 +1,8 @@
-"""Quantization-aware distillation objective and the block-wise warm start (SPEC §7).
+"""Quantization-aware distillation objective and the block-wise warm start (docs/math.md §7).
 
 QAD: the student (fake-quantized linears) matches the frozen teacher's *guided* velocity with
 CFG folded in, plus flow matching on real data, in the rectified-flow frame
-``x_r = (1 - r) x0 + r eps``, ``v = eps - x0`` (SPEC §1):
+``x_r = (1 - r) x0 + r eps``, ``v = eps - x0`` (docs/math.md §1):
 
     L = alpha * ||v_S(x_r, r) - (eps - x0)||^2 + (1 - alpha) * ||v_S(x_r, r) - v_T^g(x_r, r)||^2
     v_T^g = v_T(x_r, r, uncond) + s(r) * (v_T(x_r, r, cond) - v_T(x_r, r, uncond))
@@ -30,7 +30,7 @@ __all__ = ["GuidanceSchedule", "sample_r", "qad_loss", "transformer_blocks", "re
 
 
 class GuidanceSchedule:
-    """Piecewise-linear ``s(r)`` through knots ``[(r_0, s_0), (r_1, s_1), ...]``, constant beyond the ends (SPEC §7)."""
+    """Piecewise-linear ``s(r)`` through knots ``[(r_0, s_0), (r_1, s_1), ...]``, constant beyond the ends (docs/math.md §7)."""
 
     def __init__(self, knots):
         knots = [(float(r), float(s)) for r, s in (knots if not isinstance(knots, (int, float)) else [(0.0, knots)])]
@@ -73,7 +73,7 @@ def _bc(r, x):
 
 def qad_loss(student_v, teacher_v, x0, cond, uncond, *, alpha: float, guidance: GuidanceSchedule, generator=None,
              shift: float = 1.0, times=None, model_dtype=None):
-    """Per-sample ``alpha L_FM + (1 - alpha) L_distill`` (SPEC §7, see module docstring) and a dict of logged floats.
+    """Per-sample ``alpha L_FM + (1 - alpha) L_distill`` (docs/math.md §7, see module docstring) and a dict of logged floats.
 
     ``student_v`` / ``teacher_v``: ``v(x_r, r, **cond)`` (``rcm_diffusers.models.velocity_fn``); ``x0`` float64.
     """
@@ -121,7 +121,7 @@ def _tensors(y):
 
 
 def relative_error(y_q, y_t) -> torch.Tensor:
-    """``sum_k ||y_q,k - y_t,k||^2 / ||y_t,k||^2`` over the block's tensor outputs (SPEC §7 warm start)."""
+    """``sum_k ||y_q,k - y_t,k||^2 / ||y_t,k||^2`` over the block's tensor outputs (docs/math.md §7 warm start)."""
     return sum(((q.float() - t.float()) ** 2).sum() / (t.float() ** 2).sum().clamp_min(1e-30)
                for q, t in zip(_tensors(y_q), _tensors(y_t)))
 
@@ -157,7 +157,7 @@ def _capture(teacher, run_teacher, blocks_t):
 
 def blockwise_warm_start(student, teacher, run_batches, *, steps_per_batch: int = 1, lr: float = 1e-4,
                          max_grad_norm: float = 1.0, optimizer_cls=torch.optim.AdamW) -> list[BlockStats]:
-    """Align every student block to the teacher block on the teacher's block input (SPEC §7).
+    """Align every student block to the teacher block on the teacher's block input (docs/math.md §7).
 
     ``run_batches``: iterable of callables ``f(model)`` that run one forward pass of a batch.
     Per batch the teacher runs once (hooks store each block's input/output without a graph);

@@ -1,4 +1,4 @@
-"""The pieces of the QAD run (SPEC §7) that ``training/qad.py`` strings together: the teacher (a base
+"""The pieces of the QAD run (docs/math.md §7) that ``training/qad.py`` strings together: the teacher (a base
 model, or an rCM student LoRA fused into it), the quantized student in scope ``all`` or ``lora``,
 training times, activation calibration, a fixed-seed distillation probe and the exports.
 
@@ -45,7 +45,7 @@ def fuse_lora_file(transformer, path: str) -> None:
 
 
 def build_student(teacher, cfg):
-    """Quantized student initialised from ``teacher`` (SPEC §7); returns ``(student, {name: QuantLinear})``.
+    """Quantized student initialised from ``teacher`` (docs/math.md §7); returns ``(student, {name: QuantLinear})``.
 
     The arithmetic is ``cfg.resolved_target`` (``comfyui``: what ComfyUI runs for the format; ``fake``:
     ``format`` / ``act_format`` as given). Scope ``all``: a full copy whose every weight trains through the fake quantizer. Scope ``lora``:
@@ -79,7 +79,7 @@ def build_student(teacher, cfg):
 
 
 def training_times(cfg) -> list[float] | None:
-    """``None`` (shifted uniform r) or the rCM student's ``rcm_steps`` sampling times ``r_k > 0`` (SPEC §2.1)."""
+    """``None`` (shifted uniform r) or the rCM student's ``rcm_steps`` sampling times ``r_k > 0`` (docs/math.md §2.1)."""
     if cfg.r_source != "rcm":
         return None
     from ..sampling import DEFAULT_MID_T
@@ -187,7 +187,7 @@ def full_delta(student, teacher) -> dict:
 
 def save_full_delta(student, teacher, path: str, arch: str, metadata: dict) -> dict:
     """The bf16 full-weight delta (``full_delta``) in ComfyUI's LoRA layout (``.diff`` / ``.diff_b``),
-    written atomically: ``teacher + delta`` is the trained student (SPEC §7 export)."""
+    written atomically: ``teacher + delta`` is the trained student (docs/math.md §7 export)."""
     from ..lora.io import save_lora
 
     return save_lora(path, full_delta(student, teacher), arch=arch, format="comfyui", metadata=metadata)
