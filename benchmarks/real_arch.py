@@ -138,7 +138,8 @@ def param_counts(arch: str, overrides: dict, rank: int) -> dict:
 
 def write_train_config(path: str, args, pretrained: str, data: str, out: str, fd_type: int, gc: bool) -> None:
     bf16 = args.dtype == "bfloat16"
-    cfg = {"pretrained": pretrained, "data_dir": data, "output_dir": out, "mode": "shared", "lora_rank": args.rank,
+    # the run folder is this benchmark's scratch: a rerun replaces it (the trainer refuses a used folder otherwise)
+    cfg = {"pretrained": pretrained, "data_dir": data, "output_dir": out, "overwrite": True, "mode": "shared", "lora_rank": args.rank,
            "weight_dtype": args.dtype, "mixed_precision": "bf16" if bf16 else "no", "gradient_checkpointing": gc,
            "fd_type": fd_type, "batch_size": 1, "max_steps": args.steps,
            # iteration 0: student sCM + DMD, 1: fake score, 2: student sCM + DMD with 2 simulation steps
