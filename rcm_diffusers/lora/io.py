@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import contextlib
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -41,20 +42,28 @@ def _check_file_target(path: Path) -> None:
         raise ValueError(f"cannot write {path}: {path.parent} is a file, not a folder")
 
 
-def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> Path:
-    """Write a safetensors file via a temp file in the same folder and ``os.replace``."""
-    path = Path(path)
-    _check_file_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def atomic_target(path: Path):
+    """Yield a temp file path beside ``path``; on success it is ``os.replace``d onto ``path``, on any error
+    it is deleted (the target is never half-written)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> Path:
+    """Write a safetensors file via a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    _check_file_target(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_target(path) as tmp:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
     return path
 
 
@@ -84,9 +93,8 @@ def stream_safetensors(path, specs: list[tuple[str, tuple, torch.dtype]], tensor
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    with atomic_target(path) as tmp:
+        with open(tmp, "wb") as f:
             f.write(len(raw).to_bytes(8, "little"))
             f.write(raw)
             it = iter(tensors)
@@ -96,11 +104,6 @@ def stream_safetensors(path, specs: list[tuple[str, tuple, torch.dtype]], tensor
                     raise RuntimeError(f"stream_safetensors: expected {name} {tuple(shape)} {dtype}, "
                                        f"got {got_name} {tuple(t.shape)} {t.dtype}")
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return path
 
 

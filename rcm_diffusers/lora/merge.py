@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointReader, in_layout_of
-from .io import stream_safetensors
+from .io import atomic_target, stream_safetensors
 from .keys import _FUSED_FROM, _split, detect_arch, detect_format, lora_modules, to_diffusers, to_original
 from .rcm_official import is_patch_embedding
 
@@ -302,23 +301,14 @@ def _write_rcm(reader, fn, out: Path, arch: str, src_format: str, progress: bool
         for k, v in _convert({k: fn(k, reader[k]) for k in unit}, arch, "comfyui", src_format).items():
             sd["net." + k] = patch_embedding_to_linear(v) if k == "patch_embedding.weight" else v
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_target(out) as tmp:
         torch.save(sd, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return out
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    with atomic_target(path) as tmp, open(tmp, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def merge_lora_to(out, base, lora: dict, weight: float = 1.0, layout: str = "comfyui", on_missing: str = "error",
