@@ -30,7 +30,15 @@ class RCMConfig:
 
     # model (docs/math.md §1, §6)
     pretrained: str = opt("", "diffusers pipeline directory or hub id holding the teacher transformer")
-    transformer_subfolder: str = opt("transformer", "subfolder of the transformer to distill (Wan2.2 A14B: 'transformer' = high-noise expert, 'transformer_2' = low-noise expert)")
+    transformer_subfolder: str = opt("transformer", "subfolder of the transformer to distill when one network is trained (experts one; Wan2.2 A14B: 'transformer' = high-noise expert, 'transformer_2' = low-noise expert)")
+    experts: str = opt("auto", "Wan 2.2 two-expert pipelines (transformer_2 + boundary_ratio): 'both' = distil both experts in one run, "
+                       "each call routed to the expert that owns its time (docs/math.md §6.1); 'one' = only transformer_subfolder; "
+                       "'auto' = both when the pipeline has two experts")
+    boundary_ratio: float = opt(0.0, "two experts: RF time r of the switch, transformer for 1000 r >= 1000 boundary_ratio (0 = the pipeline's boundary_ratio)")
+    expert_sampling: str = opt("balanced", "two experts, sCM times: 'balanced' = each sample's expert is the high-noise one with probability "
+                               "high_noise_share and its time is drawn from p_G restricted to that expert; 'natural' = p_G as is "
+                               "(the high-noise expert then gets only P(sigma >= b / (1 - b)) of the samples)")
+    high_noise_share: float = opt(0.5, "two experts, expert_sampling balanced: fraction of sCM samples given to the high-noise expert")
     pipeline_class: str = opt("auto", "diffusers pipeline class used to save/load the LoRA and for sample grids ('auto' = from model_index.json)")
     weight_dtype: str = opt("float32", "dtype of the frozen base weights: float32 | bfloat16")
     mixed_precision: str = opt("no", "accelerate mixed precision: no | bf16 | fp16")
@@ -107,6 +115,14 @@ class RCMConfig:
             bad("fd_type", "use 0, 1 or 2")
         if self.time_input not in TIME_INPUTS:
             bad("time_input", f"use one of {TIME_INPUTS}")
+        if self.experts not in ("auto", "both", "one"):
+            bad("experts", "use 'auto', 'both' or 'one'")
+        if not 0 <= self.boundary_ratio < 1:
+            bad("boundary_ratio", "must lie in (0, 1), or 0 for the pipeline's value")
+        if self.expert_sampling not in ("balanced", "natural"):
+            bad("expert_sampling", "use 'balanced' or 'natural'")
+        if not 0 < self.high_noise_share < 1:
+            bad("high_noise_share", "must lie strictly between 0 and 1 (each expert needs samples)")
         if self.loss_reduction not in ("mean", "sum"):
             bad("loss_reduction", "use 'mean' or 'sum'")
         if self.weight_dtype not in ("float32", "bfloat16", "float16"):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ASSETS", "TEACHER_DIR", "CLASSIFIER_PATH", "NUM_CLASSES", "NULL_CLASS", "TEXT_LEN", "TEXT_DIM", "SPLIT_SEED",
+    "ASSETS", "TEACHER_DIR", "TEACHER2_DIR", "CLASSIFIER_PATH", "NUM_CLASSES", "NULL_CLASS", "TEXT_LEN", "TEXT_DIM", "SPLIT_SEED",
     "load_digits_split", "to_pixels", "teacher_config", "build_teacher", "init_class_embeddings",
     "save_teacher", "load_teacher", "load_student", "write_latent_dataset_for", "DigitClassifier",
     "train_classifier", "load_classifier", "frechet_distance", "within_class_diversity", "Evaluator",
@@ -42,6 +42,8 @@ __all__ = [
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TEACHER_DIR = os.path.join(ASSETS, "digits_teacher")
+#: the two-expert teacher (Wan 2.2 layout: transformer = high-noise, transformer_2 = low-noise expert, boundary_ratio)
+TEACHER2_DIR = os.path.join(ASSETS, "digits_teacher_2expert")
 CLASSIFIER_PATH = os.path.join(ASSETS, "digits_classifier.safetensors")
 NUM_CLASSES = 10
 NULL_CLASS = 10
@@ -106,10 +108,12 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_teacher(out_dir: str, transformer, class_embeddings: torch.Tensor, extra_meta: dict | None = None) -> str:
+def save_teacher(out_dir: str, transformer, class_embeddings: torch.Tensor, extra_meta: dict | None = None,
+                 transformer_2=None, boundary_ratio: float | None = None) -> str:
     """Write a diffusers ``WanPipeline`` directory (transformer + teacher scheduler, no VAE/text encoder) plus
     ``class_embeddings.safetensors`` (``prompt_embeds`` ``[10, L, D]``, ``negative_prompt_embeds`` ``[1, L, D]``);
-    built in ``out_dir.tmp`` and renamed into place."""
+    with ``transformer_2`` and ``boundary_ratio`` the Wan 2.2 two-expert layout. Built in ``out_dir.tmp`` and
+    renamed into place."""
     from diffusers import WanPipeline
     from safetensors.torch import save_file
 
@@ -119,7 +123,8 @@ def save_teacher(out_dir: str, transformer, class_embeddings: torch.Tensor, extr
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer.float().eval(),
-                       scheduler=TrigFlowEulerScheduler())
+                       scheduler=TrigFlowEulerScheduler(),
+                       transformer_2=None if transformer_2 is None else transformer_2.float().eval(), boundary_ratio=boundary_ratio)
     pipe.save_pretrained(tmp, safe_serialization=True)
     emb = class_embeddings.detach().float().cpu()
     save_file({"prompt_embeds": emb[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": emb[NULL_CLASS:].contiguous()},
@@ -132,11 +137,18 @@ def save_teacher(out_dir: str, transformer, class_embeddings: torch.Tensor, extr
 
 
 def load_teacher(path: str = TEACHER_DIR, device="cpu"):
-    """``(transformer, class_embeddings [11, L, D])`` from a :func:`save_teacher` directory (eval mode, float32)."""
+    """``(transformer, class_embeddings [11, L, D])`` from a :func:`save_teacher` directory (eval mode, float32); a
+    two-expert directory gives a ``rcm_diffusers.experts.WanExpertSwitch`` (the pipeline's expert rule per sample)."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
+    from .experts import LOW, WanExpertSwitch, pipeline_boundary_ratio
+
     tr = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32).to(device).eval()
+    b = pipeline_boundary_ratio(path)
+    if b is not None:
+        tr2 = WanTransformer3DModel.from_pretrained(path, subfolder=LOW, torch_dtype=torch.float32).to(device).eval()
+        tr = WanExpertSwitch(tr, tr2, b).eval()
     e = load_file(os.path.join(path, "class_embeddings.safetensors"))
     return tr, torch.cat([e["prompt_embeds"], e["negative_prompt_embeds"]]).to(device)
 

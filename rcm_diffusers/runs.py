@@ -177,7 +177,9 @@ _SHAPES = "the checkpoint's weights and optimizer states have the old shapes"
 _STREAM = "every batch, noise draw and alternation step is a function of it and of the step already reached"
 _START = "it acts only at the start of a run (already done)"
 FIXED_ON_RESUME = {
-    "RCMConfig": {"transformer_subfolder": "the checkpoint belongs to the other expert", "mode": _SHAPES, "lora_rank": _SHAPES,
+    "RCMConfig": {"transformer_subfolder": "the checkpoint belongs to the other expert",
+                  "experts": "the checkpoint holds adapters of the old set of experts", "boundary_ratio": "each expert was trained on the old side of the switch",
+                  "mode": _SHAPES, "lora_rank": _SHAPES,
                   "lora_alpha": "the trained adapter was scaled by the old alpha", "fake_lora_rank": _SHAPES,
                   "lora_target_modules": _SHAPES, "weight_dtype": _SHAPES, "use_dmd": "the fake score network and its optimizer",
                   "seed": _STREAM, "batch_size": _STREAM, "tangent_warmup": _STREAM, "student_update_freq": _STREAM,

@@ -19,10 +19,12 @@ import torch
 
 from . import losses as L
 from .alternation import StepPlan
-from .trigflow import sample_p_D, sample_p_G, trigflow_noise
+from .experts import sample_p_G_experts, switch_of
+from .models import network_timestep
+from .trigflow import sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
-__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "fake_step", "TrainState", "SpikeGuard",
-           "MetricsWriter", "latest_checkpoint", "env_snapshot", "save_student_lora", "sample_student",
+__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "fake_step", "TrainState", "SpikeGuard",
+           "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
            "lr_warmup_lambda"]
 
 F64 = torch.float64
@@ -86,15 +88,32 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
         backward(cfg.dmd_weight * batch_reduce(l_dmd, cfg.loss_reduction), last=cfg.scm_weight == 0)
         logs.update(loss_dmd=float(l_dmd.detach().mean()), nan_dmd=info["nan"], dmd_w=info["w"], n_sim=plan.n_sim)
     if cfg.scm_weight > 0:
-        t = sample_p_G(B, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=dev)
+        sw = switch_of(nets.modules["student"])
+        t = scm_times(sw, B, cfg, noise_multiplier, generator, dev)
         eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(x0, eps, t)
         F_T = teacher_F(nets, x_t, t, cond, uncond, cfg.guidance_scale)
-        l_scm, info = L.scm_loss(nets.F_fn("student", cond), x_t, t, F_T, step=plan.student_eff,
-                                 tangent_warmup=cfg.tangent_warmup, fd_type=cfg.fd_type, h=cfg.fd_h)
+        # two experts: every student call of the term (t, and t - h for fd_type 1/2) stays on the expert owning t
+        high = None if sw is None else sw.is_high(network_timestep(t_to_r(t), 1000.0, nets.time_input))
+        with nullcontext() if sw is None else sw.pinned(high):
+            l_scm, info = L.scm_loss(nets.F_fn("student", cond), x_t, t, F_T, step=plan.student_eff,
+                                     tangent_warmup=cfg.tangent_warmup, fd_type=cfg.fd_type, h=cfg.fd_h)
         backward(cfg.scm_weight * batch_reduce(l_scm, cfg.loss_reduction), last=True)
         logs.update(loss_scm=float(l_scm.detach().mean()), nan_scm=info["nan"], g_norm=info["g_norm"], warmup_r=info["r"])
+        if high is not None:
+            logs["scm_high"] = int(high.sum())
     return logs
+
+
+def scm_times(switch, B: int, cfg, noise_multiplier: float, generator, device) -> torch.Tensor:
+    """sCM angles: ``p_G`` (docs/math.md §3); with two experts and ``expert_sampling="balanced"`` each sample is
+    the high-noise expert's with probability ``high_noise_share`` and its angle comes from ``p_G`` restricted
+    to that expert's side of the boundary (docs/math.md §6.1)."""
+    if switch is None or cfg.expert_sampling == "natural":
+        return sample_p_G(B, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=device)
+    high = torch.rand(B, dtype=F64, generator=generator, device=device) < cfg.high_noise_share
+    return sample_p_G_experts(high, switch.boundary_ratio, cfg.P_mean, cfg.P_std, noise_multiplier,
+                              generator=generator, device=device)
 
 
 def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, device):
@@ -280,6 +299,61 @@ def env_snapshot(path: str, cfg, extra: dict | None = None) -> dict:
         json.dump(snap, f, indent=1, default=str)
     os.replace(tmp, path)
     return snap
+
+
+def load_transformer(transformer_cls, cfg, index: dict, dtype, device, log=print):
+    """The teacher network of a run: ``cfg.transformer_subfolder``, or -- for a two-expert pipeline with
+    ``cfg.experts`` ``both``/``auto`` -- ``transformer`` and ``transformer_2`` as one ``WanExpertSwitch`` at
+    ``cfg.boundary_ratio`` (0 = the pipeline's ``boundary_ratio``) (docs/math.md §6.1)."""
+    from .experts import HIGH, LOW, WanExpertSwitch, index_boundary_ratio
+
+    def load(sub):
+        return transformer_cls.from_pretrained(cfg.pretrained, subfolder=sub, torch_dtype=dtype).to(device)
+
+    b = index_boundary_ratio(index)
+    if cfg.experts == "both" and b is None and not cfg.boundary_ratio:
+        raise SystemExit(f"--experts both: {cfg.pretrained} has no transformer_2 with a boundary_ratio in model_index.json; "
+                         "use --experts one, or set --boundary_ratio for a pipeline that has transformer_2")
+    if cfg.experts == "one" or (cfg.experts == "auto" and b is None):
+        return load(cfg.transformer_subfolder)
+    if not index.get(LOW) or index[LOW][0] is None:
+        raise SystemExit(f"--experts {cfg.experts}: {cfg.pretrained} has no transformer_2")
+    b = cfg.boundary_ratio or b
+    log(f"two experts: {HIGH} (high noise, 1000 r >= {1000 * b:g}) and {LOW} (low noise) trained in one run")
+    return WanExpertSwitch(load(HIGH), load(LOW), b)
+
+
+def export_student(pipeline_cls, cfg, base, ema) -> None:
+    """Write the student: its LoRA (``pytorch_lora_weights.safetensors``, diffusers ``save_lora_weights``) and the EMA
+    variant in ``ema/`` (shared mode), or ``student_transformer/`` (full mode). Two experts: the high-noise
+    expert's files where a one-network run puts them, the low-noise expert's in a ``transformer_2/`` subfolder
+    of each (``rcm_diffusers.lora.load_rcm_lora`` loads the pair)."""
+    from .experts import HIGH, LOW, expert_lora_weights, switch_of
+
+    sw = switch_of(base)
+    parts = [("", HIGH, sw.transformer), (LOW, LOW, sw.transformer_2)] if sw is not None else [("", None, base)]
+    shadow = None if ema is None else ema.shadow
+    for sub, expert, model in parts:
+        def pick(w):
+            return w if expert is None else expert_lora_weights(w, expert)
+
+        if cfg.mode == "shared":
+            lora_cfg = model.peft_config["student"]
+            save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, sub), model, lora_cfg)
+            if shadow is not None:
+                save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, "ema", sub), model, lora_cfg, weights=pick(shadow))
+            continue
+        name = "student_" + (LOW if sub else "transformer")
+        model.save_pretrained(os.path.join(cfg.output_dir, name))
+        if shadow is not None:
+            with torch.no_grad():
+                live = dict(model.named_parameters())
+                backup = {k: p.detach().clone() for k, p in live.items()}
+                for k, v in pick(shadow).items():
+                    live[k].copy_(v)
+                model.save_pretrained(os.path.join(cfg.output_dir, "ema", name))
+                for k, p in live.items():
+                    p.copy_(backup[k])
 
 
 def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weights: dict | None = None) -> None:

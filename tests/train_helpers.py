@@ -34,6 +34,31 @@ def make_tiny_wan(root: str) -> str:
     return root
 
 
+def make_tiny_wan2(root: str, i2v: bool = False, boundary_ratio: float = 0.875) -> str:
+    """Save a tiny Wan 2.2-style two-expert pipeline (``transformer`` high noise, ``transformer_2`` low noise,
+    ``boundary_ratio``): ``WanPipeline`` or, with ``i2v``, ``WanImageToVideoPipeline`` (image latents + mask on the
+    channels, no CLIP image branch, as Wan2.2-I2V-A14B)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
+
+    if os.path.exists(os.path.join(root, "model_index.json")):
+        return root
+
+    def expert(seed):
+        torch.manual_seed(seed)
+        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                     in_channels=12 if i2v else 4, out_channels=4, text_dim=TEXT_DIM, freq_dim=32,
+                                     ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    kw = dict(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+              transformer=expert(1), transformer_2=expert(2), boundary_ratio=boundary_ratio)
+    pipe = WanImageToVideoPipeline(image_encoder=None, image_processor=None, **kw) if i2v else WanPipeline(**kw)
+    pipe.save_pretrained(root)
+    return root
+
+
 def tiny_flux_transformer():
     from diffusers import FluxTransformer2DModel
 
@@ -66,13 +91,15 @@ def make_dataset(root: str, family: str, n: int = 16, classes: int = 3) -> str:
         return root
     g = torch.Generator().manual_seed(0)
     label = torch.arange(n) % classes
-    shape = (4, 1, 4, 4) if family == "wan" else (4, 4, 4)
+    shape = (4, 1, 4, 4) if family.startswith("wan") else (4, 4, 4)
     means = torch.randn(classes, *shape, generator=g)
     lat = means[label] + 0.3 * torch.randn(n, *shape, generator=g)
     tables = {"prompt_embeds": torch.randn(classes, TEXT_LEN, TEXT_DIM, generator=g),
               "negative_prompt_embeds": torch.zeros(1, TEXT_LEN, TEXT_DIM)}
     index = {"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}
     samples = {"latents": lat, "prompt_index": label}
+    if family == "wan_i2v":  # first-frame mask (4 channels) + the image latents, as WanImageToVideoPipeline builds them
+        samples["condition"] = torch.cat([torch.ones(n, 4, 1, 4, 4), lat + 0.1 * torch.randn(n, *shape, generator=g)], dim=1)
     if family == "flux":
         tables["pooled_prompt_embeds"] = torch.randn(classes, 8, generator=g)
         index["pooled_prompt_embeds"] = "prompt_index"

@@ -35,6 +35,7 @@ from rcm_diffusers.alternation import plan_step  # noqa: E402
 from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
 from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
 from rcm_diffusers.ema import PowerEMA  # noqa: E402
+from rcm_diffusers.experts import switch_of  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "digits.yaml")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,8 +78,7 @@ def main(argv=None):
     index = R.model_index(cfg.pretrained)
     pipeline_cls = getattr(diffusers, index["_class_name"] if cfg.pipeline_class == "auto" else cfg.pipeline_class)
     transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
-    transformer = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder,
-                                                  torch_dtype=DTYPES[cfg.weight_dtype]).to(device)
+    transformer = T.load_transformer(transformer_cls, cfg, index, DTYPES[cfg.weight_dtype], device, accelerator.print)
     nets, trainable = Networks.build(transformer, cfg.mode, with_fake=cfg.use_dmd, lora_rank=cfg.lora_rank,
                                      lora_alpha=cfg.lora_alpha or None, lora_target_modules=cfg.lora_target_modules or None,
                                      fake_lora_rank=cfg.fake_lora_rank or None, time_input=cfg.time_input)
@@ -93,6 +93,8 @@ def main(argv=None):
         for m in {id(m): m for m in nets.modules.values()}.values():
             enable_jvp_attention(m)
     if fsdp:
+        if switch_of(transformer) is not None:
+            raise SystemExit("FSDP2 with two experts is not supported yet: use DDP (training/accelerate/ddp_8gpu.yaml) or --experts one")
         if cfg.mode != "shared":
             raise SystemExit("FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP (training/accelerate/ddp_8gpu.yaml)")
         FS.shard_frozen_base(transformer, **fsdp)
@@ -216,23 +218,7 @@ def main(argv=None):
     # ---- final checkpoint and exports
     checkpointer.save(cfg.output_dir, state.step, dataclasses.asdict(cfg), cfg.checkpoints_total_limit)
     if accelerator.is_main_process:
-        base = accelerator.unwrap_model(nets.modules["student"])
-        if cfg.mode == "shared":
-            lora_cfg = base.peft_config["student"]
-            T.save_student_lora(pipeline_cls, cfg.output_dir, base, lora_cfg)
-            if ema is not None:
-                T.save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, "ema"), base, lora_cfg, weights=ema.shadow)
-        else:
-            base.save_pretrained(os.path.join(cfg.output_dir, "student_transformer"))
-            if ema is not None:
-                with torch.no_grad():
-                    live = nets.trainable_parameters("student")
-                    backup = {k: p.detach().clone() for k, p in live.items()}
-                    for k, p in live.items():
-                        p.copy_(ema.shadow[k])
-                    base.save_pretrained(os.path.join(cfg.output_dir, "ema", "student_transformer"))
-                    for k, p in live.items():
-                        p.copy_(backup[k])
+        T.export_student(pipeline_cls, cfg, accelerator.unwrap_model(nets.modules["student"]), ema)
         if cfg.sample_every:
             T.write_samples(nets, data, cfg, state.step, device, transformer, decoder=decoder)
         # written last and atomically: its presence means the run and its exports are complete

@@ -137,11 +137,24 @@ def _base(transformer):
     return _base_model(transformer)
 
 
+def _parts(transformer) -> list:
+    """The diffusers models behind ``transformer``: both experts of a ``WanExpertSwitch``, else the one model."""
+    from ..experts import WanExpertSwitch
+
+    model = _base(transformer)
+    return list(model.experts.values()) if isinstance(model, WanExpertSwitch) else [model]
+
+
 def enable_jvp_attention(transformer, backend: str = "auto", fp32_time_embedding: bool = True):
     """Install ``WanJVPAttnProcessor`` / ``FluxJVPAttnProcessor`` on every attention of ``transformer``
     so ``torch.func.jvp`` runs through it (docs/math.md §5); with ``fp32_time_embedding`` the time embedding
     runs in float32 whenever its input carries a tangent (docs/math.md §4.1). Returns ``transformer``."""
-    model = _base(transformer)
+    for model in _parts(transformer):
+        _enable(model, backend, fp32_time_embedding)
+    return transformer
+
+
+def _enable(model, backend: str, fp32_time_embedding: bool) -> None:
     new = {}
     for name, proc in model.attn_processors.items():
         if isinstance(proc, _JVPAttend):
@@ -157,15 +170,14 @@ def enable_jvp_attention(transformer, backend: str = "auto", fp32_time_embedding
     model.set_attn_processor(new)
     if fp32_time_embedding:
         _install_fp32(model, jvp_only=True)
-    return transformer
 
 
 def disable_jvp_attention(transformer):
     """Put back the processors ``enable_jvp_attention`` replaced and the stock time embedding."""
-    model = _base(transformer)
-    procs = {n: (p.stock if isinstance(p, _JVPAttend) and p.stock is not None else p) for n, p in model.attn_processors.items()}
-    model.set_attn_processor(procs)
-    _remove_fp32(model)
+    for model in _parts(transformer):
+        procs = {n: (p.stock if isinstance(p, _JVPAttend) and p.stock is not None else p) for n, p in model.attn_processors.items()}
+        model.set_attn_processor(procs)
+        _remove_fp32(model)
     return transformer
 
 
@@ -224,14 +236,16 @@ def _remove_fp32(model):
 def time_embedding_fp32(transformer):
     """Within the block every call of the transformer's time embedding runs in float32 (docs/math.md §4.1),
     e.g. for the finite-difference passes of ``fd_type`` 1 and 2, which carry no tangent."""
-    model = _base(transformer)
-    module = _time_embedding(model)
-    before = dict(module._rcm_fp32) if "_rcm_fp32" in module.__dict__ else None
-    _install_fp32(model, jvp_only=False)
+    saved = []
+    for model in _parts(transformer):
+        module = _time_embedding(model)
+        saved.append((model, module, dict(module._rcm_fp32) if "_rcm_fp32" in module.__dict__ else None))
+        _install_fp32(model, jvp_only=False)
     try:
         yield transformer
     finally:
-        if before is None:
-            _remove_fp32(model)
-        else:
-            module._rcm_fp32.update(before)
+        for model, module, before in saved:
+            if before is None:
+                _remove_fp32(model)
+            else:
+                module._rcm_fp32.update(before)
