@@ -1,0 +1,261 @@
+"""Wan 2.2 two-expert rCM in one run (docs/math.md §6.1) on tiny random two-expert Wan T2V and I2V pipelines.
+
+The expert rule is diffusers' own (``WanPipeline.__call__`` / ``WanImageToVideoPipeline.__call__``: the step's
+``t >= boundary_ratio * num_train_timesteps`` uses ``transformer``, else ``transformer_2``); the stock
+pipelines are the reference for which expert runs at which time and for what the exported LoRA pair does.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rcm_diffusers.experts import HIGH, LOW, WanExpertSwitch, boundary_sigma, sample_p_G_experts
+from rcm_diffusers.trigflow import sample_p_G
+from train_helpers import REPO, make_dataset, make_tiny_wan2, run_trainer
+
+CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
+F64 = torch.float64
+
+
+def _experts(in_channels=4):
+    from diffusers import WanTransformer3DModel
+
+    out = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        out.append(WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+                                         out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32).eval())
+    return out
+
+
+# ----------------------------------------------------------------------------- the switch
+
+
+def test_switch_routes_each_sample_like_the_pipeline_and_under_jvp():
+    """A batch straddling the boundary equals each expert run on its own samples (same math, another batch
+    split: float32 round-off, 1e-5 at outputs of size ~1); the JVP through the switch equals each expert's JVP."""
+    hi, lo = _experts()
+    sw = WanExpertSwitch(hi, lo, 0.875)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, 1, 4, 4, generator=g)
+    ehs = torch.randn(4, 3, 16, generator=g)
+    ts = torch.tensor([990.0, 875.0, 874.9, 100.0])  # 875 itself is high: t >= boundary, as the pipelines compare
+    sw.calls = []
+    with torch.no_grad():
+        out = sw(x, ts, ehs, return_dict=False)[0]
+        ref_h = hi(x[:2], ts[:2], ehs[:2], return_dict=False)[0]
+        ref_l = lo(x[2:], ts[2:], ehs[2:], return_dict=False)[0]
+    assert [c[0] for c in sw.calls] == [HIGH, LOW] and sw.calls[0][1] == [990.0, 875.0] and sw.calls[1][1] == pytest.approx([874.9, 100.0])
+    torch.testing.assert_close(out, torch.cat([ref_h, ref_l]), rtol=0, atol=1e-5)
+    # pinned: the rule is overridden per sample
+    with torch.no_grad(), sw.pinned(torch.tensor([False, False, True, True])):
+        pinned = sw(x, ts, ehs, return_dict=False)[0]
+        ref = torch.cat([lo(x[:2], ts[:2], ehs[:2], return_dict=False)[0], hi(x[2:], ts[2:], ehs[2:], return_dict=False)[0]])
+    torch.testing.assert_close(pinned, ref, rtol=0, atol=1e-5)
+    # forward-mode AD through the split (the sCM tangent with fd_type 0), x and t tangents
+    from rcm_diffusers.attention import enable_jvp_attention
+
+    enable_jvp_attention(sw, backend="torch")
+    dx, dt = torch.randn(x.shape, generator=g), torch.tensor([1.0, -2.0, 0.5, 3.0])
+    _, jv = torch.func.jvp(lambda a, t: sw(a, t, ehs, return_dict=False)[0], (x, ts), (dx, dt))
+    _, jh = torch.func.jvp(lambda a, t: hi(a, t, ehs[:2], return_dict=False)[0], (x[:2], ts[:2]), (dx[:2], dt[:2]))
+    _, jl = torch.func.jvp(lambda a, t: lo(a, t, ehs[2:], return_dict=False)[0], (x[2:], ts[2:]), (dx[2:], dt[2:]))
+    torch.testing.assert_close(jv, torch.cat([jh, jl]), rtol=0, atol=1e-4)
+    assert jv.abs().max() > 1e-2
+
+
+def test_expert_p_G_is_p_G_restricted_to_each_side():
+    """``sample_p_G_experts`` against rejection sampling from plain ``p_G``: quantiles of the angle agree within
+    a few standard errors (n = 60k per side: SE of a central quantile in t is below 3e-3)."""
+    b, nvm = 0.875, 1.0
+    tb = math.atan(boundary_sigma(b))
+    ref = sample_p_G(400_000, -0.8, 1.6, nvm, generator=torch.Generator().manual_seed(1))
+    for side in (True, False):
+        got = sample_p_G_experts(torch.full((60_000,), side), b, -0.8, 1.6, nvm, generator=torch.Generator().manual_seed(2))
+        want = ref[ref >= tb] if side else ref[ref < tb]
+        assert bool((got >= tb).all()) if side else bool((got < tb).all())
+        q = torch.tensor([0.1, 0.5, 0.9], dtype=F64)
+        assert torch.allclose(torch.quantile(got, q), torch.quantile(want, q), atol=0.01), (side, torch.quantile(got, q), torch.quantile(want, q))
+    # with a video noise multiplier the side is decided on the multiplied sigma
+    got = sample_p_G_experts(torch.tensor([True, False] * 500), b, -0.8, 1.6, 3.0, generator=torch.Generator().manual_seed(3))
+    assert bool((got[0::2] >= tb).all()) and bool((got[1::2] < tb).all())
+
+
+def test_scm_term_keeps_each_sample_on_the_expert_owning_its_time(monkeypatch):
+    """fd_type 2 evaluates the student at ``t - h`` too; for a sample just above the boundary that time lies below
+    it, yet the tangent must be the owning (high-noise) expert's. Every student call of the sCM term goes to the
+    expert of ``t``; without the pin the ``t - h`` call would go to the low-noise expert."""
+    from types import SimpleNamespace
+
+    from rcm_diffusers import trainer as T
+    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.alternation import StepPlan
+    from rcm_diffusers.trigflow import r_to_t
+
+    hi, lo = _experts()
+    sw = WanExpertSwitch(hi, lo, 0.875)
+    nets, _ = Networks.build(sw, "shared", with_fake=False, lora_rank=2, time_input="float")
+    h = 1e-3
+    t_own = r_to_t(torch.tensor([0.875 + 1e-5, 0.5], dtype=F64))  # just above the boundary; well below it
+    assert float(T.t_to_r(t_own[0] - h)) < 0.875  # the finite-difference time crosses the boundary
+    monkeypatch.setattr(T, "scm_times", lambda *a, **k: t_own.clone())
+    cfg = SimpleNamespace(dmd_weight=0.0, scm_weight=1.0, tangent_warmup=0, fd_type=2, fd_h=h, loss_reduction="mean",
+                          guidance_scale=1.0, P_mean=-0.8, P_std=1.6, expert_sampling="balanced", high_noise_share=0.5)
+    plan = StepPlan(i=0, student=True, student_eff=5, fake_eff=0, dmd=False, n_sim=1)
+    x0 = torch.randn(2, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = {"encoder_hidden_states": torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))}
+    sw.calls = []
+    logs = T.student_step(nets, x0, cond, None, plan, cfg, torch.Generator().manual_seed(0), lambda loss, last: loss.backward())
+    assert logs["scm_high"] == 1
+    for expert, ts in sw.calls:  # sample 0 (t >= boundary, and t - h) always on the high-noise expert
+        if expert == LOW:
+            assert all(v < 875 - 1 for v in ts), sw.calls
+    assert any(e == HIGH and len(ts) == 1 and ts[0] < 875 for e, ts in sw.calls)  # the pinned t - h call
+    g_hi = [p.grad for n, p in nets.trainable_parameters("student").items() if n.startswith("transformer.") and "lora_B" in n]
+    g_lo = [p.grad for n, p in nets.trainable_parameters("student").items() if n.startswith("transformer_2.") and "lora_B" in n]
+    assert all(g is not None and g.abs().max() > 0 for g in g_hi + g_lo)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def t2v(tmp_path_factory):
+    root = tmp_path_factory.mktemp("experts_t2v")
+    pipe, data = make_tiny_wan2(str(root / "pipe")), make_dataset(str(root / "data"), "wan")
+    out = root / "run"
+    run_trainer(["--config", CONFIG, "--pretrained", pipe, "--data_dir", data, "--output_dir", str(out), "--sample_every", "30"])
+    return pipe, data, root, out
+
+
+def _args(run, out, *extra):
+    return ["--config", CONFIG, "--pretrained", run[0], "--data_dir", run[1], "--output_dir", str(out), *extra]
+
+
+def _lora_pair(out):
+    return {e: load_file(os.path.join(out, *([] if e == HIGH else [LOW]), "pytorch_lora_weights.safetensors")) for e in (HIGH, LOW)}
+
+
+def test_both_experts_train_and_export_a_lora_each(t2v):
+    out = t2v[3]
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    scm = [r for r in recs if "scm_high" in r]
+    high = sum(r["scm_high"] for r in scm)
+    assert scm and 0.2 < high / (2 * len(scm)) < 0.8  # balanced: each expert about half of the sCM samples (batch 2)
+    env = json.load(open(out / "env.json"))
+    assert env["config"]["experts"] == "auto"
+    for sub in ("", "ema"):
+        pair = _lora_pair(out / sub)
+        for e, sd in pair.items():
+            assert sd and all(k.startswith("transformer.") for k in sd), e
+            assert any("lora_B" in k and v.abs().max() > 0 for k, v in sd.items()), (sub, e)
+        assert pair[HIGH].keys() == pair[LOW].keys()
+        assert any(not torch.equal(pair[HIGH][k], pair[LOW][k]) for k in pair[HIGH])
+
+
+def _stock_pipeline_samples(pipe_dir, run_dir, data_dir, steps, time_input="bf16"):
+    """The trainer's preview conditions and noise through the stock ``WanPipeline`` with the LoRA pair loaded by
+    ``load_rcm_lora``; records the expert called at each step."""
+    from diffusers import WanPipeline
+
+    from rcm_diffusers import RCMScheduler
+    from rcm_diffusers.data import LatentDataset, model_inputs
+    from rcm_diffusers.lora.pipeline import load_rcm_lora
+
+    pipe = WanPipeline.from_pretrained(pipe_dir, text_encoder=None, tokenizer=None)
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=80.0, time_input=time_input)
+    files = load_rcm_lora(pipe, str(run_dir))
+    assert set(files) == {HIGH, LOW}
+    calls = []
+    for name in (HIGH, LOW):
+        getattr(pipe, name).register_forward_pre_hook(
+            lambda m, a, kw, name=name: calls.append((name, float(kw["timestep"][0]))), with_kwargs=True)
+    data = LatentDataset(data_dir)
+    x0, cond, _ = model_inputs("wan", data.get([0, 1, 2, 3]), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)  # the trainer's preview: Generator().manual_seed(cfg.seed), seed 0
+    noise = torch.randn(x0.shape, generator=g)
+    pipe.scheduler.set_timesteps(steps)
+    lat = pipe.scheduler.scale_initial_noise(noise)
+    pipe.scheduler.set_generator(g)  # WanPipeline does not pass its generator to step: the re-noising draws
+    out = pipe(prompt_embeds=cond["encoder_hidden_states"], latents=lat, height=32, width=32, num_frames=1,
+               num_inference_steps=steps, guidance_scale=1.0, generator=g, output_type="latent").frames
+    return out, calls
+
+
+def test_lora_pair_in_the_stock_pipeline_reproduces_the_trainer_previews(t2v):
+    """``WanPipeline`` + ``load_rcm_lora`` gives the trainer's own preview samples (same weights and noise; peft with
+    one adapter vs two, so float32 round-off: 1e-5 at latents of size ~3), and calls the expert of each time:
+    RF times 0.988, 0.932 >= 0.875 on ``transformer``; 0.852, 0.608 on ``transformer_2`` (1 and 2 steps at
+    sigma_max 80 never reach the low-noise expert)."""
+    pipe_dir, data_dir, _, out = t2v
+    prev = load_file(out / "samples" / "step-00000030.safetensors")
+    for steps in (1, 2, 4):
+        got, calls = _stock_pipeline_samples(pipe_dir, out, data_dir, steps)
+        torch.testing.assert_close(got, prev[f"steps_{steps}"], rtol=0, atol=1e-5)
+        want = {1: [(HIGH, 988.0)], 2: [(HIGH, 988.0), (HIGH, 932.0)],
+                4: [(HIGH, 988.0), (HIGH, 932.0), (LOW, 852.0), (LOW, 608.0)]}[steps]
+        assert calls == want
+    base, _ = _stock_pipeline_samples(pipe_dir, out / "ema", data_dir, 4)
+    assert (base - prev["steps_4"]).abs().max() > 1e-4  # the EMA pair is another student (the check can fail)
+
+
+def test_kill_and_resume_is_bitwise_for_both_experts(t2v):
+    out = t2v[2] / "run_resume"
+    p = run_trainer(_args(t2v, out, "--sample_every", "30", "--exit_after_step", "14"), check=False)
+    assert p.returncode != 0 and "exit_after_step 14: hard exit" in p.stdout, p.stderr[-3000:]
+    run_trainer(_args(t2v, out, "--sample_every", "30", "--resume", "latest"))
+    for sub in ("", "ema"):
+        a, b = _lora_pair(t2v[3] / sub), _lora_pair(out / sub)
+        for e in (HIGH, LOW):
+            assert a[e].keys() == b[e].keys() and all(torch.equal(a[e][k], b[e][k]) for k in a[e]), (sub, e)
+    assert [json.loads(x).get("loss_scm") for x in open(out / "metrics.jsonl")] == \
+        [json.loads(x).get("loss_scm") for x in open(t2v[3] / "metrics.jsonl")]
+
+
+def test_changing_the_experts_on_resume_is_refused(t2v):
+    out = t2v[2] / "run_change"
+    p = run_trainer(_args(t2v, out, "--max_steps", "10"))
+    p = run_trainer(_args(t2v, out, "--resume", "latest", "--experts", "one", "--max_steps", "12"), check=False)
+    assert p.returncode != 0 and "experts 'auto' -> 'one'" in (p.stdout + p.stderr)
+
+
+def test_i2v_two_experts_lora_pair_reproduces_previews(tmp_path):
+    """Two-expert I2V (Wan2.2-I2V-A14B layout: image latents + mask on the channels, boundary 0.9, sigma_max 200):
+    the pair loaded into ``WanImageToVideoPipeline`` by ``load_rcm_lora`` and run over the same conditions as the
+    trainer's preview, expert by expert at the pipeline's rule, gives the preview samples."""
+    from diffusers import WanImageToVideoPipeline
+
+    from rcm_diffusers import RCMScheduler
+    from rcm_diffusers.data import LatentDataset, model_inputs
+    from rcm_diffusers.lora.pipeline import load_rcm_lora
+    from rcm_diffusers.models import velocity_fn
+
+    pipe_dir = make_tiny_wan2(str(tmp_path / "pipe"), i2v=True, boundary_ratio=0.9)
+    data_dir = make_dataset(str(tmp_path / "data"), "wan_i2v")
+    out = tmp_path / "run"
+    run_trainer(["--config", CONFIG, "--pretrained", pipe_dir, "--data_dir", data_dir, "--output_dir", str(out),
+                 "--sample_every", "30", "--sigma_max", "200"])
+    prev = load_file(out / "samples" / "step-00000030.safetensors")
+    pipe = WanImageToVideoPipeline.from_pretrained(pipe_dir, text_encoder=None, tokenizer=None, image_encoder=None, image_processor=None)
+    load_rcm_lora(pipe, str(out))
+    sw = WanExpertSwitch(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio)
+    sw.calls = []
+    data = LatentDataset(data_dir)
+    x0, cond, _ = model_inputs("wan_i2v", data.get([0, 1, 2, 3]), "cpu", torch.float32)
+    v = velocity_fn(sw, "bf16")
+    for steps in (1, 2, 4):
+        sch = RCMScheduler(sigma_max=200.0)
+        sch.set_timesteps(steps)
+        g = torch.Generator().manual_seed(0)
+        x = sch.scale_initial_noise(torch.randn(x0.shape, generator=g))
+        with torch.no_grad():
+            for k, ts in enumerate(sch.timesteps):
+                r = torch.tensor(float(sch.rf_times[k]), dtype=F64)
+                x = sch.step(v(x, r, **cond).float(), ts, x, generator=g).prev_sample
+        torch.testing.assert_close(x, prev[f"steps_{steps}"], rtol=0, atol=1e-5)
+    # RF times 0.995, 0.934 >= 0.9: high-noise expert; 0.853, 0.609: low-noise (the 4-step run, last four calls)
+    assert [(e, ts[0]) for e, ts in sw.calls[-4:]] == [(HIGH, 996.0), (HIGH, 932.0), (LOW, 852.0), (LOW, 608.0)]
