@@ -72,12 +72,13 @@ class TrainSetup:
     fd_type: int = 0
     mode: str = "shared"  # "shared" (LoRA on one frozen base) | "full" (three networks)
     ema: bool = True
-    experts: int = 1  # weights resident at once (Wan2.2 A14B distils one expert per run: 1)
+    experts: int = 1  # networks resident at once: Wan2.2 A14B with both experts in one run (docs/math.md §6.1) holds 2
+    #                   bases and 2 sets of adapters/optimizer/EMA; a batch is split between them, so activations do not grow
 
     @classmethod
     def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
                     weight_dtype: str = "bfloat16", gradient_checkpointing: bool = True, fd_type: int = 0, mode: str = "shared",
-                    ema: bool = True) -> "TrainSetup":
+                    ema: bool = True, experts: int = 1) -> "TrainSetup":
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact."""
         flux = class_name.startswith("Flux")
         counts = _counts(class_name, tuple(sorted((k, _hashable(v)) for k, v in config.items())), lora_rank)
@@ -86,7 +87,7 @@ class TrainSetup:
                    num_layers=config["num_layers"], num_single_layers=config.get("num_single_layers", 0) if flux else 0,
                    params=counts[0], lora_params_student=counts[1], lora_params_fake=counts[2], tokens=tokens,
                    text_tokens=text_tokens, batch=batch, weight_dtype=weight_dtype, gradient_checkpointing=gradient_checkpointing,
-                   fd_type=fd_type, mode=mode, ema=ema)
+                   fd_type=fd_type, mode=mode, ema=ema, experts=experts)
 
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
@@ -148,9 +149,9 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     wb = DTYPE_BYTES[s.weight_dtype]
     out = {"weights": s.params * wb * s.experts}
     if s.mode == "shared":
-        stu, fake = s.lora_params_student, s.lora_params_fake
+        stu, fake = s.lora_params_student * s.experts, s.lora_params_fake * s.experts
     elif s.mode == "full":
-        stu = fake = s.params
+        stu = fake = s.params * s.experts
     else:
         raise ValueError(f"mode must be 'shared' or 'full', got {s.mode!r}")
     out["trainable"] = 4 * (stu + fake)

@@ -259,3 +259,14 @@ def test_i2v_two_experts_lora_pair_reproduces_previews(tmp_path):
         torch.testing.assert_close(x, prev[f"steps_{steps}"], rtol=0, atol=1e-5)
     # RF times 0.995, 0.934 >= 0.9: high-noise expert; 0.853, 0.609: low-noise (the 4-step run, last four calls)
     assert [(e, ts[0]) for e, ts in sw.calls[-4:]] == [(HIGH, 996.0), (HIGH, 932.0), (LOW, 852.0), (LOW, 608.0)]
+
+
+@pytest.mark.parametrize("name", ["wan2.2-t2v-a14b", "wan2.2-i2v-a14b"])
+def test_shipped_two_expert_configs_load_and_train_both(name):
+    from rcm_diffusers.config import load_config
+
+    c = load_config(["--config", os.path.join(REPO, "training", "configs", name + ".yaml")])
+    assert c.experts == "both" and c.boundary_ratio == 0.0 and c.expert_sampling == "balanced"
+    assert c.sigma_max == (200.0 if "i2v" in name else 80.0) and c.time_input == "bf16"
+    with pytest.raises(ValueError, match="high_noise_share"):
+        load_config(["--config", os.path.join(REPO, "training", "configs", name + ".yaml"), "--high_noise_share", "1"])
