@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup test demo clean
+.PHONY: setup test demo demo-experts clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ test: setup
 # sCM-only and DMD-only students to the same table; DEMO_ARGS passes more (python training/demo_digits.py --help).
 demo: setup
 	$(PY) training/demo_digits.py $(if $(filter-out 0 no false,$(ABLATIONS)),--ablations) $(DEMO_ARGS)
+
+# Wan 2.2-style two experts on digits (issue 16): both experts in one rCM run vs one expert's LoRA on both, 3 seeds
+# each (training/configs/digits-experts.yaml), against the two-expert teacher: outputs/digits_experts/report.md.
+# Not part of `make demo` (about an hour on 2 cores); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
+demo-experts: setup
+	$(PY) training/demo_experts_digits.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs

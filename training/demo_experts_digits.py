@@ -1,0 +1,173 @@
+"""Two-expert digits demo (``make demo-experts``): both experts in one rCM run vs one expert's LoRA on both.
+
+    python training/demo_experts_digits.py                  # 3 seeds x 2 methods, then the table
+    python training/demo_experts_digits.py --seeds 0 --max_steps 30   # a quick try
+
+Teacher: the shipped two-expert digits teacher (``rcm_diffusers/assets/digits_teacher_2expert``, Wan2.2-T2V-A14B
+layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed two students, same config
+(``training/configs/digits-experts.yaml``), same iterations:
+
+- ``two-experts``: ``training/rcm.py`` with both experts in one run (``--experts both``), a LoRA per expert;
+- ``one-lora-both``: the "reuse one LoRA" approach: a student distilled from the low-noise expert alone
+  (``--experts one --transformer_subfolder transformer_2``; that expert owns 96 % of p_G's times), its LoRA
+  then applied to both experts.
+
+Every student samples through the two-expert model with ``RCMScheduler`` (the pipeline's expert rule per step)
+at ``--student_steps``; the reference is the two-expert teacher at ``--ref_steps`` Euler steps. Writes
+``OUT/report.md`` (mean ± sd over seeds of FD, FD / teacher FD and accuracy), ``OUT/results.json`` and
+``OUT/samples.png``. Finished runs are reused, interrupted ones resume. Other ``--key value`` pairs go to every
+training run (``training/rcm.py --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "training"))
+
+import torch  # noqa: E402
+
+from rcm_diffusers import digits as D  # noqa: E402
+from rcm_diffusers.config import load_config  # noqa: E402
+
+CONFIG = os.path.join(REPO, "training", "configs", "digits-experts.yaml")
+METHODS = {"two-experts": [], "one-lora-both": ["--experts", "one", "--transformer_subfolder", "transformer_2"]}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(REPO, "outputs", "digits_experts"), help="folder of the runs and the report")
+    p.add_argument("--config", default=CONFIG, help="trainer YAML (default: training/configs/digits-experts.yaml)")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
+    p.add_argument("--jobs", type=int, default=2, help="training runs at the same time (each one thread)")
+    p.add_argument("--samples", type=int, default=1000, help="evaluation samples per row (classes cycle 0..9)")
+    p.add_argument("--ref_steps", type=int, default=50, help="Euler steps of the two-expert teacher reference")
+    p.add_argument("--student_steps", default="1,2,4", help="RCMScheduler steps of the student rows")
+    p.add_argument("--skip_eval", action="store_true", help="train only")
+    a, rest = p.parse_known_args(argv)
+    if a.jobs < 1 or a.samples < 10:
+        p.error("--jobs must be >= 1 and --samples >= 10")
+    if any(o.split("=")[0] in ("--output_dir", "--resume", "--seed") for o in rest):
+        p.error("set run folders with --out and seeds with --seeds; resuming is automatic")
+    return a, rest
+
+
+def plan(a, overrides) -> list[dict]:
+    runs = []
+    for seed in [int(s) for s in a.seeds.split(",") if s.strip()]:
+        for method, extra in METHODS.items():
+            d = os.path.join(a.out, f"{method}-s{seed}")
+            args = ["--config", a.config, *overrides, *extra, "--seed", str(seed), "--output_dir", d]
+            try:
+                cfg = load_config(args)
+            except ValueError as e:
+                raise SystemExit(f"demo_experts_digits: {e}") from None
+            runs.append({"method": method, "seed": seed, "dir": d, "args": args, "config": vars(cfg).copy()})
+    return runs
+
+
+def train(runs, a) -> dict:
+    from demo_digits import _env, launch_command
+
+    todo = [r for r in runs if D.run_state(r["dir"], r["config"]) != "finished"]
+    times = {}
+    for i in range(0, len(todo), a.jobs):
+        procs = []
+        for r in todo[i:i + a.jobs]:
+            os.makedirs(r["dir"], exist_ok=True)
+            log = open(os.path.join(r["dir"], "train.log"), "a")
+            cmd = launch_command([*r["args"], "--resume", "latest", "--progress", "false"])
+            print(f"[demo-experts] training {os.path.basename(r['dir'])} (log: {log.name})", flush=True)
+            procs.append((r, subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=log, stderr=subprocess.STDOUT), time.perf_counter(), log))
+        for r, proc, t0, log in procs:
+            rc = proc.wait()
+            log.close()
+            times[os.path.basename(r["dir"])] = time.perf_counter() - t0
+            if rc != 0:
+                raise SystemExit(f"demo_experts_digits: {r['dir']} failed (exit {rc}); see {log.name}")
+    return times
+
+
+def two_expert_student(teacher_dir: str, lora_dir: str, reuse: bool):
+    """The two-expert teacher with a student LoRA pair (or one LoRA on both experts) loaded through diffusers."""
+    from diffusers import WanPipeline
+
+    from rcm_diffusers.experts import WanExpertSwitch
+    from rcm_diffusers.lora.pipeline import load_rcm_lora
+
+    sw, emb = D.load_teacher(teacher_dir)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=sw.transformer,
+                       transformer_2=sw.transformer_2, boundary_ratio=sw.boundary_ratio)
+    load_rcm_lora(pipe, lora_dir, adapter_name="student", reuse_for_both=reuse)
+    return WanExpertSwitch(pipe.transformer, pipe.transformer_2, sw.boundary_ratio).eval(), emb
+
+
+def evaluate(runs, a) -> list[dict]:
+    torch.set_num_threads(1)
+    ev = D.Evaluator()
+    labels = torch.arange(a.samples) % D.NUM_CLASSES
+    teacher_dir = runs[0]["config"]["pretrained"]
+    teacher_dir = teacher_dir if os.path.isabs(teacher_dir) else os.path.join(REPO, teacher_dir)
+    sw, emb = D.load_teacher(teacher_dir)
+    x_t = D.sample_teacher(sw, emb, labels, steps=a.ref_steps, solver="euler", seed=1234)
+    teacher = ev.evaluate(x_t, labels)
+    print(f"[demo-experts] two-expert teacher, {a.ref_steps} Euler steps: {teacher}", flush=True)
+    rows, grid = [], [(f"teacher {a.ref_steps}", x_t[:10])]
+    steps = [int(s) for s in a.student_steps.split(",") if s.strip()]
+    for r in runs:
+        for variant, sub in (("live", ""), ("ema", "ema")):
+            model, emb = two_expert_student(teacher_dir, os.path.join(r["dir"], sub), reuse=r["method"] == "one-lora-both")
+            for k in steps:
+                x = D.sample_student(model, emb, labels, k, seed=1234, time_input=r["config"]["time_input"])
+                m = ev.evaluate(x, labels)
+                rows.append({"method": r["method"], "weights": variant, "seed": r["seed"], "steps": k, **m,
+                             "fd_ratio": m["fd"] / teacher["fd"]})
+                if r["seed"] == runs[0]["seed"] and variant == "ema":
+                    grid.append((f"{r['method']} {k}", x[:10]))
+    D.save_grid(os.path.join(a.out, "samples.png"), grid)
+    return teacher, rows
+
+
+def report(a, teacher, rows, times) -> str:
+    def ms(v):
+        return f"{statistics.mean(v):.2f} ± {statistics.stdev(v):.2f}" if len(v) > 1 else f"{v[0]:.2f}"
+
+    lines = [f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})", "",
+             f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, accuracy {teacher['accuracy']:.3f}. "
+             f"{a.samples} samples per row; mean ± sd over training seeds {a.seeds}.", "",
+             "| method | weights | steps | FD ↓ | FD / teacher ↓ | accuracy ↑ | seeds |", "|---|---|---:|---:|---:|---:|---:|"]
+    keys = sorted({(r["method"], r["weights"], r["steps"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+    for method, w, k in keys:
+        sel = [r for r in rows if (r["method"], r["weights"], r["steps"]) == (method, w, k)]
+        lines.append(f"| {method} | {w} | {k} | {ms([r['fd'] for r in sel])} | {ms([r['fd_ratio'] for r in sel])} | "
+                     f"{ms([r['accuracy'] for r in sel])} | {len(sel)} |")
+    text = "\n".join(lines) + "\n"
+    D.atomic_write_text(os.path.join(a.out, "report.md"), text)
+    D.atomic_write_text(os.path.join(a.out, "results.json"), json.dumps({"teacher": teacher, "rows": rows, "train_s": times}, indent=1))
+    return text
+
+
+def main(argv=None):
+    a, overrides = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    runs = plan(a, overrides)
+    t0 = time.perf_counter()
+    times = train(runs, a)
+    if a.skip_eval:
+        return None
+    teacher, rows = evaluate(runs, a)
+    print(report(a, teacher, rows, times), flush=True)
+    print(f"[demo-experts] done in {(time.perf_counter() - t0) / 60:.1f} min: {os.path.join(a.out, 'report.md')}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
