@@ -56,10 +56,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# A stand-in for the text encoder: a 2-node custom pack (legacy API, loads in every ComfyUI) whose
-# node returns CONDITIONING read from a safetensors file in ComfyUI's input folder. A real UMT5-XXL
+# Stand-ins for the text encoder and the VAE encoder: a custom pack (legacy API, loads in every ComfyUI) whose
+# RCMTestTextEmbeds returns CONDITIONING read from a safetensors file in ComfyUI's input folder. A real UMT5-XXL
 # or T5/CLIP cannot be built tiny through ComfyUI's loaders (their configs are fixed), and the rCM
-# nodes never look at the text path.
+# nodes never look at the text path. ``RCMTestVAE`` returns a VAE whose ``encode`` gives fixed latents
+# from a file (the only VAE call of ComfyUI's ``WanImageToVideo``), for the I2V workflows.
 STANDIN_PACK = '''
 import folder_paths
 from safetensors.torch import load_file
@@ -78,7 +79,32 @@ class RCMTestTextEmbeds:
         return ([[load_file(folder_paths.get_annotated_filepath(file))["context"], {}]],)
 
 
-NODE_CLASS_MAPPINGS = {"RCMTestTextEmbeds": RCMTestTextEmbeds}
+class _FixedLatentVAE:
+    """Duck-typed VAE for WanImageToVideo: ``encode(pixels)`` returns fixed Wan latents, whatever the pixels."""
+
+    def __init__(self, latent):
+        self.latent = latent
+        self.encoded_shapes = []
+
+    def encode(self, pixels):
+        self.encoded_shapes.append(tuple(pixels.shape))
+        return self.latent.clone()
+
+
+class RCMTestVAE:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"file": ("STRING", {"default": "image_latent.safetensors"})}}
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "run"
+    CATEGORY = "testing"
+
+    def run(self, file):
+        return (_FixedLatentVAE(load_file(folder_paths.get_annotated_filepath(file))["latent"]),)
+
+
+NODE_CLASS_MAPPINGS = {"RCMTestTextEmbeds": RCMTestTextEmbeds, "RCMTestVAE": RCMTestVAE}
 '''
 
 
@@ -179,15 +205,18 @@ def import_comfy(comfy_path: str | None = None):
     args.cpu = True
 
 
-def tiny_wan_state_dict(seed: int = 0) -> dict:
-    """Random tiny Wan 2.1 T2V weights in ComfyUI's (original) layout, ``model.diffusion_model.`` prefix."""
+def tiny_wan_state_dict(seed: int = 0, in_dim: int = 16) -> dict:
+    """Random tiny Wan 2.1 T2V weights in ComfyUI's (original) layout, ``model.diffusion_model.`` prefix.
+
+    ``in_dim=36``: a Wan 2.2 I2V A14B-shaped expert (noise 16 + first-frame mask 4 + image latents 16 on the
+    channels, no CLIP image branch); ComfyUI's model detection reads the input channels off the weights."""
     import torch
 
     import_comfy()
     import comfy.ops
     from comfy.ldm.wan.model import WanModel
 
-    meta = WanModel(dim=DIM, ffn_dim=FFN, num_heads=DIM // 128, num_layers=LAYERS, text_dim=TEXT_DIM, in_dim=16,
+    meta = WanModel(dim=DIM, ffn_dim=FFN, num_heads=DIM // 128, num_layers=LAYERS, text_dim=TEXT_DIM, in_dim=in_dim,
                     out_dim=16, device="meta", operations=comfy.ops.disable_weight_init)
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -204,9 +233,23 @@ def diffusers_wan_from_comfy(state_dict):
     from diffusers import WanTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
+    in_dim = next(v.shape[1] for k, v in state_dict.items() if k.endswith("patch_embedding.weight"))
     model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=DIM // 128, attention_head_dim=128,
-                                  in_channels=16, out_channels=16, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=FFN,
+                                  in_channels=in_dim, out_channels=16, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=FFN,
                                   num_layers=LAYERS, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
     converted = convert_wan_transformer_to_diffusers(dict(state_dict))
     model.load_state_dict(converted, strict=True)
     return model.eval()
+
+
+def wan_latent_stats():
+    """Wan 2.1's latent mean/std (ComfyUI's ``latent_formats.Wan21`` = diffusers ``AutoencoderKLWan`` defaults)."""
+    import inspect
+
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    params = inspect.signature(AutoencoderKLWan.__init__).parameters
+    mean = torch.tensor(params["latents_mean"].default).view(1, 16, 1, 1, 1)
+    std = torch.tensor(params["latents_std"].default).view(1, 16, 1, 1, 1)
+    return mean, std

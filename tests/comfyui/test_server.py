@@ -28,25 +28,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from comfyui_harness import DIM, LAYERS, TEXT_DIM, REPO, diffusers_wan_from_comfy, renoise_seed_offset, tiny_wan_state_dict
+from comfyui_harness import (DIM, LAYERS, TEXT_DIM, REPO, diffusers_wan_from_comfy, renoise_seed_offset, tiny_wan_state_dict,
+                             wan_latent_stats)
 from workflow_format import ui_to_api
 
 SEED = 20260729
 LORA_STRENGTH = 0.8
 WIDTH = HEIGHT = 64
 LENGTH = 5  # -> latent (1, 16, 2, 8, 8)
-
-
-def wan_latent_stats():
-    """Wan 2.1's latent mean/std (ComfyUI's ``latent_formats.Wan21`` = diffusers ``AutoencoderKLWan`` defaults)."""
-    import inspect
-
-    from diffusers import AutoencoderKLWan
-
-    params = inspect.signature(AutoencoderKLWan.__init__).parameters
-    mean = torch.tensor(params["latents_mean"].default).view(1, 16, 1, 1, 1)
-    std = torch.tensor(params["latents_std"].default).view(1, 16, 1, 1, 1)
-    return mean, std
 
 
 def peft_lora_for(model, rank=4):
@@ -87,7 +76,7 @@ def setup(comfy_server):
 
     # the diffusers path: RCMScheduler over the diffusers transformer, ComfyUI's noise streams
     shape = (1, 16, (LENGTH - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
-    sched = RCMScheduler(sigma_max=80.0)
+    sched = RCMScheduler(sigma_max=80.0, time_input="float")  # RCMSampler calls the model at the exact sigma
     sched.set_timesteps(4)
     noise = torch.randn(shape, generator=torch.manual_seed(SEED))
     x = sched.scale_initial_noise(noise)
