@@ -270,3 +270,20 @@ def test_shipped_two_expert_configs_load_and_train_both(name):
     assert c.sigma_max == (200.0 if "i2v" in name else 80.0) and c.time_input == "bf16"
     with pytest.raises(ValueError, match="high_noise_share"):
         load_config(["--config", os.path.join(REPO, "training", "configs", name + ".yaml"), "--high_noise_share", "1"])
+
+
+def test_rcm_lora_converts_a_two_expert_run_to_the_two_comfyui_files(t2v, tmp_path):
+    """``rcm-lora convert RUN NAME.safetensors --format comfyui`` writes NAME_high_noise / NAME_low_noise, each equal
+    (exactly: the same key map) to converting that expert's file alone; a one-network output name is refused."""
+    from rcm_diffusers.lora.cli import main
+
+    out = t2v[3]
+    assert main(["convert", str(out), str(tmp_path / "rcm.safetensors"), "--format", "comfyui"]) == 0
+    for tag, src in (("high_noise", out / "pytorch_lora_weights.safetensors"), ("low_noise", out / LOW / "pytorch_lora_weights.safetensors")):
+        assert main(["convert", str(src), str(tmp_path / f"one_{tag}.safetensors"), "--format", "comfyui"]) == 0
+        a, b = load_file(tmp_path / f"rcm_{tag}.safetensors"), load_file(tmp_path / f"one_{tag}.safetensors")
+        assert a.keys() == b.keys() and all(k.startswith("diffusion_model.") for k in a)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(*(load_file(tmp_path / f"rcm_{t}.safetensors")["diffusion_model.blocks.0.self_attn.q.lora_up.weight"]
+                             for t in ("high_noise", "low_noise")))
+    assert main(["convert", str(out), str(tmp_path / "folder"), "--format", "comfyui"]) == 2

@@ -20,8 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="rewrite a LoRA, or a model checkpoint, in the diffusers or ComfyUI layout")
-    c.add_argument("input", help="LoRA file, or model checkpoint (.safetensors/.pt/.pth/diffusers folder)")
-    c.add_argument("output", help="a .safetensors file; for a model in the diffusers layout, a folder")
+    c.add_argument("input", help="LoRA file, a training/rcm.py output folder (two experts: both LoRAs), or model "
+                                 "checkpoint (.safetensors/.pt/.pth/diffusers folder)")
+    c.add_argument("output", help="a .safetensors file (two experts: NAME.safetensors -> NAME_high_noise / NAME_low_noise); "
+                                  "for a model in the diffusers layout, a folder")
     c.add_argument("--format", choices=("diffusers", "comfyui", "rcm"), required=True,
                    help="layout to write; rcm (models only): the official rCM .pt (net.*, Linear patch embedding)")
     c.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
@@ -84,6 +86,21 @@ def _cmd_convert(a) -> int:
     from .checkpoint import CheckpointReader
     from .describe import _is_lora
     from .io import load_lora, save_lora
+    from .pipeline import WEIGHT_NAME, expert_lora_files
+
+    if Path(a.input).is_dir() and (Path(a.input) / WEIGHT_NAME).is_file():  # a training/rcm.py output folder (or its ema/)
+        files = expert_lora_files(a.input)
+        if len(files) == 1:
+            a.input = files["transformer"]
+        else:  # two experts: one file each, named as ComfyUI's Wan 2.2 files are (high_noise / low_noise)
+            if not a.output.endswith(".safetensors"):
+                raise ValueError(f"{a.input} holds a LoRA per expert: give OUTPUT as NAME.safetensors; "
+                                 "NAME_high_noise.safetensors and NAME_low_noise.safetensors are written")
+            stem = a.output[: -len(".safetensors")]
+            for component, tag in (("transformer", "high_noise"), ("transformer_2", "low_noise")):
+                a.input, a.output = files[component], f"{stem}_{tag}.safetensors"
+                _cmd_convert(a)
+            return 0
 
     reader = CheckpointReader(a.input, a.network)
     if a.format == "rcm" and _is_lora(reader.raw_keys()):
