@@ -37,9 +37,21 @@ from rcm_diffusers.quant.export import comfy_runtime_copy, export_quantized  # n
 CONFIG = os.path.join(REPO, "training", "configs", "qad-digits.yaml")
 
 
-def run_args(out: str, fmt: str, seed: int, steps: int, warm: int, target: str) -> list[str]:
+def run_args(out: str, fmt: str, seed: int, steps: int, warm: int, target: str, lr: float | None = None,
+             guidance: float | None = None) -> list[str]:
+    """``training/qad.py`` arguments of one cell; ``lr`` / ``guidance`` (a constant CFG scale folded into the student)
+    override the config's when given."""
+    extra = ([] if lr is None else ["--lr", str(lr)]) + ([] if guidance is None else ["--guidance", str(guidance)])
     return ["--config", CONFIG, "--output_dir", out, "--format", fmt, "--target", target, "--seed", str(seed),
-            "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true"]
+            "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true", *extra]
+
+
+def run_name(a, fmt: str, seed: int) -> str:
+    """Run folder name: format, target and seed; the non-default settings too, so a finished run is reused only
+    for the settings it was trained with."""
+    tags = [f"lr{a.lr:g}" if a.lr is not None else "", f"s{a.guidance_scale:g}" if a.guidance_scale != 1.5 else "",
+            f"warm{a.warm_start_batches}" if a.warm_start_batches else "", f"it{a.steps}" if a.steps != 200 else ""]
+    return "-".join([fmt, a.target, *[t for t in tags if t], f"seed{seed}"])
 
 
 def train(args: list[str]) -> float:
@@ -71,8 +83,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=200, help="QAD iterations per run")
     p.add_argument("--warm_start_batches", type=int, default=0)
     p.add_argument("--sample_steps", type=int, default=16, help="Euler steps of every row")
-    p.add_argument("--guidance_scale", type=float, default=1.5, help="CFG s of the teacher (folded into the QAD students)")
+    p.add_argument("--guidance_scale", type=float, default=1.5, help="CFG s of the teacher reference, folded into the QAD "
+                   "students and kept by PTQ (1 = no CFG: isolates the quantization gap from the cost of folding CFG)")
     p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=None, help="QAD learning rate (default: the config's, 2e-5)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
@@ -91,8 +105,8 @@ def main(argv=None):
     for fmt in a.formats:
         rows = out[fmt] = {"ptq": [], "qad": [], "gap_recovered": [], "train_seconds": []}
         for sd in a.seeds:
-            run = os.path.join(a.out, f"{fmt}-{a.target}-seed{sd}")
-            args = run_args(run, fmt, sd, a.steps, a.warm_start_batches, a.target)
+            run = os.path.join(a.out, run_name(a, fmt, sd))
+            args = run_args(run, fmt, sd, a.steps, a.warm_start_batches, a.target, a.lr, a.guidance_scale)
             if not os.path.exists(os.path.join(run, "final.json")):
                 rows["train_seconds"].append(train(args))
             ptq_path = os.path.join(run, "ptq_quantized_transformer.safetensors")
