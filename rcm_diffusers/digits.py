@@ -33,7 +33,7 @@ from torch import nn
 
 __all__ = [
     "ASSETS", "TEACHER_DIR", "TEACHER2_DIR", "CLASSIFIER_PATH", "NUM_CLASSES", "NULL_CLASS", "TEXT_LEN", "TEXT_DIM", "SPLIT_SEED",
-    "load_digits_split", "to_pixels", "teacher_config", "build_teacher", "init_class_embeddings",
+    "load_digits_split", "to_pixels", "teacher_config", "build_teacher", "init_class_embeddings", "train_rectified_flow",
     "save_teacher", "load_teacher", "load_student", "write_latent_dataset_for", "DigitClassifier",
     "train_classifier", "load_classifier", "frechet_distance", "within_class_diversity", "Evaluator",
     "sample_teacher", "sample_student", "timed", "save_grid", "write_report", "atomic_write_text",
@@ -98,6 +98,49 @@ def init_class_embeddings(seed: int = 0) -> nn.Parameter:
     """Learnable ``[NUM_CLASSES + 1, TEXT_LEN, TEXT_DIM]`` table, N(0, 1); row ``NULL_CLASS`` is the CFG null."""
     g = torch.Generator().manual_seed(seed)
     return nn.Parameter(torch.randn(NUM_CLASSES + 1, TEXT_LEN, TEXT_DIM, generator=g))
+
+
+def train_rectified_flow(model, class_embeddings, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_size: int, lr: float,
+                         warmup: int, ema: float, p_uncond: float, generator: torch.Generator, r_range=(0.0, 1.0),
+                         desc: str = "teacher"):
+    """Class-conditional rectified flow (docs/math.md §1): ``x_r = (1 - r) x0 + r eps``, ``r ~ U[r_lo, r_hi)``, loss
+    ``||v(x_r, r) - (eps - x0)||^2``, class dropped to ``NULL_CLASS`` with ``p_uncond``; AdamW (0.9, 0.99), linear
+    warm-up then cosine decay, gradient clipping at 1, EMA with decay ``min(ema, (1 + k) / (10 + k))``. The class
+    table trains when it requires grad. Returns ``(ema_model, ema_class_embeddings)``."""
+    import copy
+    import math as _m
+
+    from tqdm.auto import tqdm
+
+    emb = class_embeddings
+    ema_model, ema_emb = copy.deepcopy(model).requires_grad_(False), emb.detach().clone()
+    params = list(model.parameters()) + ([emb] if emb.requires_grad else [])
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1 + _m.cos(_m.pi * min(k, steps) / steps)))
+    lo, hi = r_range
+    bar = tqdm(range(steps), desc=desc)
+    for step in bar:
+        idx = torch.randint(len(x), (batch_size,), generator=generator)
+        x0, yb = x[idx], y[idx].clone()
+        yb[torch.rand(batch_size, generator=generator) < p_uncond] = NULL_CLASS
+        eps = torch.randn(x0.shape, generator=generator)
+        r = lo + (hi - lo) * torch.rand(batch_size, generator=generator)
+        x_r = (1 - r.view(-1, 1, 1, 1, 1)) * x0 + r.view(-1, 1, 1, 1, 1) * eps
+        v = model(x_r, r * 1000.0, emb[yb], return_dict=False)[0]
+        loss = (v - (eps - x0)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        decay = min(ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, pm in zip(ema_model.parameters(), model.parameters()):
+                pe.lerp_(pm, 1 - decay)
+            ema_emb.lerp_(emb.detach(), 1 - decay)
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    return ema_model.eval(), ema_emb
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import sys
 import time
@@ -21,40 +20,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tqdm.auto import tqdm  # noqa: E402
-
 from rcm_diffusers import digits as D  # noqa: E402
 
 
 def finetune_expert(model, emb, x_tr, y_tr, r_lo: float, r_hi: float, a, seed: int, desc: str):
-    """Rectified flow ``||v(x_r, r) - (eps - x0)||^2`` with ``r ~ U[r_lo, r_hi)``; returns the EMA copy."""
-    model = model.train().requires_grad_(True)
-    ema = copy.deepcopy(model).requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, (k + 1) / a.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, a.steps) / a.steps)))
-    g = torch.Generator().manual_seed(seed)
-    bar = tqdm(range(a.steps), desc=desc)
-    for step in bar:
-        idx = torch.randint(len(x_tr), (a.batch_size,), generator=g)
-        x0, y = x_tr[idx], y_tr[idx].clone()
-        y[torch.rand(a.batch_size, generator=g) < a.p_uncond] = D.NULL_CLASS
-        eps = torch.randn(x0.shape, generator=g)
-        r = r_lo + (r_hi - r_lo) * torch.rand(a.batch_size, generator=g)
-        x_r = (1 - r.view(-1, 1, 1, 1, 1)) * x0 + r.view(-1, 1, 1, 1, 1) * eps
-        v = model(x_r, r * 1000.0, emb[y], return_dict=False)[0]
-        loss = (v - (eps - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        decay = min(a.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - decay)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-    return ema.eval()
+    """``digits.train_rectified_flow`` on ``r ~ U[r_lo, r_hi)`` with the class table frozen; returns the EMA copy."""
+    ema, _ = D.train_rectified_flow(model.train().requires_grad_(True), emb, x_tr, y_tr, steps=a.steps, batch_size=a.batch_size,
+                                    lr=a.lr, warmup=a.warmup, ema=a.ema, p_uncond=a.p_uncond,
+                                    generator=torch.Generator().manual_seed(seed), r_range=(r_lo, r_hi), desc=desc)
+    return ema
 
 
 def main(argv=None):

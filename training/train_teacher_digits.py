@@ -10,8 +10,6 @@ the evaluator classifier, and the train split in the trainer's latent format.
 from __future__ import annotations
 
 import argparse
-import copy
-import math
 import os
 import sys
 import time
@@ -21,8 +19,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from safetensors.torch import save_file  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
 from rcm_diffusers import digits as D  # noqa: E402
 
 
@@ -54,34 +50,10 @@ def main(argv=None):
 
     model = D.build_teacher(seed=a.seed).train()
     emb = D.init_class_embeddings(seed=a.seed)
-    ema_model, ema_emb = copy.deepcopy(model).requires_grad_(False), emb.detach().clone()
-    params = list(model.parameters()) + [emb]
-    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, (k + 1) / a.warmup) * 0.5 * (1 + math.cos(math.pi * min(k, a.steps) / a.steps)))
-    g = torch.Generator().manual_seed(a.seed + 1)
     t0 = time.perf_counter()
-    bar = tqdm(range(a.steps), desc="teacher")
-    for step in bar:
-        idx = torch.randint(len(x_tr), (a.batch_size,), generator=g)
-        x0, y = x_tr[idx], y_tr[idx].clone()
-        y[torch.rand(a.batch_size, generator=g) < a.p_uncond] = D.NULL_CLASS
-        eps = torch.randn(x0.shape, generator=g)
-        r = torch.rand(a.batch_size, generator=g)
-        x_r = (1 - r.view(-1, 1, 1, 1, 1)) * x0 + r.view(-1, 1, 1, 1, 1) * eps
-        v = model(x_r, r * 1000.0, emb[y], return_dict=False)[0]
-        loss = (v - (eps - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        decay = min(a.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema_model.parameters(), model.parameters()):
-                pe.lerp_(pm, 1 - decay)
-            ema_emb.lerp_(emb.detach(), 1 - decay)
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+    ema_model, ema_emb = D.train_rectified_flow(model, emb, x_tr, y_tr, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+                                                warmup=a.warmup, ema=a.ema, p_uncond=a.p_uncond,
+                                                generator=torch.Generator().manual_seed(a.seed + 1))
     train_s = time.perf_counter() - t0
 
     meta = {"steps": a.steps, "batch_size": a.batch_size, "lr": a.lr, "ema": a.ema, "p_uncond": a.p_uncond, "seed": a.seed,
