@@ -287,3 +287,18 @@ def test_rcm_lora_converts_a_two_expert_run_to_the_two_comfyui_files(t2v, tmp_pa
     assert not torch.equal(*(load_file(tmp_path / f"rcm_{t}.safetensors")["diffusion_model.blocks.0.self_attn.q.lora_up.weight"]
                              for t in ("high_noise", "low_noise")))
     assert main(["convert", str(out), str(tmp_path / "folder"), "--format", "comfyui"]) == 2
+
+
+def test_full_mode_trains_and_exports_both_experts(t2v):
+    """``--mode full``: a trainable copy per role of the expert pair; ``student_transformer/`` is the high-noise expert,
+    ``student_transformer_2/`` the low-noise one (and the EMA variants), each moved away from its own teacher."""
+    from diffusers import WanTransformer3DModel
+
+    out = t2v[2] / "run_full_mode"
+    run_trainer(_args(t2v, out, "--mode", "full", "--max_steps", "12", "--checkpoint_every", "0", "--lr", "1e-4"))
+    for sub in ("", "ema"):
+        for name, teacher_sub in (("student_transformer", HIGH), ("student_transformer_2", LOW)):
+            st = WanTransformer3DModel.from_pretrained(os.path.join(out, sub, name))
+            te = WanTransformer3DModel.from_pretrained(t2v[0], subfolder=teacher_sub)
+            diff = max(float((a - b).abs().max()) for a, b in zip(st.parameters(), te.parameters()))
+            assert 0 < diff < 1.0, (sub, name, diff)
