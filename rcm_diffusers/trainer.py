@@ -316,6 +316,9 @@ def load_transformer(transformer_cls, cfg, index: dict, dtype, device, log=print
                          "use --experts one, or set --boundary_ratio for a pipeline that has transformer_2")
     if cfg.experts == "one" or (cfg.experts == "auto" and b is None):
         return load(cfg.transformer_subfolder)
+    if cfg.experts == "auto" and cfg.transformer_subfolder != HIGH:
+        raise SystemExit(f"--transformer_subfolder {cfg.transformer_subfolder}: {cfg.pretrained} has two experts, which "
+                         "are trained together by default; add --experts one to train this one alone")
     if not index.get(LOW) or index[LOW][0] is None:
         raise SystemExit(f"--experts {cfg.experts}: {cfg.pretrained} has no transformer_2")
     b = cfg.boundary_ratio or b

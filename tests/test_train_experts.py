@@ -216,6 +216,21 @@ def test_kill_and_resume_is_bitwise_for_both_experts(t2v):
         [json.loads(x).get("loss_scm") for x in open(t2v[3] / "metrics.jsonl")]
 
 
+def test_one_expert_needs_to_be_asked_for(t2v, tmp_path):
+    """On a two-expert pipeline, naming the low-noise subfolder without ``--experts one`` is an error (the old
+    one-expert-per-run command would otherwise silently train both); ``--experts both`` on a one-network
+    pipeline too. Nothing is written."""
+    from train_helpers import make_tiny_wan
+
+    p = run_trainer(_args(t2v, tmp_path / "a", "--transformer_subfolder", "transformer_2"), check=False)
+    assert p.returncode != 0 and "add --experts one" in (p.stdout + p.stderr)
+    one = make_tiny_wan(str(tmp_path / "one"))
+    p = run_trainer(["--config", CONFIG, "--pretrained", one, "--data_dir", t2v[1], "--output_dir", str(tmp_path / "b"),
+                     "--experts", "both"], check=False)
+    assert p.returncode != 0 and "has no transformer_2" in (p.stdout + p.stderr)
+    assert not any((tmp_path / d / "checkpoints").exists() for d in ("a", "b"))
+
+
 def test_changing_the_experts_on_resume_is_refused(t2v):
     out = t2v[2] / "run_change"
     p = run_trainer(_args(t2v, out, "--max_steps", "10"))
