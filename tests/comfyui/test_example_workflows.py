@@ -52,7 +52,8 @@ def test_example_workflow_is_editor_format_and_fits_rcm_nodes(name):
         assert node["widgets_values"] == [True, "bf16"], node["id"]
         bad = copy.deepcopy(ui)
         next(n for n in bad["nodes"] if n["id"] == node["id"])["widgets_values"][1] = "fp16"
-        assert any("time_input='fp16' not in ['bf16', 'float']" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))
+        problems = check_ui_workflow(bad, info, only=RCM_NODES)
+        assert any("time_input='fp16' not in ['bf16', 'float']" in p for p in problems)
         bad["nodes"] = [dict(n, widgets_values=[True]) if n["id"] == node["id"] else n for n in bad["nodes"]]
         assert any("1 widget values for 2 widgets" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))
     bad = copy.deepcopy(ui)
