@@ -88,10 +88,18 @@ TEACHER_SIGMAS = Node(
 # ----------------------------------------------------------------------------- RCMSampler
 
 
-def _rcm_sampler(stochastic):
+def _rcm_sampler_options(stochastic, time_input="bf16"):
+    """``sample_rcm``'s keyword options for the widget values (ValueError for an unknown ``time_input``)."""
+    if time_input not in rcm.TIME_INPUTS:
+        raise ValueError(f"rCM Sampler: time_input={time_input!r}; use one of {list(rcm.TIME_INPUTS)} "
+                         "(the time the student was trained with).")
+    return {"stochastic": bool(stochastic), "time_input": time_input}
+
+
+def _rcm_sampler(stochastic, time_input="bf16"):
     import comfy.samplers
 
-    return (comfy.samplers.KSAMPLER(rcm.sample_rcm, extra_options={"stochastic": bool(stochastic)}),)
+    return (comfy.samplers.KSAMPLER(rcm.sample_rcm, extra_options=_rcm_sampler_options(stochastic, time_input)),)
 
 
 RCM_SAMPLER = Node(
@@ -99,10 +107,15 @@ RCM_SAMPLER = Node(
     display_name="rCM Sampler",
     category=f"{CATEGORY}/samplers",
     description="rCM consistency sampler: x0 from the model, then re-noise to the next sigma with ComfyUI's own "
-                "seeded noise (the same draws as the built-in lcm sampler).",
+                "seeded noise (the same draws as the built-in lcm sampler; with time_input float, the same sample).",
     inputs=[
         Input("BOOLEAN", "stochastic", default=True, label_on="stochastic", label_off="deterministic (ode)",
               tooltip="Stochastic re-noising is the rCM default; deterministic takes Euler steps."),
+        Input("COMBO", "time_input", options=list(rcm.TIME_INPUTS), default="bf16",
+              tooltip="The time the model is called at. bf16: 1000*sigma rounded to bfloat16, the time official rCM "
+                      "checkpoints and training/rcm.py (default time_input: bf16) were trained with; the step itself "
+                      "stays at the exact sigma. float: the exact sigma (what ComfyUI's built-in lcm sampler feeds); "
+                      "use it for students trained with time_input: float, e.g. the digits demo."),
     ],
     outputs=[Output("SAMPLER")],
     execute=_rcm_sampler,

@@ -223,6 +223,56 @@ def test_sample_rcm_rejects_non_rf_sigmas():
         comfy.sample_rcm(AffineDenoiser(x), x, torch.tensor([0.5, 0.9, 0.0]), disable=True)
 
 
+def test_rcm_sampler_node_time_input_widget_reaches_sample_rcm(monkeypatch):
+    """The RCMSampler node's ``time_input`` widget (default bf16, as RCMScheduler and the official sampler) goes to
+    ``sample_rcm`` through the KSAMPLER's extra options: bf16 calls the model at bf16(1000 r)/1000, float at r."""
+    import types
+
+    from comfy_nodes.nodes import RCM_SAMPLER
+
+    (widget,) = [i for i in RCM_SAMPLER.inputs if i.name == "time_input"]
+    assert widget.kind == "COMBO" and widget.choices() == ["bf16", "float"] and widget.extra["default"] == "bf16"
+    assert not widget.optional and "training/rcm.py" in widget.extra["tooltip"] and "lcm" in widget.extra["tooltip"]
+    assert [i.name for i in RCM_SAMPLER.inputs] == ["stochastic", "time_input"]  # widgets_values order
+
+    class KSAMPLER:  # comfy.samplers.KSAMPLER: sample() calls sampler_function(..., **extra_options)
+        def __init__(self, sampler_function, extra_options=None):
+            self.sampler_function, self.extra_options = sampler_function, extra_options or {}
+
+    fake = types.ModuleType("comfy.samplers")
+    fake.KSAMPLER = KSAMPLER
+    package = types.ModuleType("comfy")
+    package.samplers = fake
+    monkeypatch.setitem(sys.modules, "comfy", package)
+    monkeypatch.setitem(sys.modules, "comfy.samplers", fake)
+
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 2, 4, 4)
+    c, x = torch.randn(shape, generator=g), 0.98765 * torch.randn(shape, generator=g)
+    sigmas = comfy.rcm_sigmas(4)
+    runs = {}
+    for kwargs in ({}, {"time_input": "bf16"}, {"time_input": "float"}):
+        (sampler,) = RCM_SAMPLER.execute(stochastic=True, **kwargs)
+        assert sampler.sampler_function is comfy.sample_rcm
+        assert sampler.extra_options == {"stochastic": True, "time_input": kwargs.get("time_input", "bf16")}
+        model = AffineDenoiser(c)
+        out = sampler.sampler_function(model, x, sigmas, extra_args={"seed": 3}, callback=None, disable=True,
+                                       **sampler.extra_options)
+        runs[kwargs.get("time_input", "default")] = (out, [s for s, _ in model.calls])
+    bf16_times = [988.0e-3, 932.0e-3, 852.0e-3, 608.0e-3]  # bf16(1000 r) of docs/math.md §2.1's 4-step times
+    assert runs["bf16"][1] == pytest.approx(bf16_times, abs=1e-7) and runs["default"][1] == runs["bf16"][1]
+    np.testing.assert_allclose(runs["float"][1], SPEC_4STEP[:4], atol=1e-5)
+    torch.testing.assert_close(runs["default"][0], runs["bf16"][0], atol=0, rtol=0)
+    # the same as sample_rcm called directly, and float really differs
+    direct = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, extra_args={"seed": 3}, disable=True, time_input="bf16")
+    torch.testing.assert_close(runs["bf16"][0], direct, atol=0, rtol=0)
+    assert (runs["bf16"][0] - runs["float"][0]).abs().max() > 1e-4
+    (ode,) = RCM_SAMPLER.execute(stochastic=False, time_input="float")
+    assert ode.extra_options == {"stochastic": False, "time_input": "float"}
+    with pytest.raises(ValueError, match=r"rCM Sampler: time_input='fp16'; use one of \['bf16', 'float'\]"):
+        RCM_SAMPLER.execute(stochastic=True, time_input="fp16")
+
+
 # ----------------------------------------------------------------------------- expert split
 
 
@@ -382,6 +432,7 @@ print(json.dumps({
     "nodes": sorted(m), "names": pack.NODE_DISPLAY_NAME_MAPPINGS,
     "sigmas": sigmas.tolist(), "input_types": sig.INPUT_TYPES(),
     "return_types": {k: list(v.RETURN_TYPES) for k, v in m.items()},
+    "sampler_input_types": m["RCMSampler"].INPUT_TYPES(),
     "validate_ok": sig.VALIDATE_INPUTS(steps=4, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
     "validate_bad": sig.VALIDATE_INPUTS(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
     "validate_linked": sig.VALIDATE_INPUTS(steps=None, sigma_max=80.0, mid_t="1.5"),
@@ -414,6 +465,9 @@ def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_ow
     assert r["input_types"]["optional"]["model"][0] == "MODEL"
     assert r["return_types"]["RCMExpertSplit"] == ["SIGMAS", "SIGMAS"] and r["return_types"]["RCMSampler"] == ["SAMPLER"]
     assert r["validate_ok"] is True and r["validate_linked"] is True
+    sampler = r["sampler_input_types"]["required"]
+    assert list(sampler) == ["stochastic", "time_input"] and "optional" not in r["sampler_input_types"]
+    assert sampler["time_input"][0] == ["bf16", "float"] and sampler["time_input"][1]["default"] == "bf16"
     assert r["validate_bad"].startswith("rCM Sigmas: steps=6 is out of range") and "mid_t" in r["validate_bad"]
 
 

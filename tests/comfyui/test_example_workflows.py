@@ -47,6 +47,15 @@ def test_example_workflow_is_editor_format_and_fits_rcm_nodes(name):
     if sig["type"] == "RCMSigmas":
         sig["widgets_values"][0] = 99
         assert any("steps=99 outside" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))
+    # the rCM sampler calls the model at the bf16 time official rCM checkpoints and training/rcm.py train with
+    for node in (n for n in ui["nodes"] if n["type"] == "RCMSampler"):
+        assert node["widgets_values"] == [True, "bf16"], node["id"]
+        bad = copy.deepcopy(ui)
+        next(n for n in bad["nodes"] if n["id"] == node["id"])["widgets_values"][1] = "fp16"
+        problems = check_ui_workflow(bad, info, only=RCM_NODES)
+        assert any("time_input='fp16' not in ['bf16', 'float']" in p for p in problems)
+        bad["nodes"] = [dict(n, widgets_values=[True]) if n["id"] == node["id"] else n for n in bad["nodes"]]
+        assert any("1 widget values for 2 widgets" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))
     bad = copy.deepcopy(ui)
     bad["links"][0][5] = "IMAGE"
     assert any("link says IMAGE" in p for p in check_ui_workflow(bad, info, only=RCM_NODES))

@@ -138,7 +138,8 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
         out, _ = call(nodes, "SamplerCustomAdvanced", noise=nz, guider=gd, sampler=sampler, sigmas=sig, latent_image=lat)
         return out
 
-    (rcm_sampler,) = call(nodes, "RCMSampler", stochastic=True)
+    # time_input float: the model at the exact sigmas, as lcm calls it
+    (rcm_sampler,) = call(nodes, "RCMSampler", stochastic=True, time_input="float")
     (lcm_sampler,) = call(nodes, "KSamplerSelect", sampler_name="lcm")
     ours = run(rcm_sampler)["samples"]
     lcm = run(lcm_sampler)["samples"]
@@ -150,9 +151,16 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
     # the seed matters, the LoRA matters, the deterministic option differs
     (noise2,) = call(nodes, "RandomNoise", noise_seed=SEED + 1)
     (plain_guider,) = call(nodes, "BasicGuider", model=model, conditioning=cond)
-    (ode_sampler,) = call(nodes, "RCMSampler", stochastic=False)
+    (ode_sampler,) = call(nodes, "RCMSampler", stochastic=False, time_input="float")
     for other in (run(rcm_sampler, nz=noise2), run(rcm_sampler, gd=plain_guider), run(ode_sampler)):
         assert (other["samples"] - ours).abs().max().item() > 1e-3
+    # time_input bf16 (the widget's default): the model at bf16(1000 sigma)/1000, x0 re-anchored at sigma;
+    # the same as sample_rcm(time_input="bf16") over ComfyUI's model, and not the float/lcm sample
+    (bf16_sampler,) = call(nodes, "RCMSampler", stochastic=True, time_input="bf16")
+    bf16 = run(bf16_sampler)["samples"]
+    d_bf16 = (bf16 - ours).abs().max().item()
+    print(f"rCM time_input bf16 vs float: max|diff| = {d_bf16:.3e}")
+    assert d_bf16 > 1e-3
 
     # expert split: two chained samplers (second without added noise) equal one run
     high, low = call(nodes, "RCMExpertSplit", sigmas=sigmas, boundary=0.9)

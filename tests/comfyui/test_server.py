@@ -9,12 +9,16 @@ shrunk to a 64x64x5 video, its text encoder replaced by a stand-in node that ret
 embeddings (see ``comfyui_harness.STANDIN_PACK``), and its VAE decode by ``SaveLatent``. The test POSTs
 it to ``/prompt``, polls ``/history`` and compares the saved latent with
 
-* ComfyUI's built-in ``lcm`` sampler on the same graph and seed (the same move; ComfyUI's own noise
-  sampler in both, so equal up to float32 rounding), and
-* the diffusers path: diffusers' ``WanTransformer3DModel`` with the same weights (diffusers' own
-  single-file converter) and the LoRA through peft, stepped by ``rcm_diffusers.RCMScheduler`` with
-  ComfyUI's noise: the initial ``randn`` from ``seed`` (``comfy.sample.prepare_noise``) and the
-  re-noising draws from a generator seeded as that ComfyUI's ``default_noise_sampler`` does.
+* with ``RCMSampler``'s ``time_input`` set to ``float``: ComfyUI's built-in ``lcm`` sampler on the same
+  graph and seed (the same move at the same times; ComfyUI's own noise sampler in both, so equal up to
+  float32 rounding), and the diffusers path: diffusers' ``WanTransformer3DModel`` with the same weights
+  (diffusers' own single-file converter) and the LoRA through peft, stepped by
+  ``rcm_diffusers.RCMScheduler(time_input="float")`` with ComfyUI's noise: the initial ``randn`` from
+  ``seed`` (``comfy.sample.prepare_noise``) and the re-noising draws from a generator seeded as that
+  ComfyUI's ``default_noise_sampler`` does;
+* with the workflow's own ``time_input`` (``bf16``, the model called at ``bf16(1000 r) / 1000``): the same
+  diffusers path stepped by ``RCMScheduler(time_input="bf16")`` (the diffusers default), and far from the
+  ``float`` result.
 
 Bad widget values come back in ``/prompt``'s 400 response; a wrong LoRA as an execution error.
 The server is stopped by its PID when the module ends.
@@ -74,23 +78,32 @@ def setup(comfy_server):
     context = 0.5 * torch.randn(1, 12, TEXT_DIM, generator=torch.Generator().manual_seed(2))
     save_file({"context": context}, os.path.join(base, "input", "embeds.safetensors"))
 
-    # the diffusers path: RCMScheduler over the diffusers transformer, ComfyUI's noise streams
+    # the diffusers path: RCMScheduler over the diffusers transformer, ComfyUI's noise streams; the
+    # scheduler's time_input as RCMSampler's (float: the model at the exact sigma; bf16: at the rounded one)
     shape = (1, 16, (LENGTH - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8)
-    sched = RCMScheduler(sigma_max=80.0, time_input="float")  # RCMSampler calls the model at the exact sigma
-    sched.set_timesteps(4)
-    noise = torch.randn(shape, generator=torch.manual_seed(SEED))
-    x = sched.scale_initial_noise(noise)
-    renoise = torch.Generator().manual_seed(SEED + renoise_seed_offset(comfy_server.comfy_path))
-    with torch.no_grad():
-        for t in sched.timesteps:
-            v = model(hidden_states=x, timestep=t.reshape(1), encoder_hidden_states=context, return_dict=False)[0]
-            x = sched.step(v, t, x, generator=renoise).prev_sample
     mean, std = wan_latent_stats()
-    return {"reference": x * std + mean}  # SaveLatent stores ComfyUI's process_latent_out(x)
+    references = {}
+    for time_input in ("float", "bf16"):
+        sched = RCMScheduler(sigma_max=80.0, time_input=time_input)
+        sched.set_timesteps(4)
+        noise = torch.randn(shape, generator=torch.manual_seed(SEED))
+        x = sched.scale_initial_noise(noise)
+        renoise = torch.Generator().manual_seed(SEED + renoise_seed_offset(comfy_server.comfy_path))
+        with torch.no_grad():
+            for t in sched.timesteps:
+                v = model(hidden_states=x, timestep=t.reshape(1), encoder_hidden_states=context, return_dict=False)[0]
+                x = sched.step(v, t, x, generator=renoise).prev_sample
+        references[time_input] = x * std + mean  # SaveLatent stores ComfyUI's process_latent_out(x)
+    assert references["bf16"].shape == references["float"].shape
+    return {"reference": references["float"], "reference_bf16": references["bf16"],
+            "timesteps_bf16": sched.timesteps.tolist()}
 
 
-def t2v_prompt(server, sampler="RCMSampler", **rcm_sigmas):
-    """The shipped Wan 2.1 T2V editor workflow as the editor would POST it, shrunk and with stand-ins."""
+def t2v_prompt(server, sampler="RCMSampler", time_input=None, prefix=None, **rcm_sigmas):
+    """The shipped Wan 2.1 T2V editor workflow as the editor would POST it, shrunk and with stand-ins.
+
+    ``time_input``: RCMSampler's widget, else the workflow's own (bf16); ``sampler``: a built-in sampler
+    (KSamplerSelect) in place of RCMSampler."""
     with open(os.path.join(REPO, "example_workflows", "wan21_t2v_rcm_4step.json")) as f:
         ui = json.load(f)
     api = ui_to_api(ui, server.get("/object_info"))
@@ -105,10 +118,14 @@ def t2v_prompt(server, sampler="RCMSampler", **rcm_sigmas):
     api[by_type["CLIPTextEncode"]] = {"class_type": "RCMTestTextEmbeds", "inputs": {"file": "embeds.safetensors"}}
     for name in ("CLIPLoader", "VAELoader", "VAEDecode", "CreateVideo", "SaveVideo"):
         del api[by_type[name]]
+    assert api[by_type["RCMSampler"]]["inputs"] == {"stochastic": True, "time_input": "bf16"}
+    if time_input is not None:
+        api[by_type["RCMSampler"]]["inputs"]["time_input"] = time_input
     if sampler != "RCMSampler":
         api[by_type["RCMSampler"]] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": sampler}}
+    prefix = prefix or f"rcm_test/{sampler}_{time_input}"
     api["save"] = {"class_type": "SaveLatent", "inputs": {"samples": [by_type["SamplerCustomAdvanced"], 0],
-                                                          "filename_prefix": f"rcm_test/{sampler}"}}
+                                                          "filename_prefix": prefix}}
     return api
 
 
@@ -119,14 +136,15 @@ def saved_latent(server, entry) -> torch.Tensor:
 
 
 def test_wan_t2v_workflow_through_the_server_matches_lcm_and_diffusers(comfy_server, setup):
-    ours = saved_latent(comfy_server, comfy_server.run_prompt(t2v_prompt(comfy_server)))
+    """time_input float: RCMSampler = lcm, and = RCMScheduler(time_input="float")."""
+    ours = saved_latent(comfy_server, comfy_server.run_prompt(t2v_prompt(comfy_server, time_input="float")))
     lcm = saved_latent(comfy_server, comfy_server.run_prompt(t2v_prompt(comfy_server, sampler="lcm")))
     ref = setup["reference"]
     assert ours.shape == ref.shape == (1, 16, 2, 8, 8)
     d_lcm = (ours - lcm).abs().max().item()
     d_ref = (ours.double() - ref).abs().max().item()
     scale = ref.abs().max().item()
-    print(f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler vs lcm max|diff| = {d_lcm:.3e}; "
+    print(f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler (float) vs lcm max|diff| = {d_lcm:.3e}; "
           f"vs diffusers RCMScheduler {d_ref:.3e} (max|latent| {scale:.3f})")
     # same graph, same float32 ops in another order: rounding only
     assert d_lcm <= 1e-5 * scale
@@ -135,6 +153,28 @@ def test_wan_t2v_workflow_through_the_server_matches_lcm_and_diffusers(comfy_ser
     # strength moves the result by O(1)
     assert d_ref <= 1e-5 * scale
     assert scale > 0.1
+
+
+def test_wan_t2v_workflow_at_its_bf16_time_input_matches_the_diffusers_default(comfy_server, setup):
+    """The shipped workflow's time_input (bf16) = RCMScheduler(time_input="bf16"), the diffusers default and
+    the time official rCM checkpoints and training/rcm.py train with; far from the float-time sample."""
+    ours = saved_latent(comfy_server, comfy_server.run_prompt(t2v_prompt(comfy_server)))
+    exact = saved_latent(comfy_server, comfy_server.run_prompt(
+        t2v_prompt(comfy_server, time_input="float", prefix="rcm_test/float_vs_bf16")))
+    ref = setup["reference_bf16"]
+    assert setup["timesteps_bf16"] == [988.0, 932.0, 852.0, 608.0]  # bf16(1000 r), not 987.65, 933.78, ...
+    d_ref = (ours.double() - ref).abs().max().item()
+    d_float = (ours - exact).abs().max().item()
+    d_refs = (ref - setup["reference"]).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = 1e-5 * scale  # as the float test above: round-off of two transformer implementations
+    print(f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler (bf16) vs diffusers RCMScheduler(bf16) "
+          f"max|diff| = {d_ref:.3e} (max|latent| {scale:.3f}, tol {tol:.2e}); vs RCMSampler (float) {d_float:.3e}; "
+          f"diffusers bf16 vs float {d_refs:.3e}")
+    assert scale > 0.1
+    assert d_ref <= tol
+    # the rounded time moves the sample far beyond round-off, the same way in both implementations
+    assert d_float > 100 * tol and d_refs > 100 * tol
 
 
 @pytest.mark.parametrize("rcm_sigmas, fragment", [

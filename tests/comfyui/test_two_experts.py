@@ -204,6 +204,11 @@ def i2v_prompt(server, high_lora=HIGH_LORA, low_lora=LOW_LORA, prefix="two_exper
     api[i2v]["inputs"].update(width=WIDTH, height=HEIGHT, length=LENGTH)
     (noise,) = nodes("RandomNoise")
     api[noise]["inputs"]["noise_seed"] = SEED
+    # the pair was trained with --time_input float: the sampler calls it at the exact sigmas (the workflow's bf16
+    # is for official / default-trained students)
+    (sampler,) = nodes("RCMSampler")
+    assert api[sampler]["inputs"] == {"stochastic": True, "time_input": "bf16"}
+    api[sampler]["inputs"]["time_input"] = "float"
     # text encoder -> fixed embeddings (both prompts: only the positive one is sampled, BasicGuider);
     # VAE -> the fixed-latent stand-in; VAE decode and video -> the latent itself
     for enc in nodes("CLIPTextEncode"):
