@@ -111,11 +111,12 @@ RCM_SAMPLER = Node(
     inputs=[
         Input("BOOLEAN", "stochastic", default=True, label_on="stochastic", label_off="deterministic (ode)",
               tooltip="Stochastic re-noising is the rCM default; deterministic takes Euler steps."),
-        Input("COMBO", "time_input", options=list(rcm.TIME_INPUTS), default="bf16",
+        Input("COMBO", "time_input", options=list(rcm.TIME_INPUTS), default="bf16", optional=True,
               tooltip="The time the model is called at. bf16: 1000*sigma rounded to bfloat16, the time official rCM "
                       "checkpoints and training/rcm.py (default time_input: bf16) were trained with; the step itself "
                       "stays at the exact sigma. float: the exact sigma (what ComfyUI's built-in lcm sampler feeds); "
-                      "use it for students trained with time_input: float, e.g. the digits demo."),
+                      "use it for students trained with time_input: float, e.g. the digits demo. "
+                      "Optional, so API prompts written before the widget existed still run (with bf16)."),
     ],
     outputs=[Output("SAMPLER")],
     execute=_rcm_sampler,

@@ -232,7 +232,8 @@ def test_rcm_sampler_node_time_input_widget_reaches_sample_rcm(monkeypatch):
 
     (widget,) = [i for i in RCM_SAMPLER.inputs if i.name == "time_input"]
     assert widget.kind == "COMBO" and widget.choices() == ["bf16", "float"] and widget.extra["default"] == "bf16"
-    assert not widget.optional and "training/rcm.py" in widget.extra["tooltip"] and "lcm" in widget.extra["tooltip"]
+    # optional: an API prompt written before the widget existed still validates, and runs with bf16
+    assert widget.optional and "training/rcm.py" in widget.extra["tooltip"] and "lcm" in widget.extra["tooltip"]
     assert [i.name for i in RCM_SAMPLER.inputs] == ["stochastic", "time_input"]  # widgets_values order
 
     class KSAMPLER:  # comfy.samplers.KSAMPLER: sample() calls sampler_function(..., **extra_options)
@@ -465,9 +466,9 @@ def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_ow
     assert r["input_types"]["optional"]["model"][0] == "MODEL"
     assert r["return_types"]["RCMExpertSplit"] == ["SIGMAS", "SIGMAS"] and r["return_types"]["RCMSampler"] == ["SAMPLER"]
     assert r["validate_ok"] is True and r["validate_linked"] is True
-    sampler = r["sampler_input_types"]["required"]
-    assert list(sampler) == ["stochastic", "time_input"] and "optional" not in r["sampler_input_types"]
-    assert sampler["time_input"][0] == ["bf16", "float"] and sampler["time_input"][1]["default"] == "bf16"
+    sampler = r["sampler_input_types"]
+    assert list(sampler["required"]) == ["stochastic"] and list(sampler["optional"]) == ["time_input"]
+    assert sampler["optional"]["time_input"][0] == ["bf16", "float"] and sampler["optional"]["time_input"][1]["default"] == "bf16"
     assert r["validate_bad"].startswith("rCM Sigmas: steps=6 is out of range") and "mid_t" in r["validate_bad"]
 
 

@@ -222,11 +222,13 @@ def test_one_expert_needs_to_be_asked_for(t2v, tmp_path):
     pipeline too. Nothing is written."""
     from train_helpers import make_tiny_wan
 
-    p = run_trainer(_args(t2v, tmp_path / "a", "--transformer_subfolder", "transformer_2"), check=False)
+    from train_helpers import run_script
+
+    p = run_script(_args(t2v, tmp_path / "a", "--transformer_subfolder", "transformer_2"))
     assert p.returncode != 0 and "add --experts one" in (p.stdout + p.stderr)
     one = make_tiny_wan(str(tmp_path / "one"))
-    p = run_trainer(["--config", CONFIG, "--pretrained", one, "--data_dir", t2v[1], "--output_dir", str(tmp_path / "b"),
-                     "--experts", "both"], check=False)
+    p = run_script(["--config", CONFIG, "--pretrained", one, "--data_dir", t2v[1], "--output_dir", str(tmp_path / "b"),
+                    "--experts", "both"])
     assert p.returncode != 0 and "has no transformer_2" in (p.stdout + p.stderr)
     assert not any((tmp_path / d / "checkpoints").exists() for d in ("a", "b"))
 
