@@ -120,6 +120,36 @@ def test_scm_term_keeps_each_sample_on_the_expert_owning_its_time(monkeypatch):
     assert all(g is not None and g.abs().max() > 0 for g in g_hi + g_lo)
 
 
+def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
+    """Backward simulation, teacher, fake score (DMD term) and the fake-score step: every recorded call runs on
+    the expert the pipeline would pick for its time (``>= 875`` high, else low), both experts are called (the
+    simulation crosses the boundary), and gradients reach the adapters of the experts that were called."""
+    from types import SimpleNamespace
+
+    from rcm_diffusers import trainer as T
+    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.alternation import StepPlan
+
+    hi, lo = _experts()
+    sw = WanExpertSwitch(hi, lo, 0.875)
+    nets, _ = Networks.build(sw, "shared", with_fake=True, lora_rank=2, time_input="bf16")
+    cfg = SimpleNamespace(dmd_weight=1.0, scm_weight=0.0, p_D_shift=5.0, guidance_scale=1.0, loss_reduction="mean",
+                          max_simulation_steps=4)
+    x0 = torch.randn(8, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = {"encoder_hidden_states": torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1))}
+    sw.calls = []
+    T.student_step(nets, x0, cond, None, StepPlan(i=0, student=True, student_eff=3, fake_eff=0, dmd=True, n_sim=4), cfg,
+                   torch.Generator().manual_seed(0), lambda loss, last: loss.backward())
+    T.fake_step(nets, x0.shape, cond, StepPlan(i=1, student=False, student_eff=3, fake_eff=3, dmd=True, n_sim=4), cfg,
+                torch.Generator().manual_seed(1), lambda loss, last: loss.backward(), "cpu")
+    assert {e for e, _ in sw.calls} == {HIGH, LOW}
+    for expert, ts in sw.calls:
+        assert all((v >= 875.0) == (expert == HIGH) for v in ts), (expert, ts)
+    grads = {n: p.grad for n, p in nets.trainable_parameters("fake").items() if "lora_B" in n}
+    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer."))
+    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer_2."))
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -319,3 +349,14 @@ def test_full_mode_trains_and_exports_both_experts(t2v):
             te = WanTransformer3DModel.from_pretrained(t2v[0], subfolder=teacher_sub)
             diff = max(float((a - b).abs().max()) for a, b in zip(st.parameters(), te.parameters()))
             assert 0 < diff < 1.0, (sub, name, diff)
+
+
+def test_exact_jvp_tangent_trains_both_experts(t2v):
+    """``fd_type 0`` (the official exact JVP) through the switch with the JVP attention on both experts: finite sCM
+    losses, no masked sample, both experts' student adapters moved."""
+    out = t2v[2] / "run_fd0"
+    run_trainer(_args(t2v, out, "--fd_type", "0", "--max_steps", "6", "--checkpoint_every", "0"))
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert all(math.isfinite(r["loss_scm"]) and r["nan_scm"] == 0 for r in recs if "loss_scm" in r)
+    for e, sd in _lora_pair(out).items():
+        assert any("lora_B" in k and v.abs().max() > 0 for k, v in sd.items()), e
