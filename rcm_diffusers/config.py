@@ -39,6 +39,9 @@ class RCMConfig:
                                "high_noise_share and its time is drawn from p_G restricted to that expert; 'natural' = p_G as is "
                                "(the high-noise expert then gets only P(sigma >= b / (1 - b)) of the samples)")
     high_noise_share: float = opt(0.5, "two experts, expert_sampling balanced: fraction of sCM samples given to the high-noise expert")
+    boundary_weight: float = opt(1.0, "two experts: weight of the boundary term, which pulls the high-noise expert's student onto the "
+                                 "low-noise one's at the switch time (the sCM term alone leaves the high-noise expert's consistency "
+                                 "function unanchored; docs/math.md §6.1); 0 = off")
     pipeline_class: str = opt("auto", "diffusers pipeline class used to save/load the LoRA and for sample grids ('auto' = from model_index.json)")
     weight_dtype: str = opt("float32", "dtype of the frozen base weights: float32 | bfloat16")
     mixed_precision: str = opt("no", "accelerate mixed precision: no | bf16 | fp16")
@@ -121,6 +124,8 @@ class RCMConfig:
             bad("boundary_ratio", "must lie in (0, 1), or 0 for the pipeline's value")
         if self.expert_sampling not in ("balanced", "natural"):
             bad("expert_sampling", "use 'balanced' or 'natural'")
+        if not (self.boundary_weight >= 0 and math.isfinite(self.boundary_weight)):
+            bad("boundary_weight", "must be a finite number >= 0")
         if not 0 < self.high_noise_share < 1:
             bad("high_noise_share", "must lie strictly between 0 and 1 (each expert needs samples)")
         if self.loss_reduction not in ("mean", "sum"):

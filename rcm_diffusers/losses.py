@@ -36,6 +36,7 @@ __all__ = [
     "backward_simulation",
     "dmd_loss",
     "fake_score_loss",
+    "boundary_loss",
     "per_sample_sum",
 ]
 
@@ -214,3 +215,17 @@ def fake_score_loss(F_fake: Fn, G_x0: torch.Tensor, t: torch.Tensor, eps: torch.
     loss = per_sample_sum((F_fake(x_t, t).to(F64) - target) ** 2)
     ok = torch.isfinite(loss)
     return torch.where(ok, loss, torch.zeros_like(loss)), {"nan": int((~ok).sum())}
+
+
+def boundary_loss(F_high: torch.Tensor, F_low: torch.Tensor, c: float = 0.1):
+    """Per-sample boundary term of two experts (docs/math.md §6.1), float64: with ``d = F_high - sg(F_low)`` at the
+    same ``(x_b, t_b)`` on the switch, ``L = sum (F_high - sg(F_high - d / (||d|| + c)))^2 = ||d||^2 / (||d|| + c)^2``,
+    normalised like the sCM term (each sample < 1); its gradient moves ``F_high`` toward ``F_low`` only. A non-finite
+    sample gives 0. Returns ``(loss[B], info)`` with the mean ``||d||``."""
+    F_high = F_high.to(F64)
+    d = F_high - F_low.detach().to(F64)
+    norm = torch.linalg.vector_norm(d.detach().reshape(d.shape[0], -1), dim=1)
+    step = d.detach() / _bcast(norm + c, d)
+    loss = per_sample_sum((F_high - (F_high.detach() - step)) ** 2)
+    ok = torch.isfinite(loss)
+    return torch.where(ok, loss, torch.zeros_like(loss)), {"nan": int((~ok).sum()), "d_norm": float(norm[torch.isfinite(norm)].mean())}

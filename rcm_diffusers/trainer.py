@@ -23,7 +23,7 @@ from .experts import sample_p_G_experts, switch_of
 from .models import network_timestep
 from .trigflow import sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
-__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "fake_step", "TrainState", "SpikeGuard",
+__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
            "lr_warmup_lambda"]
 
@@ -67,7 +67,8 @@ def batch_reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
 
 def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0):
     """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (docs/math.md §4.1, §4.2), each
-    per-sample loss reduced over the batch by ``cfg.loss_reduction`` (``batch_reduce``).
+    per-sample loss reduced over the batch by ``cfg.loss_reduction`` (``batch_reduce``); two experts add
+    ``boundary_weight L_bc`` (docs/math.md §6.1).
 
     ``backward(loss, last)`` back-propagates one term (``last`` marks the one that must
     synchronise gradients across processes); the DMD term goes first so each grad-enabled
@@ -75,6 +76,8 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
     """
     B, dev = x0.shape[0], x0.device
     logs = {}
+    sw = switch_of(nets.modules["student"])
+    with_bc = sw is not None and getattr(cfg, "boundary_weight", 0.0) > 0
     if plan.dmd and cfg.dmd_weight > 0:
         G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0.shape, plan.n_sim, shift=cfg.p_D_shift,
                                         generator=generator, device=dev)
@@ -85,10 +88,9 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
             x0_fake = nets.x0("fake", x_t, t_D, cond)
             x0_teach = teacher_x0(nets, x_t, t_D, cond, uncond, cfg.guidance_scale)
         l_dmd, info = L.dmd_loss(G_x0, x0_fake, x0_teach)
-        backward(cfg.dmd_weight * batch_reduce(l_dmd, cfg.loss_reduction), last=cfg.scm_weight == 0)
+        backward(cfg.dmd_weight * batch_reduce(l_dmd, cfg.loss_reduction), last=cfg.scm_weight == 0 and not with_bc)
         logs.update(loss_dmd=float(l_dmd.detach().mean()), nan_dmd=info["nan"], dmd_w=info["w"], n_sim=plan.n_sim)
     if cfg.scm_weight > 0:
-        sw = switch_of(nets.modules["student"])
         t = scm_times(sw, B, cfg, noise_multiplier, generator, dev)
         eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(x0, eps, t)
@@ -98,11 +100,30 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
         with nullcontext() if sw is None else sw.pinned(high):
             l_scm, info = L.scm_loss(nets.F_fn("student", cond), x_t, t, F_T, step=plan.student_eff,
                                      tangent_warmup=cfg.tangent_warmup, fd_type=cfg.fd_type, h=cfg.fd_h)
-        backward(cfg.scm_weight * batch_reduce(l_scm, cfg.loss_reduction), last=True)
+        backward(cfg.scm_weight * batch_reduce(l_scm, cfg.loss_reduction), last=not with_bc)
         logs.update(loss_scm=float(l_scm.detach().mean()), nan_scm=info["nan"], g_norm=info["g_norm"], warmup_r=info["r"])
         if high is not None:
             logs["scm_high"] = int(high.sum())
+    if with_bc:
+        l_bc, info = boundary_step(nets, sw, x0, cond, generator)
+        backward(cfg.boundary_weight * batch_reduce(l_bc, cfg.loss_reduction), last=True)
+        logs.update(loss_bc=float(l_bc.detach().mean()), bc_d=info["d_norm"], nan_bc=info["nan"])
     return logs
+
+
+def boundary_step(nets, switch, x0, cond, generator):
+    """The boundary term's per-sample loss (docs/math.md §6.1): ``x_b = cos t_b x0 + sin t_b eps`` at the switch angle
+    ``t_b = arctan(b / (1 - b))``; the high-noise expert's student ``F`` there (with gradient) is pulled onto the
+    low-noise expert's student ``F`` (no gradient), the consistency function being continuous across the switch."""
+    B, dev = x0.shape[0], x0.device
+    t_b = torch.full((B,), math.atan2(switch.boundary_ratio, 1.0 - switch.boundary_ratio), dtype=F64, device=dev)
+    eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+    x_b = trigflow_noise(x0, eps, t_b)
+    with torch.no_grad(), switch.pinned(torch.zeros(B, dtype=torch.bool)):
+        F_low = nets.F("student", x_b, t_b, cond)
+    with switch.pinned(torch.ones(B, dtype=torch.bool)):
+        F_high = nets.F("student", x_b, t_b, cond)
+    return L.boundary_loss(F_high, F_low)
 
 
 def scm_times(switch, B: int, cfg, noise_multiplier: float, generator, device) -> torch.Tensor:

@@ -150,6 +150,60 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
     assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer_2."))
 
 
+def test_boundary_loss_value_and_gradient_match_float64_reference():
+    """``L = ||d||^2 / (||d|| + c)^2`` per sample with ``d = F_high - F_low``, gradient ``2 d / (||d|| + c)`` on ``F_high``
+    and none on ``F_low`` (written from docs/math.md §6.1 in float64); a NaN sample gives 0."""
+    from rcm_diffusers.losses import boundary_loss
+
+    g = torch.Generator().manual_seed(0)
+    Fh = torch.randn(3, 2, 5, generator=g, dtype=F64).requires_grad_(True)
+    Fl = torch.randn(3, 2, 5, generator=g, dtype=F64).requires_grad_(True)
+    loss, info = boundary_loss(Fh, Fl, c=0.1)
+    d = (Fh - Fl).detach().reshape(3, -1)
+    n = d.norm(dim=1)
+    torch.testing.assert_close(loss.detach(), n**2 / (n + 0.1) ** 2, rtol=1e-12, atol=0)
+    loss.sum().backward()
+    torch.testing.assert_close(Fh.grad.reshape(3, -1), 2 * d / (n + 0.1)[:, None], rtol=1e-12, atol=0)
+    assert Fl.grad is None and info["nan"] == 0 and info["d_norm"] == pytest.approx(float(n.mean()))
+    bad = Fl.detach().clone()
+    bad[1, 0, 0] = float("nan")
+    loss, info = boundary_loss(Fh.detach(), bad)
+    assert info["nan"] == 1 and loss[1] == 0 and loss[0] > 0
+
+
+def test_boundary_term_moves_only_the_high_noise_student_toward_the_low_one():
+    """The boundary term (scm and DMD off) gives gradients to the high-noise expert's student adapters only; a few
+    steps of it shrink ``||F_high - F_low||`` at the switch (the experts start as two different teachers)."""
+    from types import SimpleNamespace
+
+    from rcm_diffusers import trainer as T
+    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.alternation import StepPlan
+
+    hi, lo = _experts()
+    sw = WanExpertSwitch(hi, lo, 0.875)
+    nets, _ = Networks.build(sw, "shared", with_fake=False, lora_rank=4, time_input="float")
+    params = nets.trainable_parameters("student")
+    for n, p in params.items():  # lora_B = 0 at init: start the adapters off zero so lora_A gets gradients too
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=1e-3, generator=torch.Generator().manual_seed(hash(n) % 1000))
+    opt = torch.optim.Adam(params.values(), lr=1e-2)
+    cfg = SimpleNamespace(dmd_weight=0.0, scm_weight=0.0, boundary_weight=1.0, loss_reduction="mean")
+    x0 = torch.randn(4, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = {"encoder_hidden_states": torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1))}
+    plan = StepPlan(i=0, student=True, student_eff=0, fake_eff=0, dmd=False, n_sim=1)
+    d = []
+    for k in range(8):
+        opt.zero_grad()
+        logs = T.student_step(nets, x0, cond, None, plan, cfg, torch.Generator().manual_seed(5), lambda loss, last: loss.backward())
+        if k == 0:
+            assert all(p.grad is None for n, p in params.items() if n.startswith("transformer_2."))
+            assert any(p.grad is not None and p.grad.abs().max() > 0 for n, p in params.items() if n.startswith("transformer."))
+        d.append(logs["bc_d"])
+        opt.step()
+    assert all(b < a for a, b in zip(d, d[1:])) and d[-1] < 0.8 * d[0], d  # same x_b each step: no learning = constant d
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
