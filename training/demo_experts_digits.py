@@ -75,24 +75,36 @@ def plan(a, overrides) -> list[dict]:
 
 
 def train(runs, a) -> dict:
+    """Train the unfinished runs, ``--jobs`` at a time, the next one starting as soon as a slot frees (two-expert
+    runs first: they are the longer ones); returns ``{run: wall seconds}``."""
+    import time as _t
+
     from demo_digits import _env, launch_command
 
-    todo = [r for r in runs if D.run_state(r["dir"], r["config"]) != "finished"]
-    times = {}
-    for i in range(0, len(todo), a.jobs):
-        procs = []
-        for r in todo[i:i + a.jobs]:
+    todo = sorted((r for r in runs if D.run_state(r["dir"], r["config"]) != "finished"), key=lambda r: r["method"] != "two-experts")
+    times, running = {}, []
+    while todo or running:
+        while todo and len(running) < a.jobs:
+            r = todo.pop(0)
             os.makedirs(r["dir"], exist_ok=True)
             log = open(os.path.join(r["dir"], "train.log"), "a")
             cmd = launch_command([*r["args"], "--resume", "latest", "--progress", "false"])
             print(f"[demo-experts] training {os.path.basename(r['dir'])} (log: {log.name})", flush=True)
-            procs.append((r, subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=log, stderr=subprocess.STDOUT), time.perf_counter(), log))
-        for r, proc, t0, log in procs:
-            rc = proc.wait()
+            running.append((r, subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=log, stderr=subprocess.STDOUT), time.perf_counter(), log))
+        _t.sleep(2)
+        for item in list(running):
+            r, proc, t0, log = item
+            rc = proc.poll()
+            if rc is None:
+                continue
+            running.remove(item)
             log.close()
             times[os.path.basename(r["dir"])] = time.perf_counter() - t0
             if rc != 0:
+                for _, other, _, _ in running:
+                    other.terminate()
                 raise SystemExit(f"demo_experts_digits: {r['dir']} failed (exit {rc}); see {log.name}")
+            print(f"[demo-experts] {os.path.basename(r['dir'])} trained in {times[os.path.basename(r['dir'])] / 60:.1f} min", flush=True)
     return times
 
 
