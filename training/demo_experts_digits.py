@@ -149,18 +149,19 @@ def evaluate(runs, a) -> list[dict]:
 
 
 def report(a, teacher, rows, times) -> str:
-    def ms(v):
-        return f"{statistics.mean(v):.2f} ± {statistics.stdev(v):.2f}" if len(v) > 1 else f"{v[0]:.2f}"
+    def ms(v, d=2):
+        return f"{statistics.mean(v):.{d}f} ± {statistics.stdev(v):.{d}f}" if len(v) > 1 else f"{v[0]:.{d}f}"
 
     lines = [f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})", "",
              f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, accuracy {teacher['accuracy']:.3f}. "
              f"{a.samples} samples per row; mean ± sd over training seeds {a.seeds}.", "",
-             "| method | weights | steps | FD ↓ | FD / teacher ↓ | accuracy ↑ | seeds |", "|---|---|---:|---:|---:|---:|---:|"]
+             "| method | weights | steps | FD ↓ | FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({(r["method"], r["weights"], r["steps"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
     for method, w, k in keys:
         sel = [r for r in rows if (r["method"], r["weights"], r["steps"]) == (method, w, k)]
         lines.append(f"| {method} | {w} | {k} | {ms([r['fd'] for r in sel])} | {ms([r['fd_ratio'] for r in sel])} | "
-                     f"{ms([r['accuracy'] for r in sel])} | {len(sel)} |")
+                     f"{ms([r['accuracy'] for r in sel], 3)} | {ms([r['diversity'] for r in sel])} | {len(sel)} |")
     text = "\n".join(lines) + "\n"
     D.atomic_write_text(os.path.join(a.out, "report.md"), text)
     D.atomic_write_text(os.path.join(a.out, "results.json"), json.dumps({"teacher": teacher, "rows": rows, "train_s": times}, indent=1))
