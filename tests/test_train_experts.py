@@ -319,8 +319,8 @@ def test_one_expert_needs_to_be_asked_for(t2v, tmp_path):
 
 def test_changing_the_experts_on_resume_is_refused(t2v):
     out = t2v[2] / "run_change"
-    p = run_trainer(_args(t2v, out, "--max_steps", "10"))
-    p = run_trainer(_args(t2v, out, "--resume", "latest", "--experts", "one", "--max_steps", "12"), check=False)
+    p = run_trainer(_args(t2v, out, "--max_steps", "2", "--checkpoint_every", "1"))
+    p = run_trainer(_args(t2v, out, "--resume", "latest", "--experts", "one", "--max_steps", "3"), check=False)
     assert p.returncode != 0 and "experts 'auto' -> 'one'" in (p.stdout + p.stderr)
 
 
@@ -396,7 +396,7 @@ def test_full_mode_trains_and_exports_both_experts(t2v):
     from diffusers import WanTransformer3DModel
 
     out = t2v[2] / "run_full_mode"
-    run_trainer(_args(t2v, out, "--mode", "full", "--max_steps", "12", "--checkpoint_every", "0", "--lr", "1e-4"))
+    run_trainer(_args(t2v, out, "--mode", "full", "--max_steps", "4", "--checkpoint_every", "0", "--lr", "1e-4"))
     for sub in ("", "ema"):
         for name, teacher_sub in (("student_transformer", HIGH), ("student_transformer_2", LOW)):
             st = WanTransformer3DModel.from_pretrained(os.path.join(out, sub, name))
@@ -409,7 +409,7 @@ def test_exact_jvp_tangent_trains_both_experts(t2v):
     """``fd_type 0`` (the official exact JVP) through the switch with the JVP attention on both experts: finite sCM
     losses, no masked sample, both experts' student adapters moved."""
     out = t2v[2] / "run_fd0"
-    run_trainer(_args(t2v, out, "--fd_type", "0", "--max_steps", "6", "--checkpoint_every", "0"))
+    run_trainer(_args(t2v, out, "--fd_type", "0", "--max_steps", "3", "--checkpoint_every", "0"))
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert all(math.isfinite(r["loss_scm"]) and r["nan_scm"] == 0 for r in recs if "loss_scm" in r)
     for e, sd in _lora_pair(out).items():
