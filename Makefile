@@ -1,6 +1,7 @@
 # One-command entry points (see README). Everything lives in a local virtual environment.
 #   make test   set up .venv and run the test suite (CPU, offline)
 #   make demo   set up .venv and run the main job on the embedded default
+#   make demo-experts   two-expert (Wan 2.2-style) distillation on digits, 3 seeds (~45 min)
 # CPU machines take the local CPU build of torch (pinned); on a GPU machine run
 #   make setup TORCH="torch"   (or pre-install your CUDA torch into .venv).
 VENV   ?= .venv
