@@ -22,12 +22,10 @@ import os
 import torch
 from torch import nn
 
-__all__ = ["WanExpertSwitch", "pipeline_boundary_ratio", "index_boundary_ratio", "switch_of", "expert_lora_weights", "boundary_sigma", "sample_p_G_experts", "HIGH", "LOW",
-           "EXPERT_SUBFOLDERS"]
+__all__ = ["WanExpertSwitch", "pipeline_boundary_ratio", "index_boundary_ratio", "switch_of", "expert_lora_weights", "boundary_sigma", "sample_p_G_experts", "HIGH", "LOW"]
 
+#: the pipeline components of the high-noise and low-noise experts
 HIGH, LOW = "transformer", "transformer_2"
-#: the pipeline component of each expert, high-noise first
-EXPERT_SUBFOLDERS = (HIGH, LOW)
 
 
 def pipeline_boundary_ratio(pretrained: str) -> float | None:

@@ -21,7 +21,7 @@ from . import losses as L
 from .alternation import StepPlan
 from .experts import sample_p_G_experts, switch_of
 from .models import network_timestep
-from .trigflow import sample_p_D, sample_p_G, t_to_r, trigflow_noise
+from .trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
 __all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
@@ -116,7 +116,7 @@ def boundary_step(nets, switch, x0, cond, generator):
     ``t_b = arctan(b / (1 - b))``; the high-noise expert's student ``F`` there (with gradient) is pulled onto the
     low-noise expert's student ``F`` (no gradient), the consistency function being continuous across the switch."""
     B, dev = x0.shape[0], x0.device
-    t_b = torch.full((B,), math.atan2(switch.boundary_ratio, 1.0 - switch.boundary_ratio), dtype=F64, device=dev)
+    t_b = r_to_t(torch.full((B,), switch.boundary_ratio, dtype=F64, device=dev))  # arctan(b / (1 - b))
     eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
     x_b = trigflow_noise(x0, eps, t_b)
     with torch.no_grad(), switch.pinned(torch.zeros(B, dtype=torch.bool)):
