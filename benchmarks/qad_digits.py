@@ -38,10 +38,11 @@ CONFIG = os.path.join(REPO, "training", "configs", "qad-digits.yaml")
 
 
 def run_args(out: str, fmt: str, seed: int, steps: int, warm: int, target: str, lr: float | None = None,
-             guidance: float | None = None) -> list[str]:
+             guidance: float | None = None, ema_rate: float = 0.0) -> list[str]:
     """``training/qad.py`` arguments of one cell; ``lr`` / ``guidance`` (a constant CFG scale folded into the student)
-    override the config's when given."""
+    override the config's when given; ``ema_rate > 0`` also exports the power-EMA weights (``ema/``)."""
     extra = ([] if lr is None else ["--lr", str(lr)]) + ([] if guidance is None else ["--guidance", str(guidance)])
+    extra += ["--ema_rate", str(ema_rate)] if ema_rate else []
     return ["--config", CONFIG, "--output_dir", out, "--format", fmt, "--target", target, "--seed", str(seed),
             "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true", *extra]
 
@@ -50,7 +51,8 @@ def run_name(a, fmt: str, seed: int) -> str:
     """Run folder name: format, target and seed; the non-default settings too, so a finished run is reused only
     for the settings it was trained with."""
     tags = [f"lr{a.lr:g}" if a.lr is not None else "", f"s{a.guidance_scale:g}" if a.guidance_scale != 1.5 else "",
-            f"warm{a.warm_start_batches}" if a.warm_start_batches else "", f"it{a.steps}" if a.steps != 200 else ""]
+            f"warm{a.warm_start_batches}" if a.warm_start_batches else "", f"it{a.steps}" if a.steps != 200 else "",
+            f"ema{a.ema_rate:g}" if a.ema_rate else ""]
     return "-".join([fmt, a.target, *[t for t in tags if t], f"seed{seed}"])
 
 
@@ -87,6 +89,8 @@ def main(argv=None):
                    "students and kept by PTQ (1 = no CFG: isolates the quantization gap from the cost of folding CFG)")
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--lr", type=float, default=None, help="QAD learning rate (default: the config's, 2e-5)")
+    p.add_argument("--ema_rate", type=float, default=0.0, help="power-EMA rate s of the QAD weights (0 = off); adds a "
+                   "row per format for the EMA export, from the same runs")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
@@ -102,26 +106,30 @@ def main(argv=None):
     out = {"args": vars(a), "noise_unpaired_teacher": [D.frechet_distance(ref[x], ref[y])
                                                        for x, y in zip(a.seeds, a.seeds[1:] + a.seeds[:1])]}
     print(f"noise floor (teacher, unpaired noises): {np.round(out['noise_unpaired_teacher'], 3)}", flush=True)
+    variants = [("", "")] + ([("+ema", "ema")] if a.ema_rate else [])
     for fmt in a.formats:
-        rows = out[fmt] = {"ptq": [], "qad": [], "gap_recovered": [], "train_seconds": []}
+        for tag, _ in variants:
+            out[fmt + tag] = {"ptq": [], "qad": [], "gap_recovered": [], "train_seconds": []}
         for sd in a.seeds:
             run = os.path.join(a.out, run_name(a, fmt, sd))
-            args = run_args(run, fmt, sd, a.steps, a.warm_start_batches, a.target, a.lr, a.guidance_scale)
+            args = run_args(run, fmt, sd, a.steps, a.warm_start_batches, a.target, a.lr, a.guidance_scale, a.ema_rate)
             if not os.path.exists(os.path.join(run, "final.json")):
-                rows["train_seconds"].append(train(args))
+                out[fmt]["train_seconds"].append(train(args))
             ptq_path = os.path.join(run, "ptq_quantized_transformer.safetensors")
             export_ptq(teacher, args, ptq_path)
             f_ptq = D.frechet_distance(feats(comfy_runtime_copy(teacher, ptq_path), s, sd), ref[sd])
-            f_qad = D.frechet_distance(feats(comfy_runtime_copy(teacher, os.path.join(run, "quantized_transformer.safetensors")),
-                                             1.0, sd), ref[sd])
-            rows["ptq"].append(f_ptq)
-            rows["qad"].append(f_qad)
-            rows["gap_recovered"].append(1 - f_qad / f_ptq)
-            print(f"{fmt} seed {sd}: FD vs teacher PTQ {f_ptq:.4f} QAD {f_qad:.4f} gap recovered {100 * (1 - f_qad / f_ptq):.0f}%",
-                  flush=True)
+            for tag, sub in variants:
+                rows = out[fmt + tag]
+                path = os.path.join(run, sub, "quantized_transformer.safetensors")
+                f_qad = D.frechet_distance(feats(comfy_runtime_copy(teacher, path), 1.0, sd), ref[sd])
+                rows["ptq"].append(f_ptq)
+                rows["qad"].append(f_qad)
+                rows["gap_recovered"].append(1 - f_qad / f_ptq)
+                print(f"{fmt}{tag} seed {sd}: FD vs teacher PTQ {f_ptq:.4f} QAD {f_qad:.4f} gap recovered "
+                      f"{100 * (1 - f_qad / f_ptq):.0f}%", flush=True)
     lines = [f"| format (target {a.target}) | naive PTQ FD vs teacher | QAD FD vs teacher | gap recovered (per seed) | mean ± sd |",
              "|---|---:|---:|---|---:|"]
-    for fmt in a.formats:
+    for fmt in [f + tag for f in a.formats for tag, _ in variants]:
         r = out[fmt]
         g = 100 * np.array(r["gap_recovered"])
         lines.append(f"| {fmt} | {np.mean(r['ptq']):.3f} ± {np.std(r['ptq'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
