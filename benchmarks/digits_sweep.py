@@ -6,8 +6,8 @@
 Everything after ``--`` goes to ``training/rcm.py`` (on top of ``training/configs/digits.yaml``); the run trains
 into ``OUT/NAME`` (skipped when its ``final.json`` exists) with one torch thread and its log in ``OUT/NAME/train.log``.
 Evaluation: the EMA and live LoRA, ``RCMScheduler`` at 1 / 2 / 4 steps (``--steps``), 1000 samples, seed 1234, the
-student sampled with the time input it was trained with (``time_input`` from the run's ``env.json``: ``bf16``
-rounds the transformer's timestep ``1000 r`` to bfloat16, as training fed it). FD to held-out real digits and its
+student sampled as its run's ``env.json`` config names: the time input it was trained with (``bf16`` rounds the
+transformer's timestep ``1000 r`` to bfloat16, as training fed it), ``sigma_max`` and ``mid_t``. FD to held-out real digits and its
 ratio to the 50-step Euler teacher's FD (the goals: <= 1.5x at 1 step, <= 1.3x at 2, <= 1.2x at 4); one JSON line
 per run appended to ``OUT/sweep.jsonl`` with the wall clock of training.
 """
@@ -27,13 +27,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-
-
-def _round_time(transformer):
-    """The transformer called with its ``timestep`` rounded to bfloat16 (how ``time_input: bf16`` training fed it)."""
-    def call(x, ts, cond, return_dict=False):
-        return transformer(x, ts.to(torch.bfloat16).to(ts.dtype), cond, return_dict=return_dict)
-    return call
 
 
 def teacher_fd(ev, labels, seed: int, cache: str) -> float:
@@ -78,10 +71,9 @@ def main(argv=None):
     rec = {"name": a.name, "args": train_args, "train_s": train_s, "time_input": cfg.get("time_input", "float"), "teacher_fd": ref}
     for which, d in (("ema", os.path.join(run, "ema")), ("live", run)):
         tr, emb = D.load_student(D.TEACHER_DIR, d)
-        if rec["time_input"] == "bf16":
-            tr = _round_time(tr)
         for n in [int(v) for v in a.steps.split(",")]:
-            m = ev.evaluate(D.sample_student(tr, emb, labels, n, a.seed, float(cfg.get("sigma_max", 80.0))), labels)
+            m = ev.evaluate(D.sample_student(tr, emb, labels, n, a.seed, float(cfg.get("sigma_max", 80.0)),
+                                             cfg.get("mid_t") or None, time_input=rec["time_input"]), labels)
             rec[f"{which}_fd{n}"] = round(m["fd"], 3)
             rec[f"{which}_ratio{n}"] = round(m["fd"] / ref, 3)
             rec[f"{which}_acc{n}"] = round(m["accuracy"], 3)

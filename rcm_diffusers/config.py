@@ -96,6 +96,8 @@ class RCMConfig:
     sample_every: int = opt(0, "write a student sample grid every N iterations (0 = off)")
     sample_steps: list = opt([1, 2, 4], "RCMScheduler step counts of the sample grid")
     sigma_max: float = opt(80.0, "sigma_max of the student sampler (80 T2V, 200 Wan I2V)")
+    mid_t: list = opt([], "intermediate TrigFlow angles of the student sampler, strictly decreasing below "
+                      "arctan(sigma_max); n steps use the first n - 1 (empty = the default of docs/math.md §2.1)")
     spike_factor: float = opt(5.0, "grad-norm spike: norm > factor x running median ...")
     spike_patience: int = opt(3, "... for this many consecutive steps of one network dumps spikes.jsonl")
     skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (reported, counted in metrics and final.json)")
@@ -130,6 +132,14 @@ class RCMConfig:
             bad("high_noise_share", "must lie strictly between 0 and 1 (each expert needs samples)")
         if self.loss_reduction not in ("mean", "sum"):
             bad("loss_reduction", "use 'mean' or 'sum'")
+        if self.mid_t:
+            from .sampling import rcm_angles
+
+            try:
+                for n in {len(self.mid_t) + 1, *self.sample_steps}:
+                    rcm_angles(n, self.sigma_max, self.mid_t)
+            except (TypeError, ValueError) as e:
+                bad("mid_t", str(e))
         if self.weight_dtype not in ("float32", "bfloat16", "float16"):
             bad("weight_dtype", "use float32, bfloat16 or float16")
         if self.mixed_precision not in ("no", "bf16", "fp16"):

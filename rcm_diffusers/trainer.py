@@ -401,13 +401,16 @@ def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weig
 
 
 @torch.no_grad()
-def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student"):
-    """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1), model-layout float32 latents; the network
-    sees its time as in training (``nets.time_input``), the update runs on the exact RF times."""
+def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student",
+                   mid_t=None):
+    """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1; ``mid_t`` empty = its default angles),
+    model-layout float32 latents; the network sees its time as in training (``nets.time_input``), the update runs
+    on the exact RF times."""
     from .models import velocity_fn
+    from .sampling import DEFAULT_MID_T
     from .schedulers import RCMScheduler
 
-    sch = RCMScheduler(sigma_max=sigma_max, time_input=nets.time_input)
+    sch = RCMScheduler(sigma_max=sigma_max, mid_t=list(mid_t or DEFAULT_MID_T), time_input=nets.time_input)
     sch.set_timesteps(steps)
     x = sch.scale_initial_noise(torch.randn(shape, generator=generator, dtype=torch.float32).to(device))
     with nets.role(role):
@@ -445,7 +448,8 @@ def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4, d
     out = {}
     for k in cfg.sample_steps:
         gen = torch.Generator().manual_seed(cfg.seed)
-        out[f"steps_{k}"] = sample_student(nets, cond, tuple(x0.shape), int(k), cfg.sigma_max, gen, device).cpu()
+        out[f"steps_{k}"] = sample_student(nets, cond, tuple(x0.shape), int(k), cfg.sigma_max, gen, device,
+                                           mid_t=cfg.mid_t).cpu()
     d = os.path.join(cfg.output_dir, "samples")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"step-{step:08d}.safetensors")

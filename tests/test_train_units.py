@@ -30,6 +30,12 @@ def test_config_overrides_help_and_errors(tmp_path):
     with pytest.raises(ValueError, match="tangent_warmup 0"):
         load_config(["--config", str(y), "--scm_weight", "0", "--tangent_warmup", "10"])
     assert load_config(["--config", str(y), "--scm_weight", "0", "--tangent_warmup", "0"]).scm_weight == 0.0
+    # student sampler angles: strictly decreasing below arctan(sigma_max), enough of them for every sample_steps entry
+    assert load_config(["--config", str(y), "--mid_t", "[0.8, 0.5, 0.25]"]).mid_t == [0.8, 0.5, 0.25]
+    for bad, msg in [("[0.8, 0.9, 0.25]", "strictly decreasing"), ("[1.6, 0.5, 0.2]", "strictly inside"),
+                     ("[0.8, 0.5]", "out of range")]:
+        with pytest.raises(ValueError, match=f"mid_t.*{msg}"):
+            load_config(["--config", str(y), "--mid_t", bad])
 
 
 def test_latent_format_roundtrip_and_tables(tmp_path):
