@@ -47,13 +47,28 @@ def test_run_state_and_config_mismatch(tmp_path):
 
 def test_bad_options_fail_before_training(tmp_path, capsys):
     for argv, msg in [(["--max_steps", "0"], "max_steps = 0: must be >= 1"), (["--bogus", "1"], "unknown config option"),
-                      (["--output_dir", "x"], "--out"), (["--ablations", "--use_dmd", "false"], "run 'dmd-only'")]:
+                      (["--output_dir", "x"], "--out"), (["--ablations", "--use_dmd", "false"], "run 'dmd-only'"),
+                      (["--processes", "3"], "batch_size 64 does not split over --processes 3")]:
         with pytest.raises(SystemExit, match=msg):
             demo_digits.main(["--out", str(tmp_path / "r"), "--dry_run", *argv])
     assert not (tmp_path / "r").exists()
     with pytest.raises(SystemExit) as e:
         demo_digits.main(["--help"])
     assert e.value.code == 0 and "--ablations" in capsys.readouterr().out
+
+
+def test_processes_split_the_global_batch(tmp_path):
+    """--processes P: P DDP processes of batch_size / P each (the config's global batch), on a free port per run."""
+    a, rest = demo_digits.parse_args(["--out", str(tmp_path / "r"), "--processes", "2", "--ablations"])
+    runs = demo_digits.plan_runs(a, rest)
+    assert [r["config"]["batch_size"] for r in runs] == [32, 32, 32]
+    cmd = demo_digits.launch_command(runs[0]["args"], a.processes)
+    assert cmd[cmd.index("--num_processes") + 1] == "2" and int(cmd[cmd.index("--main_process_port") + 1]) > 0
+    one = demo_digits.launch_command(runs[0]["args"], 1)
+    assert one[one.index("--num_processes") + 1] == "1" and "--main_process_port" not in one
+    a1, rest1 = demo_digits.parse_args(["--out", str(tmp_path / "r"), "--processes", "1"])
+    assert demo_digits.plan_runs(a1, rest1)[0]["config"]["batch_size"] == 64
+    assert 1 <= demo_digits.default_processes() <= 2
 
 
 @pytest.mark.slow
@@ -67,6 +82,7 @@ def test_demo_with_ablations_end_to_end(tmp_path):
     assert all(0 <= r.accuracy <= 1 and r.fd == r.fd and r.nfe == r.steps for r in rows)
     report = (out / "report.md").read_text()
     assert all(f"| student {n} | 1 | 1 |" in report for n in names) and (out / "samples.png").exists()
+    assert "student RCMScheduler sigma_max 5000, mid_t [0.8, 0.5, 0.25]" in report  # the sampler digits.yaml names
 
     def metrics(run):
         return [json.loads(line) for line in open(run / "metrics.jsonl")]

@@ -3,9 +3,11 @@
     python training/demo_digits.py                 # rCM student (training/configs/digits.yaml), then the table
     python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
 
-Each student is one ``accelerate launch --num_processes 1 --cpu training/rcm.py`` subprocess with
-``OMP_NUM_THREADS=1`` (on a small shared CPU box more threads are slower, docs/benchmarks.md), run from the
-repository root. Run directories: ``OUT`` (rCM), ``OUT-scm-only`` (``--use_dmd false``) and ``OUT-dmd-only``
+Each student is one ``accelerate launch --num_processes P --cpu training/rcm.py`` run with ``OMP_NUM_THREADS=1``
+per process (on a small CPU box more threads are slower than more processes, docs/benchmarks.md), run from the
+repository root; ``P`` = ``--processes`` (default: 2 when the machine has 2 or more cores, else 1) data-parallel
+processes that split the config's ``batch_size`` between them (the global batch stays the config's).
+Run directories: ``OUT`` (rCM), ``OUT-scm-only`` (``--use_dmd false``) and ``OUT-dmd-only``
 (``--scm_weight 0 --tangent_warmup 0``: see ``rcm_diffusers.digits.ABLATIONS``). A run whose ``final.json`` and
 LoRA exist is reused (unless ``--force``); an interrupted one resumes from its latest checkpoint. Then
 ``training/eval_digits.py`` evaluates the teacher rows and every student (live and EMA weights) once and writes
@@ -52,6 +54,10 @@ def parse_args(argv=None):
                    help="ablation runs trained at the same time, after the rCM run (which always trains alone so its "
                         "wall clock is the default demo's); >1 writes their output to RUN/train.log")
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process (default 1)")
+    p.add_argument("--processes", type=int, default=default_processes(),
+                   help="data-parallel CPU processes per training run (accelerate / DDP over gloo); each takes "
+                        "batch_size / processes samples, so the global batch is the config's (default: "
+                        "min(2, CPU cores))")
     p.add_argument("--samples", type=int, default=1000, help="evaluation samples per table row (classes cycle 0..9)")
     p.add_argument("--ref_steps", type=int, default=50, help="steps of the reference teacher rows")
     p.add_argument("--teacher_steps", default="1,2,4,8", help="few-step teacher rows (Euler and UniPC)")
@@ -59,9 +65,14 @@ def parse_args(argv=None):
     p.add_argument("--skip_eval", action="store_true", help="train only")
     p.add_argument("--dry_run", action="store_true", help="print what would run and exit")
     a, rest = p.parse_known_args(argv)
-    if a.jobs < 1 or a.threads < 1 or a.samples < 10:
-        p.error("--jobs and --threads must be >= 1, --samples >= 10")
+    if a.jobs < 1 or a.threads < 1 or a.processes < 1 or a.samples < 10:
+        p.error("--jobs, --threads and --processes must be >= 1, --samples >= 10")
     return a, rest
+
+
+def default_processes() -> int:
+    """Training processes of the demo: both cores of a 2-core box (DDP 1.7x one process, docs/benchmarks.md)."""
+    return max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def plan_runs(a, overrides: list[str]) -> list[dict]:
@@ -74,10 +85,16 @@ def plan_runs(a, overrides: list[str]) -> list[dict]:
         raise SystemExit(f"demo_digits: {e} (trainer options: python training/rcm.py --help)") from None
     out = os.path.abspath(a.out or (base_cfg.output_dir if os.path.isabs(base_cfg.output_dir)
                                     else os.path.join(REPO, base_cfg.output_dir)))
+    split = []
+    if a.processes > 1:
+        if base_cfg.batch_size % a.processes:
+            raise SystemExit(f"demo_digits: batch_size {base_cfg.batch_size} does not split over --processes {a.processes}; "
+                             "pass a batch_size divisible by it, or --processes 1")
+        split = ["--batch_size", str(base_cfg.batch_size // a.processes)]
     runs = []
     for name in ["rcm", *(D.ABLATIONS if a.ablations else [])]:
         run_dir = out if name == "rcm" else f"{out}-{name}"
-        args = ["--config", os.path.abspath(a.config), *overrides, *D.run_overrides(name), "--output_dir", run_dir]
+        args = ["--config", os.path.abspath(a.config), *overrides, *split, *D.run_overrides(name), "--output_dir", run_dir]
         try:
             cfg = load_config(args)
         except ValueError as e:
@@ -86,10 +103,19 @@ def plan_runs(a, overrides: list[str]) -> list[dict]:
     return runs
 
 
-def launch_command(args: list[str]) -> list[str]:
-    """``accelerate launch`` of ``training/rcm.py`` on one CPU process with ``args``."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--cpu",
-            "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "rcm.py"), *args]
+def launch_command(args: list[str], processes: int = 1) -> list[str]:
+    """``accelerate launch`` of ``training/rcm.py`` on ``processes`` CPU processes with ``args`` (several: DDP over
+    gloo on a free local port, so that runs trained side by side do not collide)."""
+    port = []
+    if processes > 1:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = ["--main_process_port", str(sock.getsockname()[1])]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
+            *port, "--cpu", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "rcm.py"),
+            *args]
 
 
 def _env(threads: int) -> dict:
@@ -123,7 +149,8 @@ def train(runs: list[dict], a) -> dict:
     for group in groups:
         procs = []
         for r in group:
-            cmd = launch_command([*r["args"], "--resume", "latest"] + (["--progress", "false"] if len(group) > 1 else []))
+            cmd = launch_command([*r["args"], "--resume", "latest"] + (["--progress", "false"] if len(group) > 1 else []),
+                                 a.processes)
             print(f"[demo] training {r['name']} -> {r['dir']}\n  OMP_NUM_THREADS={a.threads} {' '.join(cmd)}", flush=True)
             if a.dry_run:
                 continue
@@ -161,7 +188,9 @@ def evaluate(runs: list[dict], a):
     title = "Digits benchmark: rCM" + (" with sCM-only and DMD-only ablations" if len(runs) > 1 else "")
     argv = [*students, "--out", runs[0]["dir"], "--samples", str(a.samples), "--ref_steps", str(a.ref_steps),
             "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.threads), "--title", title,
-            "--time_input", runs[0]["config"].get("time_input", "bf16")]  # sample at the times the students were trained on
+            "--time_input", runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
+            "--sigma_max", str(runs[0]["config"].get("sigma_max", 80.0)),  # and with the sampler their config names
+            "--mid_t", ",".join(str(m) for m in runs[0]["config"].get("mid_t") or [])]
     print(f"[demo] evaluating: python training/eval_digits.py {' '.join(argv)}", flush=True)
     if a.dry_run:
         return []
