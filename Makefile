@@ -26,9 +26,11 @@ test: setup
 # rCM on the embedded digits teacher (training/configs/digits.yaml), then the evaluation table:
 # outputs/digits/{report.md,samples.png,pytorch_lora_weights.safetensors}. One torch thread per process: on a
 # small shared CPU box more threads are slower, not faster (docs/benchmarks.md). `make demo ABLATIONS=1` adds the
-# sCM-only and DMD-only students to the same table; DEMO_ARGS passes more (python training/demo_digits.py --help).
+# sCM-only and DMD-only students to the same table; `make demo QUALITY=1` trains twice as long (outputs/digits-quality);
+# DEMO_ARGS passes more (python training/demo_digits.py --help).
 demo: setup
-	$(PY) training/demo_digits.py $(if $(filter-out 0 no false,$(ABLATIONS)),--ablations) $(DEMO_ARGS)
+	$(PY) training/demo_digits.py $(if $(filter-out 0 no false,$(ABLATIONS)),--ablations) \
+		$(if $(filter-out 0 no false,$(QUALITY)),--quality) $(DEMO_ARGS)
 
 # Wan 2.2-style two experts on digits (issue 16): both experts in one rCM run vs one expert's LoRA on both, 3 seeds
 # each (training/configs/digits-experts.yaml), against the two-expert teacher: outputs/digits_experts/report.md.

@@ -69,6 +69,11 @@ def test_processes_split_the_global_batch(tmp_path):
     a1, rest1 = demo_digits.parse_args(["--out", str(tmp_path / "r"), "--processes", "1"])
     assert demo_digits.plan_runs(a1, rest1)[0]["config"]["batch_size"] == 64
     assert 1 <= demo_digits.default_processes() <= 2
+    aq, restq = demo_digits.parse_args(["--quality", "--processes", "1"])
+    (q,) = demo_digits.plan_runs(aq, restq)
+    assert q["config"]["max_steps"] == demo_digits.QUALITY_STEPS == 5000 and q["dir"].endswith(os.path.join("outputs", "digits-quality"))
+    aq, restq = demo_digits.parse_args(["--quality", "--max_steps", "7", "--out", str(tmp_path / "q")])
+    assert demo_digits.plan_runs(aq, restq)[0]["config"]["max_steps"] == 7  # an explicit --max_steps wins
 
 
 @pytest.mark.slow

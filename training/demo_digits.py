@@ -2,6 +2,7 @@
 
     python training/demo_digits.py                 # rCM student (training/configs/digits.yaml), then the table
     python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
+    python training/demo_digits.py --quality       # twice the iterations (5000), into outputs/digits-quality
 
 Each student is one ``accelerate launch --num_processes P --cpu training/rcm.py`` run with ``OMP_NUM_THREADS=1``
 per process (on a small CPU box more threads are slower than more processes, docs/benchmarks.md), run from the
@@ -34,6 +35,7 @@ from rcm_diffusers import digits as D  # noqa: E402
 from rcm_diffusers.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
+QUALITY_STEPS = 5000  # --quality: 1-step FD still falls by ~1 per 500 iterations at 2500 (docs/benchmarks.md)
 
 
 def parse_args(argv=None):
@@ -47,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None,
                    help="rCM run directory, also where report.md/samples.png go (default: output_dir of the config, "
                         "outputs/digits); ablations train into OUT-scm-only and OUT-dmd-only")
+    p.add_argument("--quality", action="store_true",
+                   help=f"the longer preset: max_steps {QUALITY_STEPS} (twice the default's; about twice the time), "
+                        "default run directory OUTPUT_DIR-quality; a --max_steps given here still wins")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="trainer YAML (default: training/configs/digits.yaml)")
     p.add_argument("--force", action="store_true",
                    help="retrain even if a finished run exists (deletes that run directory first)")
@@ -79,12 +84,14 @@ def plan_runs(a, overrides: list[str]) -> list[dict]:
     """One dict per student run: ``name``, ``dir`` (absolute), trainer ``args`` and the validated config."""
     if any(o.split("=")[0] in ("--output_dir", "--resume") for o in overrides):
         raise SystemExit("demo_digits: set the run directory with --out (not --output_dir); resuming is automatic")
+    if a.quality:
+        overrides = ["--max_steps", str(QUALITY_STEPS), *overrides]
     try:
         base_cfg = load_config(["--config", a.config, *overrides])
     except (ValueError, OSError) as e:
         raise SystemExit(f"demo_digits: {e} (trainer options: python training/rcm.py --help)") from None
-    out = os.path.abspath(a.out or (base_cfg.output_dir if os.path.isabs(base_cfg.output_dir)
-                                    else os.path.join(REPO, base_cfg.output_dir)))
+    out = os.path.abspath(a.out or ((base_cfg.output_dir if os.path.isabs(base_cfg.output_dir)
+                                     else os.path.join(REPO, base_cfg.output_dir)) + ("-quality" if a.quality else "")))
     split = []
     if a.processes > 1:
         if base_cfg.batch_size % a.processes:
