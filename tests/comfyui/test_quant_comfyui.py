@@ -50,7 +50,10 @@ TOL = 1e-5  # relative L2 of the whole forward; the two Wan implementations diff
 LAYER_TOL = 1e-6  # one quantized layer on the same input: float32 summation order only
 # int8 rounds activations per row to 255 levels: the implementations' ~1e-7 input differences flip the rounding
 # of a few of the ~1e5 activation elements (one level = amax_row / 127), measured 1.2e-6 to 3.8e-5 end to end
-# depending on the input; the layer-wise check above is the exact statement
+# depending on the input; the layer-wise check above is the exact statement. No second implementation is needed
+# for this: ComfyUI's own Wan with each quantized layer's output replaced by ours on the same input (layer-wise
+# 2e-7, float32 summation order) ends 1.2e-4 away (measured 2026-12-01; nvfp4 0, fp8 4e-8 the same way), so
+# <= 1e-5 end to end would need bitwise-identical int8 arithmetic
 INT8_TOL = 1e-4
 
 
