@@ -100,6 +100,32 @@ def test_scm_loss_value_and_grad_match_reference(case, step, warmup):
     np.testing.assert_allclose(net.W.grad.numpy(), ref_dW, rtol=1e-9, atol=1e-12)
 
 
+def test_scm_loss_fd2_reference_and_two_student_calls(case):
+    """fd_type 2: the loss equals the numpy float64 reference with the finite-difference tangent of docs/math.md §4.1
+    (NVlabs/rcm ``_student_scm_step``, ``fd_type == 2``: ``dF = cos t sin t (cos h F(x_t, t) - F(x_{t-h}, t - h)) / sin h``
+    with ``x_{t-h} = cos h x_t - sin h F_T``), and the student runs twice per step: ``F(x_t, t)`` with gradient serves
+    as the tangent's ``F_minus`` too."""
+    net, x, t, F_T = case
+    h, r = 1e-3, 0.6
+    calls = []
+
+    def counted(x_, t_):
+        calls.append(torch.is_grad_enabled())
+        return net(x_, t_)
+
+    loss, _ = L.scm_loss(counted, x, t, F_T, step=6, tangent_warmup=10, fd_type=2, h=h)
+    assert sorted(calls) == [False, True]
+    W, b = net.W.detach().numpy(), net.b.detach().numpy()
+    for i in range(B):
+        xi, ti, Fi = x[i].numpy(), float(t[i]), F_T[i].numpy()
+        cs = math.cos(ti) * math.sin(ti)
+        Fm = np_F(W, b, xi, ti)
+        dF = cs * (math.cos(h) * Fm - np_F(W, b, math.cos(h) * xi - math.sin(h) * Fi, ti - h)) / math.sin(h)
+        g = -math.cos(ti) * math.sqrt(1 - r**2 * math.sin(ti) ** 2) * (Fm - Fi) - (r * cs * xi + dF)
+        g = g / (np.sqrt((g**2).sum()) + 0.1)
+        assert float(loss[i].detach()) == pytest.approx(float((g**2).sum()), rel=1e-10)
+
+
 def test_warmup_changes_target(case):
     net, x, t, F_T = case
     l0, _ = L.scm_loss(net, x, t, F_T, step=0, tangent_warmup=10)
