@@ -9,7 +9,8 @@ Evaluation: the EMA and live LoRA, ``RCMScheduler`` at 1 / 2 / 4 steps (``--step
 student sampled as its run's ``env.json`` config names: the time input it was trained with (``bf16`` rounds the
 transformer's timestep ``1000 r`` to bfloat16, as training fed it), ``sigma_max`` and ``mid_t``. FD to held-out real digits and its
 ratio to the 50-step Euler teacher's FD (the goals: <= 1.5x at 1 step, <= 1.3x at 2, <= 1.2x at 4); one JSON line
-per run appended to ``OUT/sweep.jsonl`` with the wall clock of training.
+per run appended to ``OUT/sweep.jsonl`` with the wall clock of training. ``--extra_ema 0.05,0.2`` trains through
+``benchmarks/train_extra_ema.py`` (no resume) and evaluates each extra power-EMA rate too (``ema-<s>`` rows).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1234, help="evaluation seed")
     p.add_argument("--eval_only", action="store_true", help="evaluate an existing run")
+    p.add_argument("--extra_ema", default="", help="comma-separated extra power-EMA rates kept during training (one run, every rate)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     run = os.path.abspath(os.path.join(a.out, a.name))
@@ -58,10 +60,14 @@ def main(argv=None):
     if not a.eval_only and not os.path.exists(os.path.join(run, "final.json")):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         t0 = time.perf_counter()
+        if a.extra_ema:  # a fresh run: the extra shadows are not checkpointed
+            cmd = [os.path.join(REPO, "benchmarks", "train_extra_ema.py"), a.extra_ema, "--", *train_args, "--output_dir", run,
+                   "--progress", "false", "--overwrite", "true"]
+        else:
+            cmd = [os.path.join(REPO, "training", "rcm.py"), *train_args, "--output_dir", run, "--progress", "false",
+                   "--resume", "latest"]
         with open(os.path.join(run, "train.log"), "w") as log:
-            subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), *train_args, "--output_dir", run,
-                            "--progress", "false", "--resume", "latest"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                           check=True)
+            subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
         train_s = time.perf_counter() - t0
     with open(os.path.join(run, "env.json")) as f:
         cfg = json.load(f)["config"]
@@ -69,7 +75,8 @@ def main(argv=None):
     labels = torch.arange(a.samples) % D.NUM_CLASSES
     ref = teacher_fd(ev, labels, a.seed, os.path.join(os.path.abspath(a.out), f"teacher50_seed{a.seed}_n{a.samples}.json"))
     rec = {"name": a.name, "args": train_args, "train_s": train_s, "time_input": cfg.get("time_input", "float"), "teacher_fd": ref}
-    for which, d in (("ema", os.path.join(run, "ema")), ("live", run)):
+    emas = sorted(d for d in os.listdir(run) if d.startswith("ema-") and os.path.isdir(os.path.join(run, d)))
+    for which, d in [("ema", os.path.join(run, "ema")), ("live", run)] + [(e, os.path.join(run, e)) for e in emas]:
         tr, emb = D.load_student(D.TEACHER_DIR, d)
         for n in [int(v) for v in a.steps.split(",")]:
             m = ev.evaluate(D.sample_student(tr, emb, labels, n, a.seed, float(cfg.get("sigma_max", 80.0)),
