@@ -49,8 +49,9 @@ def run_args(out: str, fmt: str, seed: int, steps: int, warm: int, target: str, 
 
 
 def run_name(a, fmt: str, seed: int) -> str:
-    """Run folder name: format, target and seed; the non-default settings too, so a finished run is reused only
-    for the settings it was trained with."""
+    """Run folder name: format, target and seed, plus a tag for each setting that differs from the first version of
+    this benchmark (lr from the config, CFG 1.5, no warm start, 200 iterations, no EMA), so a finished run is reused
+    only for the settings it was trained with (the folders of earlier runs keep their names)."""
     tags = [f"lr{a.lr:g}" if a.lr is not None else "", f"s{a.guidance_scale:g}" if a.guidance_scale != 1.5 else "",
             f"warm{a.warm_start_batches}" if a.warm_start_batches else "", f"it{a.steps}" if a.steps != 200 else "",
             f"ema{a.ema_rate:g}" if a.ema_rate else ""]
@@ -109,8 +110,9 @@ def main(argv=None):
     print(f"noise floor (teacher, unpaired noises): {np.round(out['noise_unpaired_teacher'], 3)}", flush=True)
     variants = [("", "")] + ([("+ema", "ema")] if a.ema_rate else [])
     for fmt in a.formats:
-        for tag, _ in variants:
-            out[fmt + tag] = {"ptq": [], "qad": [], "gap_recovered": [], "train_seconds": []}
+        out[fmt] = {"ptq": [], "qad": [], "gap_recovered": [], "train_seconds": []}  # training time: on the base row
+        for tag, _ in variants[1:]:
+            out[fmt + tag] = {"ptq": [], "qad": [], "gap_recovered": []}
         for sd in a.seeds:
             run = os.path.join(a.out, run_name(a, fmt, sd))
             args = run_args(run, fmt, sd, a.steps, a.warm_start_batches, a.target, a.lr, a.guidance_scale, a.ema_rate)
