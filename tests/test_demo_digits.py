@@ -76,6 +76,14 @@ def test_processes_split_the_global_batch(tmp_path):
     assert demo_digits.plan_runs(aq, restq)[0]["config"]["max_steps"] == 7  # an explicit --max_steps wins
 
 
+def test_evaluation_uses_the_training_cores(tmp_path, capsys):
+    """The evaluation runs after training, alone: threads x processes torch threads unless --eval_threads says."""
+    for argv, want in [(["--processes", "2"], "--threads 2"), (["--processes", "1"], "--threads 1"),
+                       (["--processes", "2", "--eval_threads", "1"], "--threads 1")]:
+        demo_digits.main(["--out", str(tmp_path / "r"), "--dry_run", *argv])
+        assert want + " " in capsys.readouterr().out.split("[demo] evaluating:")[1]
+
+
 @pytest.mark.slow
 def test_demo_with_ablations_end_to_end(tmp_path):
     """Three 4-iteration students (rCM, sCM-only, DMD-only) through accelerate launch, one report; a rerun reuses them."""

@@ -63,6 +63,9 @@ def parse_args(argv=None):
                    help="data-parallel CPU processes per training run (accelerate / DDP over gloo); each takes "
                         "batch_size / processes samples, so the global batch is the config's (default: "
                         "min(2, CPU cores))")
+    p.add_argument("--eval_threads", type=int, default=0,
+                   help="torch threads of the evaluation, which runs after training on the cores training used "
+                        "(default 0 = threads x processes; the samples are the same to the bit for any count)")
     p.add_argument("--samples", type=int, default=1000, help="evaluation samples per table row (classes cycle 0..9)")
     p.add_argument("--ref_steps", type=int, default=50, help="steps of the reference teacher rows")
     p.add_argument("--teacher_steps", default="1,2,4,8", help="few-step teacher rows (Euler and UniPC)")
@@ -70,8 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--skip_eval", action="store_true", help="train only")
     p.add_argument("--dry_run", action="store_true", help="print what would run and exit")
     a, rest = p.parse_known_args(argv)
-    if a.jobs < 1 or a.threads < 1 or a.processes < 1 or a.samples < 10:
-        p.error("--jobs, --threads and --processes must be >= 1, --samples >= 10")
+    if a.jobs < 1 or a.threads < 1 or a.processes < 1 or a.samples < 10 or a.eval_threads < 0:
+        p.error("--jobs, --threads and --processes must be >= 1, --eval_threads >= 0, --samples >= 10")
     return a, rest
 
 
@@ -194,7 +197,7 @@ def evaluate(runs: list[dict], a):
             students += ["--student", f"{r['name']}-ema={os.path.join(r['dir'], 'ema')}"]
     title = "Digits benchmark: rCM" + (" with sCM-only and DMD-only ablations" if len(runs) > 1 else "")
     argv = [*students, "--out", runs[0]["dir"], "--samples", str(a.samples), "--ref_steps", str(a.ref_steps),
-            "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.threads), "--title", title,
+            "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.eval_threads or a.threads * a.processes), "--title", title,
             "--time_input", runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
             "--sigma_max", str(runs[0]["config"].get("sigma_max", 80.0)),  # and with the sampler their config names
             "--mid_t", ",".join(str(m) for m in runs[0]["config"].get("mid_t") or [])]
@@ -203,8 +206,13 @@ def evaluate(runs: list[dict], a):
         return []
     sys.path.insert(0, os.path.join(REPO, "training"))
     import eval_digits
+    import torch
 
-    return eval_digits.main(argv)
+    threads = torch.get_num_threads()
+    try:
+        return eval_digits.main(argv)
+    finally:
+        torch.set_num_threads(threads)  # in-process callers (tests) keep their own setting
 
 
 def main(argv=None):
