@@ -2,7 +2,7 @@
 
     python training/demo_digits.py                 # rCM student (training/configs/digits.yaml), then the table
     python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
-    python training/demo_digits.py --quality       # twice the iterations (5000), into outputs/digits-quality
+    python training/demo_digits.py --quality       # twice the iterations (3200), into outputs/digits-quality
 
 Each student is one ``accelerate launch --num_processes P --cpu training/rcm.py`` run with ``OMP_NUM_THREADS=1``
 per process (on a small CPU box more threads are slower than more processes, docs/benchmarks.md), run from the
@@ -35,7 +35,7 @@ from rcm_diffusers import digits as D  # noqa: E402
 from rcm_diffusers.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
-QUALITY_STEPS = 5000  # --quality: 1-step FD still falls by ~1 per 500 iterations at 2500 (docs/benchmarks.md)
+QUALITY_STEPS = 3200  # --quality: twice digits.yaml's 1600; 1-step FD still falls with iterations there (docs/benchmarks.md)
 
 
 def parse_args(argv=None):
