@@ -186,3 +186,26 @@ def test_teacher_training_script_is_seeded(tmp_path):
         assert torch.equal(v, outs[1][k]), k
     tr, emb = D.load_teacher(str(tmp_path / "t0"))
     assert emb.shape == (11, D.TEXT_LEN, D.TEXT_DIM)
+
+
+def test_extra_ema_rates_leave_training_and_the_configured_ema_alone(tmp_path):
+    """``benchmarks/train_extra_ema.py`` (the EMA-rate sweep of docs/benchmarks.md): the extra shadow at the configured
+    rate equals the run's own ``ema/`` export bit for bit, another rate differs, and a second rate is just another folder."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "train_extra_ema.py"), "0.1,0.3", "--", "--output_dir", str(out),
+           "--max_steps", "4", "--tangent_warmup", "1", "--student_update_freq", "2", "--batch_size", "4",
+           "--checkpoint_every", "0", "--progress", "false"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, capture_output=True, timeout=300)
+    lora = "pytorch_lora_weights.safetensors"
+    ema, same, other = (load_file(out / d / lora) for d in ("ema", "ema-0.1", "ema-0.3"))
+    assert set(ema) == set(same) == set(other)
+    assert all(torch.equal(ema[k], same[k]) for k in ema)
+    assert max(float((ema[k] - other[k]).abs().max()) for k in ema) > 0
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run(cmd + ["--resume", "latest"], check=True, cwd=REPO, env=env, capture_output=True, timeout=120)
