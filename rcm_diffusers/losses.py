@@ -83,9 +83,9 @@ def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor,
     already multiplied by ``cos t sin t`` (docs/math.md §4.1). No gradient.
 
     ``fd_type`` 0: ``torch.func.jvp`` in ``x_t`` and ``t``; 1: JVP in ``x_t`` plus a finite
-    difference in ``t``; 2: a finite difference along a DDIM step of size ``h`` (no JVP). With ``fd_type`` 2 a given
-    ``F_minus`` (the student's own ``F(x_t, t)``, e.g. the detached output of its gradient-enabled call) is used
-    instead of calling the student again; the JVP types compute it as the JVP's primal output.
+    difference in ``t``; 2: a finite difference along a DDIM step of size ``h`` (no JVP). A given ``F_minus`` (the
+    student's own ``F(x_t, t)``, e.g. its gradient-enabled output) spares ``fd_type`` 2 that call; the JVP types
+    ignore it and take the JVP's primal output.
     """
     if fd_type not in (0, 1, 2):
         raise ValueError(f"fd_type must be 0 (exact JVP), 1 (JVP in x, finite difference in t) or 2 (finite difference); got {fd_type!r}")
@@ -147,7 +147,7 @@ def scm_loss(
     # fd_type 2 needs F(x_t, t) itself: take it from the gradient-enabled call (one student forward fewer per step;
     # the same values, the network being deterministic on a fixed input)
     F_theta = F_student(x_t, t)
-    F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h, F_minus=F_theta if fd_type == 2 else None)
+    F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h, F_minus=F_theta)
     g = scm_g(x_t, t, F_minus, F_T, dF, r)
     ok = torch.isfinite(g.reshape(g.shape[0], -1)).all(1) & torch.isfinite(F_theta.detach().reshape(g.shape[0], -1)).all(1)
     g_norm = torch.linalg.vector_norm(torch.where(_bcast(ok, g), g, 0.0).reshape(g.shape[0], -1), dim=1)
