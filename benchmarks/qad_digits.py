@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
+from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers.config import QADConfig, load_config  # noqa: E402
 from rcm_diffusers.data import LatentDataset  # noqa: E402
 from rcm_diffusers.quant import trainer as Q  # noqa: E402
@@ -61,8 +62,7 @@ def run_name(a, fmt: str, seed: int) -> str:
 def train(args: list[str]) -> float:
     """One ``training/qad.py`` run (one CPU process); returns its wall-clock seconds."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "qad.py"), *args]
+    cmd = R.cpu_launch_command(os.path.join(REPO, "training", "qad.py"), args)
     subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     return time.perf_counter() - t0
 

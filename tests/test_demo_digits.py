@@ -64,8 +64,10 @@ def test_processes_split_the_global_batch(tmp_path):
     assert [r["config"]["batch_size"] for r in runs] == [32, 32, 32]
     cmd = demo_digits.launch_command(runs[0]["args"], a.processes)
     assert cmd[cmd.index("--num_processes") + 1] == "2" and int(cmd[cmd.index("--main_process_port") + 1]) > 0
+    # several CPU processes need accelerate's torchrun launcher: with --cpu it would start one process only
+    assert "--multi_gpu" in cmd and "--cpu" not in cmd
     one = demo_digits.launch_command(runs[0]["args"], 1)
-    assert one[one.index("--num_processes") + 1] == "1" and "--main_process_port" not in one
+    assert one[one.index("--num_processes") + 1] == "1" and "--main_process_port" not in one and "--cpu" in one
     a1, rest1 = demo_digits.parse_args(["--out", str(tmp_path / "r"), "--processes", "1"])
     assert demo_digits.plan_runs(a1, rest1)[0]["config"]["batch_size"] == 64
     assert 1 <= demo_digits.default_processes() <= 2
@@ -86,9 +88,11 @@ def test_evaluation_uses_the_training_cores(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_with_ablations_end_to_end(tmp_path):
-    """Three 4-iteration students (rCM, sCM-only, DMD-only) through accelerate launch, one report; a rerun reuses them."""
+    """Three 4-iteration students (rCM, sCM-only, DMD-only) through accelerate launch, each by two real DDP
+    processes (one checksum per rank in final.json), one report; a rerun reuses them, and refuses them for
+    another process count."""
     out = tmp_path / "digits"
-    rows = demo_digits.main(["--ablations", "--jobs", "2", "--out", str(out), *TINY])
+    rows = demo_digits.main(["--ablations", "--jobs", "2", "--processes", "2", "--out", str(out), *TINY])
     names = ["rcm", "rcm-ema", "scm-only", "scm-only-ema", "dmd-only", "dmd-only-ema"]
     assert [(r.method, r.steps) for r in rows] == ([("teacher euler", 2), ("teacher euler", 1), ("teacher unipc", 2),
                                                     ("teacher unipc", 1)] + [(f"student {n}", 1) for n in names])
@@ -107,14 +111,18 @@ def test_demo_with_ablations_end_to_end(tmp_path):
     for run, seq in want.items():
         recs = metrics(run)
         assert [(r["net"], {k for k in r if k in ("loss_scm", "loss_dmd", "loss_fake")}) for r in recs] == seq, run
-        assert json.loads((run / "final.json").read_text())["step"] == 4
+        final = json.loads((run / "final.json").read_text())
+        assert final["step"] == 4 and len(final["student_checksum_per_rank"]) == 2, final
+        assert json.loads((run / "env.json").read_text())["world_size"] == 2
         assert os.path.exists(run / "ema" / "pytorch_lora_weights.safetensors")
     timing = json.loads((out / "demo_timing.json").read_text())
     assert sorted(timing["train_s"]) == ["dmd-only", "rcm", "scm-only"] and timing["eval_s"] > 0
 
     # finished runs are not retrained; a different budget in the same directory is refused
     mtime = os.path.getmtime(out / "final.json")
-    demo_digits.main(["--ablations", "--out", str(out), "--skip_eval", *TINY])
+    demo_digits.main(["--ablations", "--processes", "2", "--out", str(out), "--skip_eval", *TINY])
     assert json.loads((out / "demo_timing.json").read_text())["train_s"] == {} and os.path.getmtime(out / "final.json") == mtime
     with pytest.raises(SystemExit, match="max_steps: 4 -> 5"):
-        demo_digits.main(["--out", str(out), "--skip_eval", *TINY, "--max_steps", "5"])
+        demo_digits.main(["--out", str(out), "--skip_eval", "--processes", "2", *TINY, "--max_steps", "5"])
+    with pytest.raises(SystemExit, match=r"trained by 2 process\(es\), this demo asks for 1.*--force"):
+        demo_digits.main(["--out", str(out), "--skip_eval", "--processes", "1", *TINY, "--batch_size", "2"])

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train_helpers import REPO, _free_port, make_dataset, make_tiny_wan, run_trainer
+from rcm_diffusers.runs import free_port
+from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
 
 pytestmark = pytest.mark.slow
 STEPS = ["--max_steps", "4", "--checkpoint_every", "2", "--tangent_warmup", "1", "--student_update_freq", "2"]
@@ -27,7 +28,7 @@ STEPS = ["--max_steps", "4", "--checkpoint_every", "2", "--tangent_warmup", "1",
 def launch_fsdp(args, check=True, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(_free_port()),
+           os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(free_port()),
            os.path.join(REPO, "training", "rcm.py"), *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=timeout)
     if check and p.returncode != 0:

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from rcm_diffusers import runs as R
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_DIM, TEXT_LEN = 16, 4
 
@@ -106,24 +108,11 @@ def make_dataset(root: str, family: str, n: int = 16, classes: int = 3) -> str:
     return write_latent_dataset(root, samples, family=family, tables=tables, table_index=index)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True, script: str = "rcm.py",
                 env: dict | None = None):
-    """``accelerate launch --cpu --num_processes N training/<script> args`` in a subprocess (``env``: extra variables)."""
+    """``runs.cpu_launch_command`` of ``training/<script> args`` in a subprocess (``env``: extra variables)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    # several CPU processes: accelerate's torchrun launcher (--multi_gpu); training/rcm.py then asks
-    # accelerate for gloo on CPU (`accelerate launch --cpu` would need mpirun for more than one process)
-    mode = ["--multi_gpu", "--main_process_port", str(_free_port())] if num_processes > 1 else ["--cpu"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(num_processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += [os.path.join(REPO, "training", script), *args]
+    cmd = R.cpu_launch_command(os.path.join(REPO, "training", script), args, num_processes)
     # own session so a timeout kills the launcher's worker processes too
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:

@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
+from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
@@ -114,18 +115,18 @@ def plan_runs(a, overrides: list[str]) -> list[dict]:
 
 
 def launch_command(args: list[str], processes: int = 1) -> list[str]:
-    """``accelerate launch`` of ``training/rcm.py`` on ``processes`` CPU processes with ``args`` (several: DDP over
-    gloo on a free local port, so that runs trained side by side do not collide)."""
-    port = []
-    if processes > 1:
-        import socket
+    """``accelerate launch`` of ``training/rcm.py`` with ``args`` on ``processes`` CPU processes (several: DDP over
+    gloo on a free local port, so that runs trained side by side do not collide); ``runs.cpu_launch_command``."""
+    return R.cpu_launch_command(os.path.join(REPO, "training", "rcm.py"), args, processes)
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = ["--main_process_port", str(sock.getsockname()[1])]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
-            *port, "--cpu", "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(REPO, "training", "rcm.py"),
-            *args]
+
+def check_processes(run: dict, processes: int) -> None:
+    """A finished run must have been trained by ``processes`` processes (the noise streams and per-process batch
+    depend on it); raises ``SystemExit`` saying so otherwise."""
+    got = R.trained_processes(run["dir"])
+    if got is not None and got != processes:
+        raise SystemExit(f"demo_digits: {run['name']} in {run['dir']} was trained by {got} process(es), this demo asks "
+                         f"for {processes} (--processes): pass --force to retrain it, or --processes {got}")
 
 
 def _env(threads: int) -> dict:
@@ -147,6 +148,7 @@ def train(runs: list[dict], a) -> dict:
         except ValueError as e:
             raise SystemExit(f"demo_digits: {e}") from None
         if state == "finished":
+            check_processes(r, a.processes)
             print(f"[demo] {r['name']}: finished run in {r['dir']} (final.json), not retraining (--force to retrain)", flush=True)
         else:
             if state == "partial":
@@ -184,7 +186,8 @@ def train(runs: list[dict], a) -> dict:
                     with open(log.name) as f:
                         tail = "\n  log tail:\n" + "".join(f.readlines()[-20:])
                 raise SystemExit(f"demo_digits: training {r['name']} failed (exit {rc}); run dir {r['dir']}{tail}")
-            print(f"[demo] {r['name']} trained in {times[r['name']] / 60:.1f} min", flush=True)
+            check_processes(r, a.processes)
+            print(f"[demo] {r['name']} trained in {times[r['name']] / 60:.1f} min by {a.processes} process(es)", flush=True)
     return times
 
 
