@@ -4,6 +4,8 @@ backward, checkpoints with per-rank RNG files, a kill and resume of both process
 import json
 import os
 
+import torch
+
 from rcm_diffusers.checkpoints import verify_checkpoint
 from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
 
@@ -28,3 +30,40 @@ def test_two_process_gloo(tmp_path):
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(recs) == 14 and any("loss_dmd" in r for r in recs) and any(r["net"] == "fake" for r in recs)
     assert (out / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_ddp_gradient_equals_one_process_replaying_both_ranks(tmp_path):
+    """Two real DDP processes (batch 2 each) and one process that replays both ranks (batch 4: rank r's rows of the
+    global batch, rank r's noise generator, each term scaled by 1/2; ``tests/ddp_replay.py``) take the same
+    optimizer steps: the same logged learning rate at every iteration (accelerate would step a prepared
+    scheduler once per process; the trainers ask it not to) and the same gradient at each of 4 iterations
+    (student with DMD at 1 and 2 simulation steps, fake score twice, alternating from ``--tangent_warmup 0``).
+    Tolerance: relative gradient difference 1e-5, float32 round-off (1.2e-7) from summing the two halves in another
+    order, with room for its growth over the steps (measured: at most 2.5e-7). ``--adam_eps 1e-3`` keeps Adam
+    from turning round-off in the many zero gradients (lora_B starts at zero, so lora_A's first gradient is zero)
+    into ``lr``-sized steps. Not further than 4 iterations: at the 5th the replay alone, with its two halves
+    summed in the other order, already differs from itself by 4e-4 (a step that amplifies round-off).
+    The learning-rate bug this guards against changed the digits gradient by 6e-3 within 4 iterations."""
+    from safetensors.torch import load_file
+
+    pipe = make_tiny_wan(str(tmp_path / "pipe"))
+    data = make_dataset(str(tmp_path / "data"), "wan")
+    script = os.path.join(REPO, "tests", "ddp_replay.py")
+    common = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe,
+              "--data_dir", data, "--max_steps", "4", "--tangent_warmup", "0", "--student_update_freq", "2",
+              "--lr_warmup_steps", "4", "--checkpoint_every", "0", "--adam_eps", "1e-3"]
+    runs = {"ddp": (2, "2", {}), "replay": (1, "4", {"REPLAY_WORLD": "2"})}
+    for name, (procs, batch, env) in runs.items():
+        run_trainer([*common, "--batch_size", batch, "--output_dir", str(tmp_path / name)], num_processes=procs,
+                    timeout=200, script=script, env={"GRAD_OUT": str(tmp_path / f"grads-{name}"), **env})
+    lrs = {n: [(r["step"], r["net"], r["lr"]) for r in map(json.loads, open(tmp_path / n / "metrics.jsonl"))] for n in runs}
+    assert lrs["ddp"] == lrs["replay"] and len(lrs["ddp"]) == 4, lrs
+    assert json.load(open(tmp_path / "ddp" / "env.json"))["world_size"] == 2
+    for step in range(4):
+        g = {n: load_file(str(tmp_path / f"grads-{n}" / f"rank0-step{step}.safetensors")) for n in runs}
+        assert g["ddp"].keys() == g["replay"].keys() and g["ddp"]
+        assert all(torch.equal(v, load_file(str(tmp_path / "grads-ddp" / f"rank1-step{step}.safetensors"))[k])
+                   for k, v in g["ddp"].items())  # DDP's replicas see the same averaged gradient
+        diff = sum(float((g["ddp"][k].double() - g["replay"][k].double()).norm() ** 2) for k in g["ddp"]) ** 0.5
+        norm = sum(float(v.double().norm() ** 2) for v in g["replay"].values()) ** 0.5
+        assert norm > 0 and diff <= 1e-5 * norm, (step, diff, norm)

@@ -208,3 +208,16 @@ def test_bad_config_and_patterns(wan):
         Q.build_student(_teacher(wan[0]), cfg)
     with pytest.raises(FileNotFoundError, match="teacher_lora"):
         Q.fuse_lora_file(_teacher(wan[0]), str(wan[2] / "missing"))
+
+
+def test_two_processes_keep_the_per_iteration_lr_schedule(wan):
+    """QAD on two DDP processes: the warm-up counts iterations (logged lr after iteration k = lr * (k + 2) / W,
+    the scheduler having stepped k + 1 times), not iterations x processes as accelerate's default would make it;
+    the replicas end identical."""
+    out = wan[2] / "run_ddp"
+    run_trainer(_args(wan, out, "--max_steps", "3", "--lr_warmup_steps", "8", "--log_every", "1"), num_processes=2,
+                script="qad.py")
+    lr = json.load(open(out / "env.json"))["config"]["lr"]
+    assert [r["lr"] for r in _records(out) if "lr" in r] == pytest.approx([lr * (k + 2) / 8 for k in range(3)], rel=1e-12)
+    sums = json.load(open(out / "final.json"))["student_checksum_per_rank"]
+    assert len(sums) == 2 and sums[0] == sums[1]

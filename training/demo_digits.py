@@ -4,10 +4,11 @@
     python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
     python training/demo_digits.py --quality       # twice the iterations (3200), into outputs/digits-quality
 
-Each student is one ``accelerate launch --num_processes P --cpu training/rcm.py`` run with ``OMP_NUM_THREADS=1``
-per process (on a small CPU box more threads are slower than more processes, docs/benchmarks.md), run from the
-repository root; ``P`` = ``--processes`` (default: 2 when the machine has 2 or more cores, else 1) data-parallel
-processes that split the config's ``batch_size`` between them (the global batch stays the config's).
+Each student is one ``accelerate launch --num_processes P training/rcm.py`` run (``runs.cpu_launch_command``:
+``--cpu`` for one process, accelerate's torchrun launcher and gloo for several) with ``OMP_NUM_THREADS=1`` per
+process, run from the repository root; ``P`` = ``--processes`` (default: 2 when the machine has 2 or more cores,
+else 1) data-parallel processes that split the config's ``batch_size`` between them (the global batch stays the
+config's). The demo checks afterwards that the run had ``P`` ranks.
 Run directories: ``OUT`` (rCM), ``OUT-scm-only`` (``--use_dmd false``) and ``OUT-dmd-only``
 (``--scm_weight 0 --tangent_warmup 0``: see ``rcm_diffusers.digits.ABLATIONS``). A run whose ``final.json`` and
 LoRA exist is reused (unless ``--force``); an interrupted one resumes from its latest checkpoint. Then
@@ -80,7 +81,8 @@ def parse_args(argv=None):
 
 
 def default_processes() -> int:
-    """Training processes of the demo: both cores of a 2-core box (DDP 1.7x one process, docs/benchmarks.md)."""
+    """Training processes of the demo: both cores of a 2-core box (DDP 1.4x one single-threaded process at the
+    same global batch, docs/benchmarks.md)."""
     return max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 

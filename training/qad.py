@@ -55,6 +55,7 @@ def main(argv=None):
     cfg = R.load_config_or_exit(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None, config_cls=QADConfig)
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
                               mixed_precision=cfg.mixed_precision, project_dir=cfg.output_dir,
+                              step_scheduler_with_optimizer=False,  # the LR schedule counts iterations, not iterations x processes
                               log_with=None if cfg.report_to == "none" else cfg.report_to)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     dtype = DTYPES[cfg.weight_dtype]

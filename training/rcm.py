@@ -61,6 +61,9 @@ def main(argv=None):
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=cfg.output_dir,
+        # the LR schedule counts iterations: by default accelerate steps a prepared scheduler once per process
+        # per call, so P processes would run the warm-up P times faster
+        step_scheduler_with_optimizer=False,
         # student and fake score train disjoint parameters on alternate iterations
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
