@@ -24,8 +24,8 @@ def test_ablation_overrides_give_scm_only_and_dmd_only_configs():
     assert D.run_overrides("dmd-only") == ["--scm_weight", "0.0", "--tangent_warmup", "0"]
     scm = load_config(D.run_overrides("scm-only"), default_config=demo_digits.DEFAULT_CONFIG)
     dmd = load_config(D.run_overrides("dmd-only"), default_config=demo_digits.DEFAULT_CONFIG)
-    assert (scm.use_dmd, scm.scm_weight, scm.tangent_warmup, scm.max_steps) == (False, 1.0, 400, 1600)
-    assert (dmd.use_dmd, dmd.scm_weight, dmd.dmd_weight, dmd.tangent_warmup, dmd.max_steps) == (True, 0.0, 1.0, 0, 1600)
+    assert (scm.use_dmd, scm.scm_weight, scm.tangent_warmup, scm.max_steps) == (False, 1.0, 400, 1450)
+    assert (dmd.use_dmd, dmd.scm_weight, dmd.dmd_weight, dmd.tangent_warmup, dmd.max_steps) == (True, 0.0, 1.0, 0, 1450)
     with pytest.raises(ValueError, match="unknown variant"):
         D.run_overrides("dmd")
 
@@ -73,7 +73,7 @@ def test_processes_split_the_global_batch(tmp_path):
     assert 1 <= demo_digits.default_processes() <= 2
     aq, restq = demo_digits.parse_args(["--quality", "--processes", "1"])
     (q,) = demo_digits.plan_runs(aq, restq)
-    assert q["config"]["max_steps"] == demo_digits.QUALITY_STEPS == 3200 and q["dir"].endswith(os.path.join("outputs", "digits-quality"))
+    assert q["config"]["max_steps"] == demo_digits.QUALITY_STEPS == 2900 and q["dir"].endswith(os.path.join("outputs", "digits-quality"))
     aq, restq = demo_digits.parse_args(["--quality", "--max_steps", "7", "--out", str(tmp_path / "q")])
     assert demo_digits.plan_runs(aq, restq)[0]["config"]["max_steps"] == 7  # an explicit --max_steps wins
 

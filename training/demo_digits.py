@@ -2,7 +2,7 @@
 
     python training/demo_digits.py                 # rCM student (training/configs/digits.yaml), then the table
     python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
-    python training/demo_digits.py --quality       # twice the iterations (3200), into outputs/digits-quality
+    python training/demo_digits.py --quality       # twice the iterations (2900), into outputs/digits-quality
 
 Each student is one ``accelerate launch --num_processes P training/rcm.py`` run (``runs.cpu_launch_command``:
 ``--cpu`` for one process, accelerate's torchrun launcher and gloo for several) with ``OMP_NUM_THREADS=1`` per
@@ -37,7 +37,7 @@ from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
-QUALITY_STEPS = 3200  # --quality: twice digits.yaml's 1600; 1-step FD still falls with iterations there (docs/benchmarks.md)
+QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; 1-step FD still falls with iterations there (docs/benchmarks.md)
 
 
 def parse_args(argv=None):
