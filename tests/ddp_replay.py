@@ -21,6 +21,7 @@ adamw_step = torch.optim.AdamW.step
 
 
 def dumping_step(self, *args, **kwargs):
+    """``AdamW.step`` after writing this rank's gradients (post clipping: what the step uses)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     grads = {f"{gi}.{j}": p.grad.detach().clone().contiguous() for gi, g in enumerate(self.param_groups)
              for j, p in enumerate(g["params"]) if p.grad is not None}
@@ -40,6 +41,7 @@ def rank_rows(obj, r: int, B: int):
 
 
 def student_replay(nets, x0, cond, uncond, plan, cfg, generator, backward, noise_multiplier=1.0):
+    """``trainer.student_step`` once per replayed rank: its rows, its generator, its terms scaled by 1/P."""
     B, logs = x0.shape[0] // WORLD, {}
     for r in range(WORLD):
         logs = student(nets, rank_rows(x0, r, B), rank_rows(cond, r, B), rank_rows(uncond, r, B), plan, cfg,
@@ -49,6 +51,7 @@ def student_replay(nets, x0, cond, uncond, plan, cfg, generator, backward, noise
 
 
 def fake_replay(nets, x0_shape, cond, plan, cfg, generator, backward, device):
+    """``trainer.fake_step`` once per replayed rank, as ``student_replay``."""
     B, logs = x0_shape[0] // WORLD, {}
     for r in range(WORLD):
         logs = fake(nets, (B, *x0_shape[1:]), rank_rows(cond, r, B), plan, cfg, M.step_generator(cfg.seed, plan.i, r),
