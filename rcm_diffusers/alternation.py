@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["is_student_step", "student_effective_iter", "fake_effective_iter", "StepPlan", "plan_step"]
+__all__ = ["is_student_step", "optimizer_steps", "student_effective_iter", "fake_effective_iter", "StepPlan", "plan_step"]
 
 
 def is_student_step(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> bool:
@@ -22,6 +22,13 @@ def is_student_step(i: int, tangent_warmup: int, student_update_freq: int, has_f
     if not has_fake or i < tangent_warmup:
         return True
     return (i - tangent_warmup) % student_update_freq == 0
+
+
+def optimizer_steps(max_steps: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> dict:
+    """Optimizer steps of each network in iterations ``0 .. max_steps - 1``: ``{"student": n, "fake": max_steps - n}``,
+    ``n`` = the iterations where ``is_student_step`` holds (what a decaying LR schedule runs down over)."""
+    n = sum(is_student_step(i, tangent_warmup, student_update_freq, has_fake) for i in range(max_steps))
+    return {"student": n, "fake": max_steps - n}
 
 
 def student_effective_iter(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> int:

@@ -221,8 +221,11 @@ def resume_changes(saved: dict, cfg, step: int) -> dict:
     if cfg.max_steps < step:
         fail(f"--max_steps {cfg.max_steps} is below the checkpoint's step {step}; a run cannot be shortened on resume "
              f"(resume an earlier checkpoint with --resume PATH, or use max_steps >= {step})")
-    return {k: [saved.get(k), v] for k, v in new.items()
-            if k not in BOOKKEEPING and k not in fixed and saved.get(k) != v}
+    # a setting newer than the checkpoint counts as its default there (the behaviour before the setting existed)
+    old = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+           for f in dataclasses.fields(cfg) if (f.default, f.default_factory) != (dataclasses.MISSING,) * 2} | saved
+    return {k: [old.get(k), v] for k, v in new.items()
+            if k not in BOOKKEEPING and k not in fixed and old.get(k) != v}
 
 
 def env_sessions(env_path: str, record: dict, fresh: bool) -> list[dict]:

@@ -25,7 +25,7 @@ from .trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
 __all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
-           "lr_warmup_lambda"]
+           "lr_lambda"]
 
 F64 = torch.float64
 
@@ -152,9 +152,24 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
     return {"loss_fake": float(loss.detach().mean()), "nan_fake": info["nan"], "n_sim": n}
 
 
-def lr_warmup_lambda(warmup_steps: int):
-    """Linear learning-rate warm-up over ``warmup_steps`` optimizer steps, then constant (docs/math.md §4.4)."""
-    return lambda k: min(1.0, (k + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+def lr_lambda(warmup_steps: int, total_steps: int = 0, decay: str = "none", final_ratio: float = 0.0):
+    """LR factor of optimizer step ``k`` (docs/math.md §4.4): ``(k + 1) / W`` for ``k < W`` (warm-up), then 1
+    (``decay`` none), or with ``p = (k + 1 - W) / (total_steps - W)`` clipped to [0, 1]: ``f + (1 - f) (1 + cos pi p) / 2``
+    (cosine) or ``1 - (1 - f) p`` (linear), so the step ``total_steps - 1`` runs at ``f = final_ratio``."""
+    if decay not in ("none", "cosine", "linear"):
+        raise ValueError(f"lr decay {decay!r}: use none, cosine or linear")
+
+    def factor(k: int) -> float:
+        if k < warmup_steps:
+            return (k + 1) / warmup_steps
+        if decay == "none" or total_steps <= warmup_steps:
+            return 1.0
+        p = min(1.0, max(0.0, (k + 1 - warmup_steps) / (total_steps - warmup_steps)))
+        if decay == "cosine":
+            return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+        return 1.0 - (1.0 - final_ratio) * p
+
+    return factor
 
 
 # ----------------------------------------------------------------------------- state, guards, metrics

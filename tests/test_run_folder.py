@@ -24,7 +24,7 @@ from rcm_diffusers import checkpoints as C
 from rcm_diffusers import runs as R
 from rcm_diffusers.config import QADConfig, RCMConfig
 from rcm_diffusers.ema import PowerEMA
-from rcm_diffusers.trainer import MetricsWriter, TrainState, lr_warmup_lambda
+from rcm_diffusers.trainer import MetricsWriter, TrainState, lr_lambda
 from train_helpers import REPO, Payload
 
 
@@ -46,7 +46,7 @@ class Run:
         self.named = {r: dict(m.named_parameters()) for r, m in self.nets.items()}
         self.opts = {r: torch.optim.AdamW(m.parameters(), lr=lr if r == "student" else 1e-3, betas=(0.0, 0.999),
                                           weight_decay=0.01) for r, m in self.nets.items()}
-        self.scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, lr_warmup_lambda(3)) for r, o in self.opts.items()}
+        self.scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(3)) for r, o in self.opts.items()}
         self.ema = PowerEMA(self.named["student"], s=ema_rate)
         self.state = TrainState()
         self.ck = C.Checkpointer(FakeAccelerator(), (list(self.nets.values()), list(self.nets)),
@@ -252,6 +252,9 @@ def test_resume_policy_refuses_applies_and_ignores():
     saved = dataclasses.asdict(RCMConfig(pretrained="p", data_dir="d", max_steps=30))
     ok = RCMConfig(pretrained="p", data_dir="d", max_steps=40, lr=1e-2, ema_rate=0.2, fd_type=2, checkpoint_every=7)
     assert R.resume_changes(saved, ok, 20) == {"lr": [1e-4, 1e-2], "ema_rate": [0.1, 0.2], "fd_type": [0, 2]}
+    older = {k: v for k, v in saved.items() if k not in ("lr_decay", "lr_final_ratio")}  # written before they existed
+    assert R.resume_changes(older, ok, 20) == R.resume_changes(saved, ok, 20)
+    assert R.resume_changes(older, dataclasses.replace(ok, lr_decay="cosine"), 20)["lr_decay"] == ["none", "cosine"]
     for kw, match in (({"lora_rank": 8}, "lora_rank 32 -> 8"), ({"seed": 1}, "seed 0 -> 1"), ({"batch_size": 4}, "batch_size"),
                       ({"tangent_warmup": 5}, "tangent_warmup"), ({"ema_rate": 0.0}, "switched on or off"),
                       ({"max_steps": 15}, "--max_steps 15 is below the checkpoint's step 20")):
@@ -271,7 +274,7 @@ def test_changed_lr_and_ema_rate_apply_on_resume(tmp_path):
     run = Run(lr=1e-2)
     run.train(6)
     ck = _save(run, tmp_path)
-    lam = lr_warmup_lambda(3)(run.scheds["student"].last_epoch)
+    lam = lr_lambda(3)(run.scheds["student"].last_epoch)
     lr_fake = run.opts["fake"].param_groups[0]["lr"]
     assert run.opts["student"].param_groups[0]["lr"] == 1e-2 * lam
     run.train(3)

@@ -187,3 +187,47 @@ def test_loss_reduction_option_validated(tmp_path):
     assert load_config(["--config", str(y), "--loss_reduction", "sum"]).loss_reduction == "sum"
     with pytest.raises(ValueError, match="loss_reduction"):
         load_config(["--config", str(y), "--loss_reduction", "median"])
+
+
+def test_lr_decay_schedule_and_step_counts(tmp_path):
+    """``trainer.lr_lambda`` against the closed forms of docs/math.md §4.4 written out here, and
+    ``alternation.optimizer_steps`` against a count of the iterations ``plan_step`` gives each network."""
+    from rcm_diffusers.alternation import optimizer_steps, plan_step
+    from rcm_diffusers.trainer import lr_lambda
+
+    plans = [plan_step(i, 7, 3, 4) for i in range(50)]
+    assert optimizer_steps(50, 7, 3) == {"student": sum(p.student for p in plans), "fake": sum(not p.student for p in plans)}
+    assert optimizer_steps(50, 7, 3) == {"student": 7 + 15, "fake": 28}  # 7 warm-up + i = 7, 10, ..., 49
+    assert optimizer_steps(9, 0, 2, has_fake=False) == {"student": 9, "fake": 0}
+
+    W, N, f = 4, 24, 0.1
+    const, cos, lin = lr_lambda(W), lr_lambda(W, N, "cosine", f), lr_lambda(W, N, "linear", f)
+    for k in range(N + 3):
+        warm = (k + 1) / W
+        p = min(1.0, (k + 1 - W) / (N - W))
+        assert const(k) == (warm if k < W else 1.0)
+        assert cos(k) == pytest.approx(warm if k < W else f + (1 - f) * (1 + math.cos(math.pi * p)) / 2, abs=1e-15)
+        assert lin(k) == pytest.approx(warm if k < W else 1 - (1 - f) * p, abs=1e-15)
+    assert cos(N - 1) == pytest.approx(f) and lin(N - 1) == pytest.approx(f) and cos(W) > 0.99
+    assert all(cos(k) > cos(k + 1) for k in range(W, N - 1))  # strictly decreasing after the warm-up
+    assert lr_lambda(5, 5, "cosine")(9) == 1.0  # nothing left to decay over: constant
+
+    # the factor reaches the optimizer: LambdaLR steps once per optimizer step
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cos)
+    seen = []
+    for _ in range(N):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([2.0 * cos(k) for k in range(N)], rel=1e-12)
+
+    y = tmp_path / "c.yaml"
+    y.write_text("pretrained: p\ndata_dir: d\n")
+    assert load_config(["--config", str(y)]).lr_decay == "none"
+    with pytest.raises(ValueError, match="lr_decay"):
+        load_config(["--config", str(y), "--lr_decay", "step"])
+    with pytest.raises(ValueError, match="lr_final_ratio"):
+        load_config(["--config", str(y), "--lr_decay", "cosine", "--lr_final_ratio", "1.5"])
+    with pytest.raises(ValueError, match="lr decay"):
+        lr_lambda(3, 10, "exp")

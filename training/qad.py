@@ -112,7 +112,7 @@ def main(argv=None):
     # ---- optimizer, accelerate, checkpointed state (trainable weights only; the quantized base is rebuilt)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, T.lr_warmup_lambda(cfg.lr_warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, T.lr_lambda(cfg.lr_warmup_steps))
     student, opt, sched = accelerator.prepare(student, opt, sched)
     params = [p for p in student.parameters() if p.requires_grad]
     state = T.TrainState()

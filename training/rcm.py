@@ -31,7 +31,7 @@ from rcm_diffusers import fsdp as FS  # noqa: E402
 from rcm_diffusers import runs as R  # noqa: E402
 from rcm_diffusers import trainer as T  # noqa: E402
 from rcm_diffusers.adapters import Networks  # noqa: E402
-from rcm_diffusers.alternation import plan_step  # noqa: E402
+from rcm_diffusers.alternation import optimizer_steps, plan_step  # noqa: E402
 from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
 from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
 from rcm_diffusers.ema import PowerEMA  # noqa: E402
@@ -108,7 +108,9 @@ def main(argv=None):
 
     roles = ["student"] + (["fake"] if nets.has_fake else [])
     opts = {r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr) for r in roles}
-    scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, T.lr_warmup_lambda(cfg.lr_warmup_steps)) for r, o in opts.items()}
+    total = optimizer_steps(cfg.max_steps, cfg.tangent_warmup, cfg.student_update_freq, nets.has_fake)
+    scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, T.lr_lambda(cfg.lr_warmup_steps, total[r], cfg.lr_decay, cfg.lr_final_ratio))
+              for r, o in opts.items()}
     names = list(trainable)
     wrap = [] if fsdp else names  # FSDP2: sharded above; accelerate must not add a DDP wrapper
     prepared = accelerator.prepare(*[trainable[n] for n in wrap], *[opts[r] for r in roles], *[scheds[r] for r in roles])
