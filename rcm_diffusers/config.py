@@ -83,6 +83,8 @@ class RCMConfig:
     lr_decay: str = opt("none", "after the warm-up: 'none' = constant (official rCM), 'cosine' or 'linear' = decay to "
                         "lr_final_ratio x lr at this session's max_steps (each optimizer counts its own steps)")
     lr_final_ratio: float = opt(0.0, "with lr_decay cosine/linear: the last step's rate as a fraction of lr / fake_lr")
+    lr_decay_fraction: float = opt(1.0, "with lr_decay cosine/linear: the decay spans this last fraction of each "
+                                   "optimizer's steps after the warm-up (the rate is constant before it)")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off, as the official rCM grad_clip False)")
     ema_rate: float = opt(0.10, "power-EMA rate s (0 = no EMA)")
     batch_size: int = opt(1, "samples per process and iteration")
@@ -164,6 +166,8 @@ class RCMConfig:
             bad("lr_decay", "use none, cosine or linear")
         if not 0 <= self.lr_final_ratio <= 1:
             bad("lr_final_ratio", "must lie in [0, 1]")
+        if not 0 < self.lr_decay_fraction <= 1:
+            bad("lr_decay_fraction", "must lie in (0, 1]")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             bad("adam_betas", "two numbers in [0, 1)")
         if self.guidance_scale < 0:

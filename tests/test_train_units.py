@@ -211,6 +211,8 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
     assert cos(N - 1) == pytest.approx(f) and lin(N - 1) == pytest.approx(f) and cos(W) > 0.99
     assert all(cos(k) > cos(k + 1) for k in range(W, N - 1))  # strictly decreasing after the warm-up
     assert lr_lambda(5, 5, "cosine")(9) == 1.0  # nothing left to decay over: constant
+    late = lr_lambda(W, N, "linear", f, decay_fraction=0.25)  # constant until the last 5 of the 20 post-warm-up steps
+    assert [late(k) for k in range(W, N)] == pytest.approx([1.0] * 15 + [1 - (1 - f) * j / 5 for j in range(1, 6)], abs=1e-15)
 
     # the factor reaches the optimizer: LambdaLR steps once per optimizer step
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
@@ -229,5 +231,7 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
         load_config(["--config", str(y), "--lr_decay", "step"])
     with pytest.raises(ValueError, match="lr_final_ratio"):
         load_config(["--config", str(y), "--lr_decay", "cosine", "--lr_final_ratio", "1.5"])
+    with pytest.raises(ValueError, match="lr_decay_fraction"):
+        load_config(["--config", str(y), "--lr_decay_fraction", "0"])
     with pytest.raises(ValueError, match="lr decay"):
         lr_lambda(3, 10, "exp")

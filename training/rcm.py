@@ -109,7 +109,8 @@ def main(argv=None):
     roles = ["student"] + (["fake"] if nets.has_fake else [])
     opts = {r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr) for r in roles}
     total = optimizer_steps(cfg.max_steps, cfg.tangent_warmup, cfg.student_update_freq, nets.has_fake)
-    scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, T.lr_lambda(cfg.lr_warmup_steps, total[r], cfg.lr_decay, cfg.lr_final_ratio))
+    scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, T.lr_lambda(cfg.lr_warmup_steps, total[r], cfg.lr_decay, cfg.lr_final_ratio,
+                                                                cfg.lr_decay_fraction))
               for r, o in opts.items()}
     names = list(trainable)
     wrap = [] if fsdp else names  # FSDP2: sharded above; accelerate must not add a DDP wrapper
