@@ -369,8 +369,16 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
     """Write the student: its LoRA (``pytorch_lora_weights.safetensors``, diffusers ``save_lora_weights``) and the EMA
     variant in ``ema/`` (shared mode), or ``student_transformer/`` (full mode). Two experts: the high-noise
     expert's files where a one-network run puts them, the low-noise expert's in a ``transformer_2/`` subfolder
-    of each (``rcm_diffusers.lora.load_rcm_lora`` loads the pair)."""
+    of each (``rcm_diffusers.lora.load_rcm_lora`` loads the pair). Next to each: ``scheduler/``, the
+    ``RCMScheduler`` config the student was trained for (``sigma_max``, ``mid_t``, ``time_input``), so that
+    ``RCMScheduler.from_pretrained(run_dir, subfolder="scheduler")`` samples it as the trainer's previews do."""
     from .experts import HIGH, LOW, expert_lora_weights, switch_of
+    from .schedulers import RCMScheduler
+
+    if hasattr(cfg, "time_input") and hasattr(cfg, "sigma_max"):
+        sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": list(cfg.mid_t)} if cfg.mid_t else {}))
+        for d in [cfg.output_dir] + ([os.path.join(cfg.output_dir, "ema")] if ema is not None else []):
+            sched.save_pretrained(os.path.join(d, "scheduler"))
 
     sw = switch_of(base)
     parts = [("", HIGH, sw.transformer), (LOW, LOW, sw.transformer_2)] if sw is not None else [("", None, base)]

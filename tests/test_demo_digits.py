@@ -100,6 +100,11 @@ def test_demo_with_ablations_end_to_end(tmp_path):
     report = (out / "report.md").read_text()
     assert all(f"| student {n} | 1 | 1 |" in report for n in names) and (out / "samples.png").exists()
     assert "student RCMScheduler sigma_max 5000, mid_t [0.8, 0.5, 0.25]" in report  # the sampler digits.yaml names
+    from rcm_diffusers import RCMScheduler  # the same sampler exported for diffusers users, next to each LoRA
+
+    for d in (out, out / "ema"):
+        s = RCMScheduler.from_pretrained(str(d), subfolder="scheduler").config
+        assert (s.rcm_sigma_max, list(s.mid_t), s.time_input) == (5000.0, [0.8, 0.5, 0.25], "float"), d
 
     def metrics(run):
         return [json.loads(line) for line in open(run / "metrics.jsonl")]

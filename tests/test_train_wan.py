@@ -79,6 +79,18 @@ def test_saved_lora_loads_and_changes_output(wan, full_run):
     torch.testing.assert_close(_pipe_latents(pipe_dir, str(full_run)), lora, rtol=0, atol=0)
 
 
+def test_exported_scheduler_is_the_one_the_student_was_trained_for(full_run):
+    """``trainer.export_student`` writes ``scheduler/`` next to the LoRA and its EMA variant: RCMScheduler with
+    the run's ``sigma_max``, ``mid_t`` and ``time_input`` (env.json's config), loadable by diffusers."""
+    from rcm_diffusers import RCMScheduler
+
+    cfg = json.load(open(full_run / "env.json"))["config"]
+    for d in (full_run, full_run / "ema"):
+        s = RCMScheduler.from_pretrained(str(d), subfolder="scheduler")
+        assert s.config.rcm_sigma_max == cfg["sigma_max"] and s.config.time_input == cfg["time_input"]
+        assert list(s.config.mid_t) == (cfg["mid_t"] or list(RCMScheduler().config.mid_t))
+
+
 def test_kill_and_resume_is_bitwise(wan, full_run):
     """Killed after step 14, then again in the middle of writing the step-20 checkpoint; the last metrics line
     torn, a damaged copy posing as the newest checkpoint, and code-running pickles in all of accelerate's
