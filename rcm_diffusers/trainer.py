@@ -375,10 +375,9 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
     from .experts import HIGH, LOW, expert_lora_weights, switch_of
     from .schedulers import RCMScheduler
 
-    if hasattr(cfg, "time_input") and hasattr(cfg, "sigma_max"):
-        sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": list(cfg.mid_t)} if cfg.mid_t else {}))
-        for d in [cfg.output_dir] + ([os.path.join(cfg.output_dir, "ema")] if ema is not None else []):
-            sched.save_pretrained(os.path.join(d, "scheduler"))
+    sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": list(cfg.mid_t)} if cfg.mid_t else {}))
+    for d in [cfg.output_dir] + ([os.path.join(cfg.output_dir, "ema")] if ema is not None else []):
+        sched.save_pretrained(os.path.join(d, "scheduler"))
 
     sw = switch_of(base)
     parts = [("", HIGH, sw.transformer), (LOW, LOW, sw.transformer_2)] if sw is not None else [("", None, base)]
