@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers import losses as L  # noqa: E402
+from rcm_diffusers.distill import losses as L  # noqa: E402
 from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
-from rcm_diffusers.data import LatentDataset  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset  # noqa: E402
 from rcm_diffusers.models import denoiser  # noqa: E402
 from rcm_diffusers.trigflow import sample_p_G, trigflow_noise  # noqa: E402
 

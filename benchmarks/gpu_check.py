@@ -5,7 +5,7 @@
 2. 5 rCM training iterations of the Wan2.1-T2V-1.3B architecture (random init, bf16, LoRA rank 64,
    gradient checkpointing, fd_type 0) on a 480p x 81-frame latent (16 x 21 x 60 x 104 = 32 760 tokens)
    and 512 text tokens, through ``training/rcm.py``: time per iteration and peak CUDA memory, next to
-   ``rcm_diffusers.memory.predict_training`` for the same setup.
+   ``rcm_diffusers.distill.memory.predict_training`` for the same setup.
 
 ``--smoke`` (and any machine without CUDA): the same code at tiny sizes on CPU (CI runs it).
 """
@@ -29,7 +29,7 @@ import jvp_attention  # noqa: E402
 import real_arch  # noqa: E402
 
 from rcm_diffusers.arch import arch_config, save_random_pipeline  # noqa: E402
-from rcm_diffusers.memory import TrainSetup, predict_training  # noqa: E402
+from rcm_diffusers.distill.memory import TrainSetup, predict_training  # noqa: E402
 
 
 def train_check(smoke: bool, steps: int, timeout: float, work: str) -> dict:

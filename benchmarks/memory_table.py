@@ -1,4 +1,4 @@
-"""The memory-model table of docs/benchmarks.md ("Memory model"): rcm_diffusers.memory.predict_training for
+"""The memory-model table of docs/benchmarks.md ("Memory model"): rcm_diffusers.distill.memory.predict_training for
 Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev at their training shapes, LoRA vs full three-network mode,
 and the batch x LoRA-rank dependence for Wan2.1-14B 480p. Prints markdown; CPU, seconds.
 
@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rcm_diffusers.memory import GiB, TrainSetup, fits, predict_training  # noqa: E402
+from rcm_diffusers.distill.memory import GiB, TrainSetup, fits, predict_training  # noqa: E402
 
 
 def g(x) -> str:

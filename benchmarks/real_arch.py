@@ -9,7 +9,7 @@ real-length text (512 tokens of dim 4096), every run is a fresh subprocess so it
   ``rcm_diffusers.attention``, torch backend on CPU) or 2 (finite difference), gradient checkpointing on/off.
 
 Prints a markdown table (peak RSS, time per step, parameters trainable / frozen) and writes ``--out`` JSON
-with the memory model's prediction (``rcm_diffusers.memory``) next to each measurement.
+with the memory model's prediction (``rcm_diffusers.distill.memory``) next to each measurement.
 
     python benchmarks/real_arch.py --arch wan2.1-t2v-1.3b --dtype float32 --runs pipeline,fd0-gc,fd0,fd2-gc,fd2
     python benchmarks/real_arch.py --arch flux.1-dev --num_layers 2 --num_single_layers 2 --runs pipeline,fd0-gc
@@ -44,7 +44,7 @@ def latent_shape(family: str, frames: int, hw: int) -> tuple[int, ...]:
 
 
 def make_data(root: str, family: str, shape, text_tokens: int, text_dim: int, pooled_dim: int, n: int = 2) -> str:
-    from rcm_diffusers.data import write_latent_dataset
+    from rcm_diffusers.distill.data import write_latent_dataset
 
     if os.path.exists(os.path.join(root, "meta.json")):
         return root
@@ -126,7 +126,7 @@ def child_pipeline(args) -> None:
 
 def param_counts(arch: str, overrides: dict, rank: int) -> dict:
     """Frozen base and trainable (student + fake LoRA) parameter counts, on the meta device."""
-    from rcm_diffusers.adapters import add_rcm_adapters, lora_parameters
+    from rcm_diffusers.distill.adapters import add_rcm_adapters, lora_parameters
     from rcm_diffusers.arch import build_transformer
 
     m = build_transformer(arch, device="meta", **overrides)
@@ -192,7 +192,7 @@ def main(argv=None):
     if args._child == "pipeline":
         return child_pipeline(args)
 
-    from rcm_diffusers.memory import TrainSetup, predict_training
+    from rcm_diffusers.distill.memory import TrainSetup, predict_training
 
     tag = f"{args.arch}-{args.dtype}" + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()) if k != "axes_dims_rope")
     work = os.path.join(args.work, tag)

@@ -19,8 +19,8 @@ sys.path.insert(0, REPO)
 
 import rcm  # noqa: E402  (training/rcm.py)
 
-from rcm_diffusers import trainer as T  # noqa: E402
-from rcm_diffusers.ema import PowerEMA  # noqa: E402
+from rcm_diffusers.distill import trainer as T  # noqa: E402
+from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ __all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep"
 TIMESTEP_SCALE = {
     "WanTransformer3DModel": 1000.0,
     "WanVACETransformer3DModel": 1000.0,
-    "WanExpertSwitch": 1000.0,  # rcm_diffusers.experts: Wan 2.2's two experts as one module
+    "WanExpertSwitch": 1000.0,  # rcm_diffusers.distill.experts: Wan 2.2's two experts as one module
     "FluxTransformer2DModel": 1.0,
 }
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from rcm_diffusers import digits as D
-from rcm_diffusers.config import load_config
+from rcm_diffusers.distill.config import load_config
 from train_helpers import REPO
 
 sys.path.insert(0, os.path.join(REPO, "training"))

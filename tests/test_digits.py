@@ -97,7 +97,7 @@ def test_shipped_teacher_runs_in_wan_pipeline_like_sample_teacher(teacher):
 
 
 def test_latent_dataset_matches_split_and_table(split):
-    from rcm_diffusers.data import LatentDataset, model_inputs
+    from rcm_diffusers.distill.data import LatentDataset, model_inputs
 
     data = LatentDataset(os.path.join(D.ASSETS, "digits_latents"))
     assert len(data) == 1347

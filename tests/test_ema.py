@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rcm_diffusers.alternation import plan_step
-from rcm_diffusers.ema import PowerEMA, power_ema_beta, power_ema_exponent
+from rcm_diffusers.distill.alternation import plan_step
+from rcm_diffusers.distill.ema import PowerEMA, power_ema_beta, power_ema_exponent
 
 
 def test_exponent_root():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rcm_diffusers import losses as L
+from rcm_diffusers.distill import losses as L
 
 torch.manual_seed(0)
 B, D = 4, 6

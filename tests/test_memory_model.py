@@ -1,4 +1,4 @@
-"""The memory model (rcm_diffusers/memory.py) against measurements at small sizes.
+"""The memory model (rcm_diffusers/distill/memory.py) against measurements at small sizes.
 
 Static parts (LoRA, AdamW moments, EMA, base weights) must be exact: they are counted from the
 tensors the trainer builds. Activations: the model's per-token coefficients were counted on other
@@ -9,11 +9,11 @@ student forward on held-out widths, depths, token and text counts, to within 15 
 import pytest
 import torch
 
-from rcm_diffusers.adapters import Networks
+from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.arch import build_transformer
-from rcm_diffusers.data import _flux_img_ids
-from rcm_diffusers.ema import PowerEMA
-from rcm_diffusers.memory import TrainSetup, activation_bytes, fits, predict_training, saved_activation_bytes
+from rcm_diffusers.distill.data import _flux_img_ids
+from rcm_diffusers.distill.ema import PowerEMA
+from rcm_diffusers.distill.memory import TrainSetup, activation_bytes, fits, predict_training, saved_activation_bytes
 from rcm_diffusers.models import velocity_fn
 
 WAN_CASES = [  # held out: none of these sizes was used to fit ACT_COEFFS (D 256, F 8960/17920, S 32/64, L 16/64)

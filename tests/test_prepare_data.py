@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from rcm_diffusers.data import LatentDataset
+from rcm_diffusers.distill.data import LatentDataset
 from train_helpers import REPO, TEXT_DIM, tiny_wan_transformer
 
 sys.path.insert(0, os.path.join(REPO, "training"))
@@ -218,7 +218,7 @@ def test_synthetic_equals_pipeline_with_teacher_scheduler(env, solver):
 def test_i2v_condition_matches_pipeline():
     from tiny import tiny_wan_i2v_pipeline
 
-    from rcm_diffusers.prepare import PipelineEncoder
+    from rcm_diffusers.distill.prepare import PipelineEncoder
 
     pipe = tiny_wan_i2v_pipeline()
     enc = PipelineEncoder(pipe, 32, 32, num_frames=5)
@@ -234,10 +234,10 @@ def test_i2v_condition_matches_pipeline():
 
 @torch.no_grad()
 def test_sample_grid_png_and_gif(env, ds_img, ds_vid, tmp_path):
-    from rcm_diffusers.adapters import Networks
-    from rcm_diffusers.config import RCMConfig
-    from rcm_diffusers.previews import SampleDecoder
-    from rcm_diffusers.trainer import write_samples
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.config import RCMConfig
+    from rcm_diffusers.distill.previews import SampleDecoder
+    from rcm_diffusers.distill.trainer import write_samples
     from safetensors.torch import load_file
 
     root, pipe = env
@@ -271,9 +271,9 @@ def test_flux_latents_synthetic_and_decode():
     from tiny import flux_embeds, tiny_flux_pipeline
 
     from rcm_diffusers import TrigFlowEulerScheduler
-    from rcm_diffusers.data import pack_flux_latents
-    from rcm_diffusers.prepare import PipelineEncoder, teacher_samples
-    from rcm_diffusers.previews import SampleDecoder
+    from rcm_diffusers.distill.data import pack_flux_latents
+    from rcm_diffusers.distill.prepare import PipelineEncoder, teacher_samples
+    from rcm_diffusers.distill.previews import SampleDecoder
 
     pipe = tiny_flux_pipeline()
     enc = PipelineEncoder(pipe, 32, 32)

@@ -9,7 +9,7 @@ import torch
 
 from rcm_diffusers.models import velocity_fn
 from rcm_diffusers.quant.modules import quantize_transformer
-from rcm_diffusers.quant.qad import (GuidanceSchedule, _capture, blockwise_warm_start, qad_loss, relative_error,
+from rcm_diffusers.distill.qad import (GuidanceSchedule, _capture, blockwise_warm_start, qad_loss, relative_error,
                                      sample_r, transformer_blocks)
 from rcm_diffusers.trigflow import shift_r
 from tiny import tiny_wan_transformer, wan_embeds

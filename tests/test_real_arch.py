@@ -98,7 +98,7 @@ def test_wan_i2v_context_shorter_than_512_text_tokens_is_refused():
 
 
 def test_wan_i2v_dataset_text_length_checked():
-    from rcm_diffusers.data import model_inputs
+    from rcm_diffusers.distill.data import model_inputs
 
     batch = {"latents": torch.zeros(1, 4, 1, 4, 4), "prompt_embeds": torch.zeros(1, 226, 16), "condition": torch.zeros(1, 8, 1, 4, 4),
              "image_embeds": torch.zeros(1, 257, 8)}
@@ -114,7 +114,7 @@ def test_prepare_pads_prompts_like_the_pipeline_samples():
     change the cross-attention output, so 226-padded training is another input than 512-padded sampling."""
     from diffusers import WanPipeline
 
-    from rcm_diffusers.prepare import PipelineEncoder
+    from rcm_diffusers.distill.prepare import PipelineEncoder
     from tiny import tiny_wan_pipeline, tiny_wan_transformer
 
     assert inspect.signature(WanPipeline.__call__).parameters["max_sequence_length"].default == 512
@@ -153,7 +153,7 @@ def test_bf16_base_trains_float32_adapters():
     """A real run loads the base in bf16; diffusers' ``add_adapter`` then makes bf16 LoRA weights, whose
     AdamW updates at lr 1e-5 round away once a weight is ~1e-2 (bf16 spacing there: 6.1e-5). The
     adapters must be float32 (peft's autocast_adapter_dtype) while the base and the output stay bf16."""
-    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.distill.adapters import Networks
     from tiny import tiny_wan_transformer
 
     m = tiny_wan_transformer().to(torch.bfloat16)

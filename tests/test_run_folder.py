@@ -1,5 +1,5 @@
 """Checkpoints without pickle, their verification, the run-folder rules and the resume policy
-(``rcm_diffusers.checkpoints``, ``rcm_diffusers.runs``), in process on a tiny model (no trainer launch).
+(``rcm_diffusers.distill.checkpoints``, ``rcm_diffusers.distill.runs``), in process on a tiny model (no trainer launch).
 
 The pickle hazard this guards against: accelerate's ``load_custom_state`` (accelerate/checkpointing.py)
 reads ``custom_checkpoint_*.pkl`` with ``torch.load(weights_only=False)``.
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from rcm_diffusers import checkpoints as C
-from rcm_diffusers import runs as R
-from rcm_diffusers.config import QADConfig, RCMConfig
-from rcm_diffusers.ema import PowerEMA
-from rcm_diffusers.trainer import MetricsWriter, TrainState, lr_lambda
+from rcm_diffusers.distill import checkpoints as C
+from rcm_diffusers.distill import runs as R
+from rcm_diffusers.distill.config import QADConfig, RCMConfig
+from rcm_diffusers.distill.ema import PowerEMA
+from rcm_diffusers.distill.trainer import MetricsWriter, TrainState, lr_lambda
 from train_helpers import REPO, Payload
 
 

@@ -68,9 +68,9 @@ def _recorded_times(transformer):
 def test_package_samplers_feed_the_trained_time(time_input):
     """digits.sample_student and trainer.sample_student: the network sees the time it was trained with."""
     from rcm_diffusers import digits as D
-    from rcm_diffusers.adapters import Networks
+    from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.sampling import rcm_rf_times
-    from rcm_diffusers.trainer import sample_student
+    from rcm_diffusers.distill.trainer import sample_student
     from tests.tiny import tiny_wan_transformer
 
     r = rcm_rf_times(4, 80.0)[:-1]

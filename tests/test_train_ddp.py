@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from rcm_diffusers.checkpoints import verify_checkpoint
+from rcm_diffusers.distill.checkpoints import verify_checkpoint
 from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.experts import HIGH, LOW, WanExpertSwitch, boundary_sigma, sample_p_G_experts
+from rcm_diffusers.distill.experts import HIGH, LOW, WanExpertSwitch, boundary_sigma, sample_p_G_experts
 from rcm_diffusers.trigflow import sample_p_G
 from train_helpers import REPO, make_dataset, make_tiny_wan2, run_trainer
 
@@ -91,9 +91,9 @@ def test_scm_term_keeps_each_sample_on_the_expert_owning_its_time(monkeypatch):
     expert of ``t``; without the pin the ``t - h`` call would go to the low-noise expert."""
     from types import SimpleNamespace
 
-    from rcm_diffusers import trainer as T
-    from rcm_diffusers.adapters import Networks
-    from rcm_diffusers.alternation import StepPlan
+    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.alternation import StepPlan
     from rcm_diffusers.trigflow import r_to_t
 
     hi, lo = _experts()
@@ -126,9 +126,9 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
     simulation crosses the boundary), and gradients reach the adapters of the experts that were called."""
     from types import SimpleNamespace
 
-    from rcm_diffusers import trainer as T
-    from rcm_diffusers.adapters import Networks
-    from rcm_diffusers.alternation import StepPlan
+    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.alternation import StepPlan
 
     hi, lo = _experts()
     sw = WanExpertSwitch(hi, lo, 0.875)
@@ -153,7 +153,7 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
 def test_boundary_loss_value_and_gradient_match_float64_reference():
     """``L = ||d||^2 / (||d|| + c)^2`` per sample with ``d = F_high - F_low``, gradient ``2 d / (||d|| + c)`` on ``F_high``
     and none on ``F_low`` (written from docs/math.md §6.1 in float64); a NaN sample gives 0."""
-    from rcm_diffusers.losses import boundary_loss
+    from rcm_diffusers.distill.losses import boundary_loss
 
     g = torch.Generator().manual_seed(0)
     Fh = torch.randn(3, 2, 5, generator=g, dtype=F64).requires_grad_(True)
@@ -176,9 +176,9 @@ def test_boundary_term_moves_only_the_high_noise_student_toward_the_low_one():
     steps of it shrink ``||F_high - F_low||`` at the switch (the experts start as two different teachers)."""
     from types import SimpleNamespace
 
-    from rcm_diffusers import trainer as T
-    from rcm_diffusers.adapters import Networks
-    from rcm_diffusers.alternation import StepPlan
+    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.alternation import StepPlan
 
     hi, lo = _experts()
     sw = WanExpertSwitch(hi, lo, 0.875)
@@ -247,7 +247,7 @@ def _stock_pipeline_samples(pipe_dir, run_dir, data_dir, steps, time_input="bf16
     from diffusers import WanPipeline
 
     from rcm_diffusers import RCMScheduler
-    from rcm_diffusers.data import LatentDataset, model_inputs
+    from rcm_diffusers.distill.data import LatentDataset, model_inputs
     from rcm_diffusers.lora.pipeline import load_rcm_lora
 
     pipe = WanPipeline.from_pretrained(pipe_dir, text_encoder=None, tokenizer=None)
@@ -331,7 +331,7 @@ def test_i2v_two_experts_lora_pair_reproduces_previews(tmp_path):
     from diffusers import WanImageToVideoPipeline
 
     from rcm_diffusers import RCMScheduler
-    from rcm_diffusers.data import LatentDataset, model_inputs
+    from rcm_diffusers.distill.data import LatentDataset, model_inputs
     from rcm_diffusers.lora.pipeline import load_rcm_lora
     from rcm_diffusers.models import velocity_fn
 
@@ -364,7 +364,7 @@ def test_i2v_two_experts_lora_pair_reproduces_previews(tmp_path):
 
 @pytest.mark.parametrize("name", ["wan2.2-t2v-a14b", "wan2.2-i2v-a14b"])
 def test_shipped_two_expert_configs_load_and_train_both(name):
-    from rcm_diffusers.config import load_config
+    from rcm_diffusers.distill.config import load_config
 
     c = load_config(["--config", os.path.join(REPO, "training", "configs", name + ".yaml")])
     assert c.experts == "both" and c.boundary_ratio == 0.0 and c.expert_sampling == "balanced"

@@ -6,7 +6,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.alternation import plan_step
+from rcm_diffusers.distill.alternation import plan_step
 from train_helpers import REPO, make_dataset, make_tiny_flux, run_trainer
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-flux-test.yaml")

@@ -3,7 +3,7 @@ training/accelerate/fsdp2_2cpu.yaml training/rcm.py`` on the tiny Wan in shared-
 
 accelerate builds FSDP only on GPUs (``AcceleratorState``: MULTI_CPU never becomes
 ``DistributedType.FSDP``), so the trainer takes the FSDP request and shards the frozen base itself
-with ``torch.distributed.fsdp.fully_shard`` (``rcm_diffusers/fsdp.py``) -- the code path of the GPU
+with ``torch.distributed.fsdp.fully_shard`` (``rcm_diffusers/distill/fsdp.py``) -- the code path of the GPU
 config. Checked: the base is sharded, only the trainable LoRA is saved (full tensors that
 ``load_lora_weights`` takes), a killed run resumes bit-exactly, and the LoRA equals a DDP run with
 the same global batch and the same per-rank noise streams.
@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.runs import free_port
+from rcm_diffusers.distill.runs import free_port
 from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def test_fsdp2_run_shards_and_saves_only_full_lora(runs):
     final = json.load(open(runs["fsdp"] / "final.json"))
     assert final["step"] == 4 and final["student_checksum_per_rank"][0] == final["student_checksum_per_rank"][1]
     # checkpoint: trainable weights only, each at its full (unsharded) shape
-    from rcm_diffusers.adapters import add_rcm_adapters
+    from rcm_diffusers.distill.adapters import add_rcm_adapters
     from train_helpers import tiny_wan_transformer
 
     ref = tiny_wan_transformer()
@@ -122,7 +122,7 @@ def test_fsdp2_equals_ddp_same_global_batch(runs):
 
 
 def test_take_fsdp_request_parses_and_refuses():
-    from rcm_diffusers.fsdp import take_fsdp_request
+    from rcm_diffusers.distill.fsdp import take_fsdp_request
 
     assert take_fsdp_request({}) is None
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_TRANSFORMER_CLS_TO_WRAP": "FluxTransformerBlock,FluxSingleTransformerBlock",
@@ -142,8 +142,8 @@ def test_fsdp2_wrapped_transformer_keeps_its_velocity(tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from rcm_diffusers.adapters import Networks
-    from rcm_diffusers.fsdp import all_reduce_grads, shard_frozen_base
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.fsdp import all_reduce_grads, shard_frozen_base
     from rcm_diffusers.models import velocity_fn
     from train_helpers import tiny_wan_transformer
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.config import QADConfig, format_help, load_config
-from rcm_diffusers.quant import trainer as Q
+from rcm_diffusers.distill.config import QADConfig, format_help, load_config
+from rcm_diffusers.distill import qad_trainer as Q
 from rcm_diffusers.quant.export import _rename_wan, comfy_runtime_copy, load_quantized
 from rcm_diffusers.quant.modules import quantize_transformer
 from train_helpers import REPO, plant_pickles, run_trainer, tiny_wan_run, trainer_args
@@ -97,7 +97,7 @@ def test_exports_reload_to_the_trained_student(wan, lora_run):
     student = comfy_runtime_copy(teacher, lora_run / "quantized_transformer.safetensors")
     student.load_lora_adapter(str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="student")
     cfg = load_config(_args(wan, lora_run), config_cls=QADConfig)
-    from rcm_diffusers.data import LatentDataset
+    from rcm_diffusers.distill.data import LatentDataset
 
     probe = Q.fixed_batches(LatentDataset(wan[1]), cfg, cfg.eval_batches, 2, "cpu", torch.float32, None)
     got = Q.distill_probe(student, teacher, probe, None, cfg)

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from rcm_diffusers import losses as L
-from rcm_diffusers.adapters import Networks
-from rcm_diffusers.config import RCMConfig, format_help, load_config
-from rcm_diffusers.data import LatentDataset, batch_indices, pack_flux_latents, unpack_flux_latents, write_latent_dataset
-from rcm_diffusers.trainer import SpikeGuard
+from rcm_diffusers.distill import losses as L
+from rcm_diffusers.distill.adapters import Networks
+from rcm_diffusers.distill.config import RCMConfig, format_help, load_config
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, pack_flux_latents, unpack_flux_latents, write_latent_dataset
+from rcm_diffusers.distill.trainer import SpikeGuard
 from train_helpers import TEXT_DIM, tiny_wan_transformer
 
 
@@ -138,8 +138,8 @@ def test_loss_scale_and_batch_reduction(nets):
     the fake score's loss is reduced the same way. Same seeds, so the per-sample losses are the same draws."""
     from types import SimpleNamespace
 
-    from rcm_diffusers.alternation import plan_step
-    from rcm_diffusers.trainer import batch_reduce, fake_step, student_step
+    from rcm_diffusers.distill.alternation import plan_step
+    from rcm_diffusers.distill.trainer import batch_reduce, fake_step, student_step
 
     n, _ = nets
     B = 3
@@ -192,8 +192,8 @@ def test_loss_reduction_option_validated(tmp_path):
 def test_lr_decay_schedule_and_step_counts(tmp_path):
     """``trainer.lr_lambda`` against the closed forms of docs/math.md §4.4 written out here, and
     ``alternation.optimizer_steps`` against a count of the iterations ``plan_step`` gives each network."""
-    from rcm_diffusers.alternation import optimizer_steps, plan_step
-    from rcm_diffusers.trainer import lr_lambda
+    from rcm_diffusers.distill.alternation import optimizer_steps, plan_step
+    from rcm_diffusers.distill.trainer import lr_lambda
 
     plans = [plan_step(i, 7, 3, 4) for i in range(50)]
     assert optimizer_steps(50, 7, 3) == {"student": sum(p.student for p in plans), "fake": sum(not p.student for p in plans)}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.alternation import plan_step
-from rcm_diffusers.checkpoints import KILL_ENV
+from rcm_diffusers.distill.alternation import plan_step
+from rcm_diffusers.distill.checkpoints import KILL_ENV
 from train_helpers import REPO, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
@@ -134,7 +134,7 @@ def test_kill_and_resume_is_bitwise(wan, full_run):
 def test_a_used_run_folder_is_never_mixed(wan, full_run):
     """A new run into a finished run's folder, changed shapes, a shorter run, a second writer: each refused with
     one plain message before anything is written."""
-    from rcm_diffusers.runs import RunLock
+    from rcm_diffusers.distill.runs import RunLock
 
     def listing():
         return {str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*") if p.name != ".rcm-run.lock"}

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rcm_diffusers import runs as R
+from rcm_diffusers.distill import runs as R
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_DIM, TEXT_LEN = 16, 4
@@ -87,7 +87,7 @@ def make_tiny_flux(root: str) -> str:
 
 def make_dataset(root: str, family: str, n: int = 16, classes: int = 3) -> str:
     """Random-but-structured latents (class-dependent means) with a class table of prompt embeddings."""
-    from rcm_diffusers.data import write_latent_dataset
+    from rcm_diffusers.distill.data import write_latent_dataset
 
     if os.path.exists(os.path.join(root, "meta.json")):
         return root

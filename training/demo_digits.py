@@ -33,8 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers import runs as R  # noqa: E402
-from rcm_diffusers.config import load_config  # noqa: E402
+from rcm_diffusers.distill import runs as R  # noqa: E402
+from rcm_diffusers.distill.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
 QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; 1-step FD still falls with iterations there (docs/benchmarks.md)

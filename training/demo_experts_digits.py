@@ -3,7 +3,7 @@
     python training/demo_experts_digits.py                  # 3 seeds x 2 methods, then the table
     python training/demo_experts_digits.py --seeds 0 --max_steps 30   # a quick try
 
-Teacher: the shipped two-expert digits teacher (``rcm_diffusers/assets/digits_teacher_2expert``, Wan2.2-T2V-A14B
+Teacher: the shipped two-expert digits teacher (``rcm_diffusers/digits/assets/digits_teacher_2expert``, Wan2.2-T2V-A14B
 layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed two students, same config
 (``training/configs/digits-experts.yaml``), same iterations:
 
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(REPO, "training"))
 import torch  # noqa: E402
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.config import load_config  # noqa: E402
+from rcm_diffusers.distill.config import load_config  # noqa: E402
 
 CONFIG = os.path.join(REPO, "training", "configs", "digits-experts.yaml")
 METHODS = {"two-experts": [], "one-lora-both": ["--experts", "one", "--transformer_subfolder", "transformer_2"]}
@@ -112,7 +112,7 @@ def two_expert_student(teacher_dir: str, lora_dir: str, reuse: bool):
     """The two-expert teacher with a student LoRA pair (or one LoRA on both experts) loaded through diffusers."""
     from diffusers import WanPipeline
 
-    from rcm_diffusers.experts import WanExpertSwitch
+    from rcm_diffusers.distill.experts import WanExpertSwitch
     from rcm_diffusers.lora.pipeline import load_rcm_lora
 
     sw, emb = D.load_teacher(teacher_dir)

@@ -10,7 +10,7 @@ Synthetic teacher samples (TrigFlow Euler 100 steps, shift 3, CFG 5 by default):
     python training/prepare_data.py --pretrained Wan-AI/Wan2.1-T2V-1.3B-Diffusers --synthetic \\
         --prompts prompts.txt --num_samples 10000 --output_dir data/wan-synthetic --height 480 --width 832 --num_frames 81
 
-The result is read by ``training/rcm.py --data_dir <output_dir>`` (``rcm_diffusers.data.LatentDataset``).
+The result is read by ``training/rcm.py --data_dir <output_dir>`` (``rcm_diffusers.distill.data.LatentDataset``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rcm_diffusers import prepare as P  # noqa: E402
+from rcm_diffusers.distill import prepare as P  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

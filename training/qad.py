@@ -31,15 +31,15 @@ import diffusers  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from rcm_diffusers import runs as R  # noqa: E402
-from rcm_diffusers import trainer as T  # noqa: E402
-from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
-from rcm_diffusers.config import QADConfig  # noqa: E402
-from rcm_diffusers.ema import PowerEMA  # noqa: E402
-from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator  # noqa: E402
+from rcm_diffusers.distill import runs as R  # noqa: E402
+from rcm_diffusers.distill import trainer as T  # noqa: E402
+from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
+from rcm_diffusers.distill.config import QADConfig  # noqa: E402
+from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator  # noqa: E402
 from rcm_diffusers.models import velocity_fn  # noqa: E402
-from rcm_diffusers.quant import trainer as Q  # noqa: E402
-from rcm_diffusers.quant.qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r  # noqa: E402
+from rcm_diffusers.distill import qad_trainer as Q  # noqa: E402
+from rcm_diffusers.distill.qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qad-digits.yaml")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

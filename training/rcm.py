@@ -27,15 +27,15 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedDataParallelKwargs  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from rcm_diffusers import fsdp as FS  # noqa: E402
-from rcm_diffusers import runs as R  # noqa: E402
-from rcm_diffusers import trainer as T  # noqa: E402
-from rcm_diffusers.adapters import Networks  # noqa: E402
-from rcm_diffusers.alternation import optimizer_steps, plan_step  # noqa: E402
-from rcm_diffusers.checkpoints import Checkpointer, read_state  # noqa: E402
-from rcm_diffusers.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
-from rcm_diffusers.ema import PowerEMA  # noqa: E402
-from rcm_diffusers.experts import switch_of  # noqa: E402
+from rcm_diffusers.distill import fsdp as FS  # noqa: E402
+from rcm_diffusers.distill import runs as R  # noqa: E402
+from rcm_diffusers.distill import trainer as T  # noqa: E402
+from rcm_diffusers.distill.adapters import Networks  # noqa: E402
+from rcm_diffusers.distill.alternation import optimizer_steps, plan_step  # noqa: E402
+from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
+from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
+from rcm_diffusers.distill.experts import switch_of  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "digits.yaml")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,7 +54,7 @@ def main(argv=None):
                          f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
                          f"--shift {cfg.synthetic_shift} --height H --width W [--num_frames F] --output_dir DIR\n"
                          "then train with --data_dir DIR (and without --synthetic)")
-    fsdp = FS.take_fsdp_request()  # an FSDP2 accelerate config: the trainer shards the frozen base itself (rcm_diffusers.fsdp)
+    fsdp = FS.take_fsdp_request()  # an FSDP2 accelerate config: the trainer shards the frozen base itself (rcm_diffusers.distill.fsdp)
     accelerator = Accelerator(
         # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
         cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
@@ -142,7 +142,7 @@ def main(argv=None):
     data = LatentDataset(cfg.data_dir)
     decoder = None
     if cfg.sample_every and accelerator.is_main_process:
-        from rcm_diffusers.previews import SampleDecoder
+        from rcm_diffusers.distill.previews import SampleDecoder
 
         decoder = SampleDecoder.from_pretrained(cfg.pretrained, data.family, device, DTYPES[cfg.weight_dtype])
         accelerator.print("sample grids: PNG decoded with the pipeline's VAE" if decoder is not None else

@@ -1,6 +1,6 @@
 """Fine-tune the digits teacher into Wan 2.2-style experts: ``python training/train_experts_digits.py [--boundary 0.875]``.
 
-The shipped one-network teacher (``rcm_diffusers/assets/digits_teacher``) is copied twice; the
+The shipped one-network teacher (``rcm_diffusers/digits/assets/digits_teacher``) is copied twice; the
 high-noise expert is fine-tuned on RF times ``r >= boundary`` only, the low-noise expert on ``r < boundary``
 (same rectified-flow loss as ``train_teacher_digits.py``, docs/math.md §1; the class table stays frozen so
 the shipped latent dataset serves both teachers). The result is a diffusers ``WanPipeline`` folder with

@@ -139,10 +139,9 @@ def _base(transformer):
 
 def _parts(transformer) -> list:
     """The diffusers models behind ``transformer``: both experts of a ``WanExpertSwitch``, else the one model."""
-    from ..experts import WanExpertSwitch
-
     model = _base(transformer)
-    return list(model.experts.values()) if isinstance(model, WanExpertSwitch) else [model]
+    experts = getattr(model, "experts", None)  # duck-typed: the switch lives with the trainer (distill.experts)
+    return list(experts.values()) if isinstance(experts, dict) else [model]
 
 
 def enable_jvp_attention(transformer, backend: str = "auto", fp32_time_embedding: bool = True):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from .names import FLUX_FUSED, FLUX_PAIRS, WAN_PAIRS
+
 __all__ = ["PREFIX", "is_kohya_key", "kohya_to_original"]
 
 PREFIX = "lora_unet_"
@@ -28,9 +30,7 @@ def is_kohya_key(key: str) -> bool:
 
 @lru_cache(maxsize=1)
 def _patterns() -> list[tuple[re.Pattern, str]]:
-    from .keys import _FLUX_FUSED, _FLUX_PAIRS, _WAN_PAIRS
-
-    templates = {o for _, o in _WAN_PAIRS} | {o for _, o in _FLUX_PAIRS} | {f for f, _ in _FLUX_FUSED}
+    templates = {o for _, o in WAN_PAIRS} | {o for _, o in FLUX_PAIRS} | {f for f, _ in FLUX_FUSED}
     out = []
     for t in sorted(templates, key=len, reverse=True):
         rx = re.escape(t.replace(".", "_")).replace(re.escape("{i}"), r"(?P<i>\d+)")

@@ -72,7 +72,7 @@ def trained(tmp_path_factory):
         pytest.skip(SKIP_REASON)
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 
-    from rcm_diffusers.data import write_latent_dataset
+    from rcm_diffusers.distill.data import write_latent_dataset
 
     root = tmp_path_factory.mktemp("two_experts")
     experts = {"high": tiny_wan_state_dict(seed=11, in_dim=36), "low": tiny_wan_state_dict(seed=12, in_dim=36)}

@@ -3,7 +3,7 @@ model, or an rCM student LoRA fused into it), the quantized student in scope ``a
 training times, activation calibration, a fixed-seed distillation probe and the exports.
 
 Checkpoints, metrics, the environment snapshot and learning-rate warm-up come from
-``rcm_diffusers.trainer`` unchanged.
+``rcm_diffusers.distill.trainer`` unchanged.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from ..data import batch_indices, model_inputs
+from .data import batch_indices, model_inputs
 from ..models import _base_model, velocity_fn
-from .modules import DEFAULT_EXCLUDE, calibration, quant_layers, quantize_transformer
+from ..quant.modules import DEFAULT_EXCLUDE, calibration, quant_layers, quantize_transformer
 from .qad import GuidanceSchedule, qad_loss
 
 __all__ = ["fuse_lora_file", "build_student", "training_times", "fixed_batches", "calibrate", "distill_probe",
@@ -65,7 +65,7 @@ def build_student(teacher, cfg):
         return student, layers
     from peft import LoraConfig
 
-    from ..adapters import default_lora_targets
+    from .adapters import default_lora_targets
 
     student.requires_grad_(False)
     targets = list(cfg.lora_target_modules or default_lora_targets(student))
@@ -133,7 +133,7 @@ def export_student(student, out_dir: str, cfg, teacher=None) -> dict:
     """Write ``quantized_transformer.safetensors`` (``export_quantized``: ComfyUI layout for Wan by default)
     and, for scope ``lora``, the LoRA via ``save_lora_weights``; for scope ``all`` with ``export_delta`` and a
     ``teacher``, the bf16 full-weight delta ``delta_comfyui.safetensors`` (``save_full_delta``). Returns ``{what: path}``."""
-    from .export import export_quantized
+    from ..quant.export import export_quantized
 
     arch = arch_of(student)
     layout = cfg.export_layout if cfg.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")

@@ -2,7 +2,7 @@
 
 A checkpoint ``<output_dir>/checkpoints/step-XXXXXXXX/`` holds
 
-- ``trainable.safetensors``: the trainable weights (adapters or full copies), ``trainer.save_trainable``;
+- ``trainable.safetensors``: the trainable weights (adapters or full copies), ``save_trainable``;
 - ``optimizer-<role>.safetensors``: the optimizer state tensors keyed ``<param name>::<key>``;
 - ``ema.safetensors``: the power-EMA shadow weights (rCM with ``ema_rate > 0``);
 - ``rng-rank<r>.safetensors``: torch CPU/CUDA generator states of process ``r``, Python and NumPy states
@@ -328,7 +328,7 @@ def is_disk_full(e: BaseException) -> bool:
 class Checkpointer:
     """Saves and restores every piece of a run's state (see the module docstring).
 
-    ``trainable``: ``(modules, names)`` given to ``trainer.save_trainable``/``load_trainable``;
+    ``trainable``: ``(modules, names)`` given to ``save_trainable``/``load_trainable``;
     ``optimizers``: ``{role: (optimizer, {param name: param})}``; ``schedulers``: ``{role: LambdaLR}``;
     ``state``: an object with ``state_dict``/``load_state_dict`` of JSON values; ``ema``: a ``PowerEMA`` or None.
     """
@@ -340,7 +340,6 @@ class Checkpointer:
     # -- save
     def save(self, output_dir: str, step: int, config: dict, total_limit: int = 0, protect: str | None = None) -> str:
         """Write ``checkpoints/step-XXXXXXXX`` atomically (all ranks call), then prune to ``total_limit``."""
-        from .trainer import save_trainable
 
         acc = self.acc
         d = os.path.join(output_dir, "checkpoints")
@@ -396,7 +395,6 @@ class Checkpointer:
     # -- load
     def load(self, path: str, verify: bool = True) -> dict:
         """Restore everything from ``path`` (verified first); returns the saved ``state.json``."""
-        from .trainer import load_trainable
 
         if verify:
             verify_checkpoint(path)
@@ -448,7 +446,7 @@ class Checkpointer:
         self._apply(fresh)
         return st
 
-    # -- the current config's optimizer settings win over the saved ones (the resume policy, rcm_diffusers.runs)
+    # -- the current config's optimizer settings win over the saved ones (the resume policy, rcm_diffusers.distill.runs)
     _HYPER = ("initial_lr", "betas", "eps", "weight_decay")
 
     def _hyper(self) -> dict:
@@ -483,3 +481,31 @@ class Checkpointer:
             from .ema import power_ema_exponent
 
             self.ema.s, self.ema.alpha = fresh["ema"], power_ema_exponent(fresh["ema"])
+
+
+def save_trainable(models: list, names: list[str], path: str) -> None:
+    """Save only the trainable parameters (adapters or full copies) of ``models`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    sd = {}
+    for name, m in zip(names, models):
+        for k, p in m.named_parameters():
+            if p.requires_grad:
+                sd[f"{name}::{k}"] = p.detach().cpu().contiguous()
+    save_file(sd, path)
+
+
+def load_trainable(models: list, names: list[str], path: str) -> None:
+    """Load what ``save_trainable`` wrote (strict on the trainable names)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(path)
+    for name, m in zip(names, models):
+        params = dict(m.named_parameters())
+        want = {k for k, p in params.items() if p.requires_grad}
+        got = {k.split("::", 1)[1] for k in sd if k.startswith(name + "::")}
+        if want != got:
+            raise ValueError(f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}")
+        with torch.no_grad():
+            for k in want:
+                params[k].copy_(sd[f"{name}::{k}"])

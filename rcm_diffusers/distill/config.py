@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from .models import TIME_INPUTS
+from ..models import TIME_INPUTS
 
 __all__ = ["RCMConfig", "QADConfig", "load_config", "format_help"]
 
@@ -49,11 +49,11 @@ class RCMConfig:
     lora_rank: int = opt(32, "LoRA rank of the student adapter")
     lora_alpha: float = opt(0.0, "LoRA alpha (0 = equal to rank)")
     fake_lora_rank: int = opt(0, "LoRA rank of the fake-score adapter (0 = lora_rank)")
-    lora_target_modules: list = opt([], "module names to adapt ([] = family default, see rcm_diffusers.adapters.DEFAULT_LORA_TARGETS)")
+    lora_target_modules: list = opt([], "module names to adapt ([] = family default, see rcm_diffusers.distill.adapters.DEFAULT_LORA_TARGETS)")
     gradient_checkpointing: bool = opt(False, "checkpoint transformer blocks in the grad passes (JVP passes run under no_grad without it)")
     flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored when the transformer has no guidance embedding)")
     # data (docs/math.md §8)
-    data_dir: str = opt("", "directory in the rcm latent format (rcm_diffusers.data; make one with training/prepare_data.py)")
+    data_dir: str = opt("", "directory in the rcm latent format (rcm_diffusers.distill.data; make one with training/prepare_data.py)")
     synthetic: bool = opt(False, "replace the dataset's latents by teacher samples (TrigFlow Euler + CFG) generated at start")
     synthetic_steps: int = opt(100, "teacher Euler steps for --synthetic")
     synthetic_shift: float = opt(3.0, "flow shift of the teacher grid for --synthetic")
@@ -118,7 +118,7 @@ class RCMConfig:
         if not self.pretrained:
             bad("pretrained", "set the teacher pipeline directory or hub id")
         if not self.data_dir:
-            bad("data_dir", "set a latent dataset directory (see rcm_diffusers.data)")
+            bad("data_dir", "set a latent dataset directory (see rcm_diffusers.distill.data)")
         if self.mode not in ("shared", "full"):
             bad("mode", "use 'shared' or 'full'")
         if self.fd_type not in (0, 1, 2):
@@ -138,7 +138,7 @@ class RCMConfig:
         if self.loss_reduction not in ("mean", "sum"):
             bad("loss_reduction", "use 'mean' or 'sum'")
         if self.mid_t:
-            from .sampling import rcm_angles
+            from ..sampling import rcm_angles
 
             try:
                 for n in {len(self.mid_t) + 1, *self.sample_steps}:
@@ -191,7 +191,7 @@ class QADConfig:
     weight_dtype: str = opt("float32", "dtype of teacher and student weights: float32 | bfloat16")
     mixed_precision: str = opt("no", "accelerate mixed precision: no | bf16 | fp16")
     flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored without a guidance embedding)")
-    data_dir: str = opt("", "latent dataset (rcm_diffusers.data): x0 of the flow-matching term and of the noised inputs x_r")
+    data_dir: str = opt("", "latent dataset (rcm_diffusers.distill.data): x0 of the flow-matching term and of the noised inputs x_r")
     # quantization (docs/math.md §7)
     format: str = opt("nvfp4", "weight format: nvfp4 | mxfp4 | fp8_e4m3 | int8")
     act_format: str = opt("", "target fake: activation format ('' = weight-only); static per-tensor range calibrated on calibration_batches")
@@ -208,7 +208,7 @@ class QADConfig:
     scope: str = opt("all", "'all' = every student weight trains (fake-quantized); 'lora' = frozen quantized base + bf16 LoRA")
     lora_rank: int = opt(32, "LoRA rank (scope lora)")
     lora_alpha: float = opt(0.0, "LoRA alpha (0 = equal to rank)")
-    lora_target_modules: list = opt([], "module names to adapt ([] = family default, rcm_diffusers.adapters.DEFAULT_LORA_TARGETS)")
+    lora_target_modules: list = opt([], "module names to adapt ([] = family default, rcm_diffusers.distill.adapters.DEFAULT_LORA_TARGETS)")
     # objective (docs/math.md §7): L = alpha L_FM + (1 - alpha) L_distill
     alpha: float = opt(0.1, "weight of flow matching on real data; 1 - alpha weighs distillation of the guided teacher velocity")
     guidance: list = opt([[0.0, 2.0], [0.5, 5.0], [1.0, 4.0]], "teacher CFG schedule s(r): piecewise-linear [[r, s], ...] knots (a single number = constant; 1 = no CFG)")
@@ -268,8 +268,8 @@ class QADConfig:
 
     def validate(self) -> "QADConfig":
         """Raise ``ValueError`` with the offending option on an invalid setting."""
-        from .quant.formats import check_format
-        from .quant.qad import GuidanceSchedule
+        from ..quant.formats import check_format
+        from .qad import GuidanceSchedule
 
         def bad(key, why):
             raise ValueError(f"config option {key} = {getattr(self, key)!r}: {why}")
@@ -277,7 +277,7 @@ class QADConfig:
         if not self.pretrained:
             bad("pretrained", "set the teacher pipeline directory or hub id")
         if not self.data_dir:
-            bad("data_dir", "set a latent dataset directory (see rcm_diffusers.data)")
+            bad("data_dir", "set a latent dataset directory (see rcm_diffusers.distill.data)")
         if self.time_input not in TIME_INPUTS:
             bad("time_input", f"use one of {TIME_INPUTS}")
         for key in ("format", "act_format"):
@@ -328,7 +328,7 @@ class QADConfig:
         if self.act_scale not in ("static", "dynamic"):
             bad("act_scale", "use static or dynamic")
         if self.target == "comfyui":
-            from .quant.formats import COMFY_ACT
+            from ..quant.formats import COMFY_ACT
 
             if self.format not in COMFY_ACT:
                 bad("format", f"target comfyui: ComfyUI has no layout for it (use {', '.join(COMFY_ACT)}, or target fake)")
@@ -347,7 +347,7 @@ class QADConfig:
         ``export_layout auto``) and the format has a ComfyUI layout, else ``fake``."""
         if self.target != "auto":
             return self.target
-        from .quant.formats import COMFY_ACT
+        from ..quant.formats import COMFY_ACT
 
         layout = self.export_layout if self.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")
         ok = self.format in COMFY_ACT and not self.per_channel and self.act_format in ("", self.format)

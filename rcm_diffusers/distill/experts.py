@@ -179,7 +179,7 @@ def sample_p_G_experts(high: torch.Tensor, boundary_ratio: float, P_mean: float 
 
 def switch_of(module) -> WanExpertSwitch | None:
     """The :class:`WanExpertSwitch` under accelerate / peft wrappers, or ``None`` for a one-network model."""
-    from .models import _base_model
+    from ..models import _base_model
 
     m = _base_model(module)
     return m if isinstance(m, WanExpertSwitch) else None

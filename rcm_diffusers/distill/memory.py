@@ -92,7 +92,7 @@ class TrainSetup:
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
         """``from_config`` of a shipped architecture (``rcm_diffusers/arch_configs``)."""
-        from .arch import arch_config, arch_meta
+        from ..arch import arch_config, arch_meta
 
         return cls.from_config(arch_config(name), arch_meta(name)["class_name"], **kw)
 

@@ -20,8 +20,8 @@ import copy
 
 import torch
 
-from .models import _base_model, velocity_fn
-from .trigflow import TrigFlowDenoiser
+from ..models import _base_model, velocity_fn
+from ..trigflow import TrigFlowDenoiser
 
 __all__ = ["ROLES", "DEFAULT_LORA_TARGETS", "Networks", "add_rcm_adapters", "lora_parameters"]
 

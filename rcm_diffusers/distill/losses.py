@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .trigflow import F_from_x0_eps, _bcast, sample_p_D, trigflow_noise
+from ..trigflow import F_from_x0_eps, _bcast, sample_p_D, trigflow_noise
 
 __all__ = [
     "scale_from_reference_g",

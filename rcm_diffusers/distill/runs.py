@@ -254,7 +254,7 @@ def note_skip(state, cfg, i: int, role: str, norm: float, ids, log=print) -> Non
     if state.skipped > limit:
         fail(f"{state.skipped} of {i + 1} steps had a non-finite gradient and were skipped (steps {state.skipped_steps[:10]}"
              f"{' ...' if state.skipped > 10 else ''}), more than max_skipped_fraction {cfg.max_skipped_fraction} of "
-             f"max_steps {cfg.max_steps}. Check the data for NaN/inf (rcm_diffusers.data) and the learning rate; "
+             f"max_steps {cfg.max_steps}. Check the data for NaN/inf (rcm_diffusers.distill.data) and the learning rate; "
              "raise --max_skipped_fraction to accept more.")
 
 

@@ -1,6 +1,6 @@
 """Build docs/math.md §8 latent datasets with a pipeline's own VAE and text encoder (``training/prepare_data.py``).
 
-Two sources, one output format (:func:`rcm_diffusers.data.write_latent_dataset`):
+Two sources, one output format (:func:`rcm_diffusers.distill.data.write_latent_dataset`):
 
 - **real**: image/video + caption pairs, from a folder (``clip.gif`` + ``clip.txt``), a JSONL manifest
   (``{"file": ..., "caption": ...}`` per line) or a CSV manifest (columns ``file,caption``); media are
@@ -263,7 +263,7 @@ def _negative(enc: PipelineEncoder, negative_prompt: str | None) -> dict[str, to
 
 
 class ShardWriter:
-    """Streams per-sample rows into the docs/math.md §8 format (``rcm_diffusers.data``): a shard file every
+    """Streams per-sample rows into the docs/math.md §8 format (``rcm_diffusers.distill.data``): a shard file every
     ``shard_size`` samples, then tables and ``meta.json`` last, so an interrupted run leaves no dataset."""
 
     def __init__(self, out_dir: str, shard_size: int = 256, dtype: torch.dtype = torch.float32):
@@ -375,7 +375,7 @@ def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negat
 
 
 def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
-    from .schedulers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
+    from ..schedulers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
 
     cls = {"euler": TrigFlowEulerScheduler, "unipc": TrigFlowUniPCScheduler}.get(solver)
     if cls is None:
@@ -397,7 +397,7 @@ def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: 
     ``TrigFlowUniPCScheduler`` (shift ``shift``, ``steps`` steps).
     """
     from .data import model_inputs
-    from .models import velocity_fn
+    from ..models import velocity_fn
 
     dtype = next(transformer.parameters()).dtype
     noise = torch.stack([torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])

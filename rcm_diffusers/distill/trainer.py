@@ -20,8 +20,8 @@ import torch
 from . import losses as L
 from .alternation import StepPlan
 from .experts import sample_p_G_experts, switch_of
-from .models import network_timestep
-from .trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
+from ..models import network_timestep
+from ..trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
 __all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
@@ -281,34 +281,6 @@ def exit_if_asked(accelerator, cfg, i: int) -> None:
         os._exit(17)
 
 
-def save_trainable(models: list, names: list[str], path: str) -> None:
-    """Save only the trainable parameters (adapters or full copies) of ``models`` (safetensors)."""
-    from safetensors.torch import save_file
-
-    sd = {}
-    for name, m in zip(names, models):
-        for k, p in m.named_parameters():
-            if p.requires_grad:
-                sd[f"{name}::{k}"] = p.detach().cpu().contiguous()
-    save_file(sd, path)
-
-
-def load_trainable(models: list, names: list[str], path: str) -> None:
-    """Load what ``save_trainable`` wrote (strict on the trainable names)."""
-    from safetensors.torch import load_file
-
-    sd = load_file(path)
-    for name, m in zip(names, models):
-        params = dict(m.named_parameters())
-        want = {k for k, p in params.items() if p.requires_grad}
-        got = {k.split("::", 1)[1] for k in sd if k.startswith(name + "::")}
-        if want != got:
-            raise ValueError(f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}")
-        with torch.no_grad():
-            for k in want:
-                params[k].copy_(sd[f"{name}::{k}"])
-
-
 # ----------------------------------------------------------------------------- snapshot, export, samples
 
 
@@ -373,7 +345,7 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
     ``RCMScheduler`` config the student was trained for (``sigma_max``, ``mid_t``, ``time_input``), so that
     ``RCMScheduler.from_pretrained(run_dir, subfolder="scheduler")`` samples it as the trainer's previews do."""
     from .experts import HIGH, LOW, expert_lora_weights, switch_of
-    from .schedulers import RCMScheduler
+    from ..schedulers import RCMScheduler
 
     sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": list(cfg.mid_t)} if cfg.mid_t else {}))
     for d in [cfg.output_dir] + ([os.path.join(cfg.output_dir, "ema")] if ema is not None else []):
@@ -431,9 +403,9 @@ def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, d
     """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1; ``mid_t`` empty = its default angles),
     model-layout float32 latents; the network sees its time as in training (``nets.time_input``), the update runs
     on the exact RF times."""
-    from .models import velocity_fn
-    from .sampling import DEFAULT_MID_T
-    from .schedulers import RCMScheduler
+    from ..models import velocity_fn
+    from ..sampling import DEFAULT_MID_T
+    from ..schedulers import RCMScheduler
 
     sch = RCMScheduler(sigma_max=sigma_max, mid_t=list(mid_t or DEFAULT_MID_T), time_input=nets.time_input)
     sch.set_timesteps(steps)

@@ -12,7 +12,7 @@ So ``accelerate launch`` with an FSDP2 config (``training/accelerate/fsdp2_*.yam
 ``Accelerator`` is built (accelerate then sets up a plain process group, NCCL or gloo), and
 ``shard_frozen_base`` applies ``torch.distributed.fsdp.fully_shard`` itself -- the same code on GPU and CPU.
 Sharding the adapters too would save ``~12 x`` LoRA size per rank (weights, grads, AdamW, EMA; a few GB
-for 14B at rank 64, see ``rcm_diffusers.memory``) at the price of gathering them for every
+for 14B at rank 64, see ``rcm_diffusers.distill.memory``) at the price of gathering them for every
 checkpoint; not done.
 """
 
