@@ -25,16 +25,16 @@ test: setup
 
 # rCM on the embedded digits teacher (training/configs/digits.yaml), then the evaluation table:
 # outputs/digits/{report.md,samples.png,pytorch_lora_weights.safetensors}. One torch thread per process: on a
-# small shared CPU box more threads are slower, not faster (docs/benchmarks.md). `make demo ABLATIONS=1` adds the
+# 2-core box, one process per core (two DDP processes, docs/benchmarks.md). `make demo ABLATIONS=1` adds the
 # sCM-only and DMD-only students to the same table; `make demo QUALITY=1` trains twice as long (outputs/digits-quality);
 # DEMO_ARGS passes more (python training/demo_digits.py --help).
 demo: setup
 	$(PY) training/demo_digits.py $(if $(filter-out 0 no false,$(ABLATIONS)),--ablations) \
 		$(if $(filter-out 0 no false,$(QUALITY)),--quality) $(DEMO_ARGS)
 
-# Wan 2.2-style two experts on digits (issue 16): both experts in one rCM run vs one expert's LoRA on both, 3 seeds
+# Wan 2.2-style two experts on digits: both experts in one rCM run vs one expert's LoRA on both, 3 seeds
 # each (training/configs/digits-experts.yaml), against the two-expert teacher: outputs/digits_experts/report.md.
-# Not part of `make demo` (about an hour on 2 cores); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
+# Not part of `make demo` (43 min on 2 cores, docs/benchmarks.md); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
 demo-experts: setup
 	$(PY) training/demo_experts_digits.py $(DEMO_ARGS)
 
