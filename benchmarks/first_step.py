@@ -1,4 +1,4 @@
-"""How much the first-step input matters for RCMScheduler inside stock pipelines (issue: "the first step's input").
+"""How much the first-step input matters for RCMScheduler inside stock pipelines (docs/benchmarks.md, First-step input).
 
 Three ways to start a 4-step rCM run:
   exact   : latents = scheduler.scale_initial_noise(noise) -> the model sees r_0 * noise (official sampler)

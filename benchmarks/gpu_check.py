@@ -1,4 +1,4 @@
-"""The one GPU check of issue 15 (driven by ``benchmarks/gpu_check.sh``), budget-guarded, one JSON out.
+"""The one GPU check of docs/benchmarks.md (driven by ``benchmarks/gpu_check.sh``), budget-guarded, one JSON out.
 
 1. JVP attention (``benchmarks/jvp_attention.py``): fused Triton kernel vs SDPA forward vs
    ``torch.func.jvp`` through math SDPA, S 1k-32k, H 12/40, D 128, bf16, error vs float64 at each shape.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU check of issue 15 (JVP attention + 5 rCM iterations of Wan2.1-1.3B at 480p x 81 frames):
+# The one GPU check of docs/benchmarks.md (JVP attention + 5 rCM iterations of Wan2.1-1.3B at 480p x 81 frames):
 # at most 8 minutes, writes one JSON. Usage (repository root):
 #   bash benchmarks/gpu_check.sh            # GPU; JSON in $OUT (device tool) or benchmarks/out/
 #   bash benchmarks/gpu_check.sh --smoke    # CPU plumbing check at tiny sizes (CI: tests/test_real_arch.py)

@@ -1,4 +1,4 @@
-"""QAD on the digits problem under the arithmetic ComfyUI runs (issue 14): ``python benchmarks/qad_digits.py [--out DIR]``.
+"""QAD on the digits problem under the arithmetic ComfyUI runs (docs/benchmarks.md): ``python benchmarks/qad_digits.py [--out DIR]``.
 
 Per format (``--formats``, default NVFP4 and FP8 E4M3) and training seed (``--seeds``, default 0 1 2):
 one ``training/qad.py`` run with ``training/configs/qad-digits.yaml`` and ``--target comfyui`` (NVFP4: weights +

@@ -1,4 +1,4 @@
-"""The real Wan2.1-T2V-1.3B / FLUX.1-dev architectures end to end on CPU with random weights (issue 15).
+"""The real Wan2.1-T2V-1.3B / FLUX.1-dev architectures end to end on CPU with random weights (docs/benchmarks.md).
 
 For one architecture (``rcm_diffusers/arch_configs``) at its real width, with a tiny latent and
 real-length text (512 tokens of dim 4096), every run is a fresh subprocess so its peak RSS is its own:
