@@ -37,7 +37,7 @@ from rcm_diffusers.distill import runs as R  # noqa: E402
 from rcm_diffusers.distill.config import load_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
-QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; 1-step FD still falls with iterations there (docs/benchmarks.md)
+QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; buys 2 and 4 steps ~0.5 FD, not 1 step (docs/benchmarks.md)
 
 
 def parse_args(argv=None):

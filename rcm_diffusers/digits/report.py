@@ -69,7 +69,7 @@ def write_report(path: str, rows: list[Row], header: str = "") -> str:
 
 # ----------------------------------------------------------------------------- demo runs (training/demo_digits.py)
 
-# Trainer overrides of the issue-5 ablations, applied on top of the rCM config (same iterations, same data):
+# Trainer overrides of the sCM-only / DMD-only ablations, applied on top of the rCM config (same iterations, same data):
 # sCM-only drops the fake score, so every iteration is a student sCM step; DMD-only zeroes the sCM term and
 # the tangent warm-up, because during the warm-up DMD is off by design (docs/math.md §4.3) and with scm_weight 0 those
 # iterations would be empty student steps (no loss, yet they consume the lr warm-up and the EMA schedule).

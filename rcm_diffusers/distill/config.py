@@ -81,7 +81,7 @@ class RCMConfig:
     adam_eps: float = opt(1e-8, "AdamW eps")
     lr_warmup_steps: int = opt(100, "linear learning-rate warm-up (in each optimizer's own steps)")
     lr_decay: str = opt("none", "after the warm-up: 'none' = constant (official rCM), 'cosine' or 'linear' = decay to "
-                        "lr_final_ratio x lr at this session's max_steps (each optimizer counts its own steps)")
+                        "lr_final_ratio x lr at the current launch's max_steps (each optimizer counts its own steps)")
     lr_final_ratio: float = opt(0.0, "with lr_decay cosine/linear: the last step's rate as a fraction of lr / fake_lr")
     lr_decay_fraction: float = opt(1.0, "with lr_decay cosine/linear: the decay spans this last fraction of each "
                                    "optimizer's steps after the warm-up (the rate is constant before it)")
