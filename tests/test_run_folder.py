@@ -402,3 +402,51 @@ def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
                         "--lora_rank", "0"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.count("config option lora_rank = 0: must be >= 1") == 1
+
+
+def test_overwrite_leaves_nothing_of_the_old_run(tmp_path):
+    """A two-expert run's second LoRA, full-mode second expert and extra scheduler files went unremoved, so a new
+    single-network run in the same folder was loaded together with the old low-noise expert."""
+    from rcm_diffusers.lora.pipeline import expert_lora_files
+
+    out = tmp_path / "run"
+    run = Run()
+    run.train(2)
+    _save(run, out)
+    for rel in ("pytorch_lora_weights.safetensors", "transformer_2/pytorch_lora_weights.safetensors",
+                "ema/transformer_2/pytorch_lora_weights.safetensors", "student_transformer_2/config.json",
+                "scheduler/scheduler_config.json", "scheduler/extra.json", "delta_comfyui.safetensors", "final.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text("old")
+    (out / "notes.txt").write_text("mine")
+    assert set(expert_lora_files(str(out))) == {"transformer", "transformer_2"}
+    logs = []
+    assert R.choose_start(_cfg(out, overwrite=True), logs.append) is None
+    assert sorted(os.listdir(out)) == ["notes.txt"], os.listdir(out)
+    (out / "pytorch_lora_weights.safetensors").write_text("new")  # the new single-network run's export
+    assert expert_lora_files(str(out)) == {"transformer": str(out / "pytorch_lora_weights.safetensors")}
+
+
+def test_final_json_checksums_catch_a_flipped_bit(tmp_path, capsys):
+    out = tmp_path / "run"
+    for rel in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors", "scheduler/scheduler_config.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(os.urandom(64))
+    (out / "metrics.jsonl").write_text("{}\n")  # not an export
+    files = R.export_files(str(out))
+    assert sorted(files) == ["ema/pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors",
+                             "scheduler/scheduler_config.json"]
+    (out / "final.json").write_text(json.dumps({"step": 3, "files": files}))
+    assert R.verify_run(str(out)) == (3, []) and R.verify_main([str(out)]) == 0
+    p = out / "ema" / "pytorch_lora_weights.safetensors"
+    b = bytearray(p.read_bytes())
+    b[10] ^= 0x04
+    p.write_bytes(bytes(b))
+    (out / "transformer_2").mkdir()
+    (out / "transformer_2" / "pytorch_lora_weights.safetensors").write_text("stray")
+    capsys.readouterr()
+    assert R.verify_main([str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "ema/pytorch_lora_weights.safetensors: SHA-256 differs" in err
+    assert "transformer_2/pytorch_lora_weights.safetensors: not listed in final.json" in err
+    assert R.verify_main([str(tmp_path / "none")]) == 2
