@@ -474,8 +474,9 @@ def load_config_or_exit(argv=None, **kw):
 
 
 def run_main(main) -> None:
-    """Run a trainer's ``main``: a full disk and an unusable checkpoint end with one plain message."""
-    from .checkpoints import disk_full_message, is_disk_full
+    """Run a trainer's ``main``: a full disk, a run folder that became read-only and an unusable checkpoint end
+    with one plain message."""
+    from .checkpoints import disk_full_message, is_disk_full, is_unwritable, unwritable_message
 
     try:
         main()
@@ -485,5 +486,8 @@ def run_main(main) -> None:
     except Exception as e:
         if is_disk_full(e):
             print(f"error: {disk_full_message(getattr(e, 'filename', None) or 'the run folder', e)}", file=sys.stderr)
+            raise SystemExit(1) from None
+        if is_unwritable(e):
+            print(f"error: {unwritable_message(getattr(e, 'filename', None) or 'the run folder', e)}", file=sys.stderr)
             raise SystemExit(1) from None
         raise
