@@ -190,8 +190,6 @@ def verify_checkpoint(path: str) -> dict:
     man = _read_json(man_path, "manifest")
     if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(man.get("files"), dict):
         raise CheckpointError(f"{man_path}: not a {FORMAT} manifest")
-    if not _is_int(man.get("step")) or (checkpoint_step(path) is not None and man["step"] != checkpoint_step(path)):
-        raise CheckpointError(f"{man_path}: step {man.get('step')!r} does not match the folder {os.path.basename(path)}")
     for name, meta in sorted(man["files"].items()):
         f = os.path.join(path, name)
         if os.path.basename(name) != name or name == MANIFEST or not isinstance(meta, dict):
@@ -208,6 +206,8 @@ def verify_checkpoint(path: str) -> dict:
             raise CheckpointError(f"{path}: cannot read {name} ({e.strerror or e})") from None
         if digest != meta.get("sha256"):
             raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (the file is damaged)")
+    if not _is_int(man.get("step")) or (checkpoint_step(path) is not None and man["step"] != checkpoint_step(path)):
+        raise CheckpointError(f"{man_path}: step {man.get('step')!r} does not match the folder {os.path.basename(path)}")
     st = read_state(path, man)
     need = ["trainable.safetensors", *(f"optimizer-{r}.safetensors" for r in st.get("optimizers") or {}),
             *(["ema.safetensors"] if st.get("ema") else []),
