@@ -3,12 +3,13 @@ model loads (``rcm_diffusers.distill.data.check_dataset``, ``rcm_diffusers.disti
 
 import json
 import os
+import re
 import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from rcm_diffusers.distill import runs as R
 from rcm_diffusers.distill.data import write_latent_dataset
@@ -135,8 +136,6 @@ def test_every_data_error_is_one_line_before_anything(teacher, tmp_path, capsys,
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
-    import re
-
     assert re.search(match, err), err
 
 

@@ -92,8 +92,6 @@ def write_latent_dataset(out_dir: str, samples: dict[str, torch.Tensor], *, fami
 FAMILIES = ("wan", "wan_i2v", "flux")
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _INTS = {"I8", "U8", "I16", "I32", "I64", "U16", "U32", "U64"}
-_ST_TORCH = {"I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-             "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 class DataError(ValueError):
@@ -139,6 +137,8 @@ def _header(path: str) -> dict:
             dtype, shape, (a, b) = v["dtype"], [int(d) for d in v["shape"]], v["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise DataError(f"{path} is not a readable safetensors file (bad entry {k!r})") from None
+        if not 0 <= int(a) <= int(b) or min(shape, default=0) < 0:
+            raise DataError(f"{path} is not a readable safetensors file (bad offsets or shape of {k!r})")
         out[k] = (dtype, tuple(shape))
         end = max(end, int(b))
     if end != size - 8 - n:
@@ -279,9 +279,7 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
     if dims.get("channels") and C != dims["channels"]:
         raise DataError(f"{root}: latents have {C} channels, the teacher's transformer takes {dims['channels']}")
     hw = lat[-2:]
-    p = dims.get("patch", (2, 2) if family == "flux" else (1, 1))
-    if family == "flux":
-        p = (2, 2)
+    p = (2, 2) if family == "flux" else dims.get("patch", (1, 1))  # Flux packs 2 x 2 latent pixels per token
     if any(h % q for h, q in zip(hw, p)):
         raise DataError(f"{root}: latent height x width {hw[0]} x {hw[1]} is not divisible by the patch size {p[0]} x {p[1]}")
     text = need("prompt_embeds")
