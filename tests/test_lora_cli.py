@@ -138,3 +138,53 @@ def test_convert_to_a_folder_path(files, capsys):
     (tmp_path / "outdir").mkdir()
     assert cli.main(["convert", str(tmp_path / "l.safetensors"), str(tmp_path / "outdir"), "--format", "diffusers"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_outputs_are_never_written_over_silently(files, capsys):
+    tmp_path, _ = files
+    lora, base = tmp_path / "l.safetensors", tmp_path / "base.safetensors"
+    old = {p: p.read_bytes() for p in (lora, base)}
+    (tmp_path / "o.safetensors").write_bytes(b"precious")
+    assert cli.main(["convert", str(lora), str(tmp_path / "o.safetensors"), "--format", "diffusers"]) == 2
+    assert "o.safetensors already exists; pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "o.safetensors").read_bytes() == b"precious"
+    assert cli.main(["convert", str(lora), str(tmp_path / "o.safetensors"), "--format", "diffusers", "--overwrite"]) == 0
+    assert io.load_lora(tmp_path / "o.safetensors")[0]
+    # an input is never the output, --overwrite or not
+    for argv in (["convert", str(lora), str(lora), "--format", "diffusers"],
+                 ["convert", str(lora), str(tmp_path / "." / "l.safetensors"), "--format", "comfyui", "--overwrite"],
+                 ["merge", "--base", str(base), "--lora", str(lora), "--output", str(base)],
+                 ["merge", "--base", str(base), "--lora", str(lora), "--output", str(base), "--overwrite"],
+                 ["merge", "--base", str(base), "--lora", str(lora), "--output", str(tmp_path), "--layout", "diffusers",
+                  "--overwrite"]):
+        assert cli.main(argv) == 2, argv
+        assert "would write over the input" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (lora, base)} == old
+    (tmp_path / "m.safetensors").write_bytes(b"x")
+    assert cli.main(["merge", "--base", str(base), "--lora", str(lora), "--output", str(tmp_path / "m.safetensors")]) == 2
+    assert cli.main(["merge", "--base", str(base), "--lora", str(lora), "--output", str(tmp_path / "m.safetensors"),
+                     "--overwrite"]) == 0
+
+
+BROKEN = {"wrong shapes": ({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(48)}, "wrong shapes"),
+          "rank mismatch": ({"diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 3)}, "rank mismatch"),
+          "all NaN": ({"diffusion_model.blocks.1.ffn.0.lora_down.weight": torch.full((2, 24), float("nan"))}, "NaN or inf"),
+          "rank 0": ({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(0, 24),
+                      "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 0)}, "rank 0")}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_convert_refuses_and_inspect_warns_about_a_broken_lora(files, capsys, kind):
+    tmp_path, comfy = files
+    change, match = BROKEN[kind]
+    save_file({**comfy, **change}, tmp_path / "broken.safetensors")
+    assert cli.main(["convert", str(tmp_path / "broken.safetensors"), str(tmp_path / "o.safetensors"), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1 and "blocks." in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+    assert cli.main(["inspect", str(tmp_path / "broken.safetensors")]) == 0
+    out = capsys.readouterr()
+    assert match in " ".join(json.loads(out.out)["problems"]) and "warning" in out.err and match in out.err
+    assert cli.main(["merge", "--base", str(tmp_path / "base.safetensors"), "--lora", str(tmp_path / "broken.safetensors"),
+                     "--output", str(tmp_path / "m.safetensors")]) == 2
+    assert match in capsys.readouterr().err and not (tmp_path / "m.safetensors").exists()

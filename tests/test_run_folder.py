@@ -402,3 +402,224 @@ def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
                         "--lora_rank", "0"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.count("config option lora_rank = 0: must be >= 1") == 1
+
+
+def test_overwrite_leaves_nothing_of_the_old_run(tmp_path):
+    """A two-expert run's second LoRA, full-mode second expert and extra scheduler files went unremoved, so a new
+    single-network run in the same folder was loaded together with the old low-noise expert."""
+    from rcm_diffusers.lora.pipeline import expert_lora_files
+
+    out = tmp_path / "run"
+    run = Run()
+    run.train(2)
+    _save(run, out)
+    for rel in ("pytorch_lora_weights.safetensors", "transformer_2/pytorch_lora_weights.safetensors",
+                "ema/transformer_2/pytorch_lora_weights.safetensors", "student_transformer_2/config.json",
+                "scheduler/scheduler_config.json", "scheduler/extra.json", "delta_comfyui.safetensors", "final.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text("old")
+    (out / "notes.txt").write_text("mine")
+    assert set(expert_lora_files(str(out))) == {"transformer", "transformer_2"}
+    logs = []
+    assert R.choose_start(_cfg(out, overwrite=True), logs.append) is None
+    assert sorted(os.listdir(out)) == ["notes.txt"], os.listdir(out)
+    (out / "pytorch_lora_weights.safetensors").write_text("new")  # the new single-network run's export
+    assert expert_lora_files(str(out)) == {"transformer": str(out / "pytorch_lora_weights.safetensors")}
+
+
+def test_final_json_checksums_catch_a_flipped_bit(tmp_path, capsys):
+    out = tmp_path / "run"
+    for rel in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors", "scheduler/scheduler_config.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(os.urandom(64))
+    (out / "metrics.jsonl").write_text("{}\n")  # not an export
+    files = R.export_files(str(out))
+    assert sorted(files) == ["ema/pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors",
+                             "scheduler/scheduler_config.json"]
+    (out / "final.json").write_text(json.dumps({"step": 3, "files": files}))
+    assert R.verify_run(str(out)) == (3, []) and R.verify_main([str(out)]) == 0
+    p = out / "ema" / "pytorch_lora_weights.safetensors"
+    b = bytearray(p.read_bytes())
+    b[10] ^= 0x04
+    p.write_bytes(bytes(b))
+    (out / "transformer_2").mkdir()
+    (out / "transformer_2" / "pytorch_lora_weights.safetensors").write_text("stray")
+    capsys.readouterr()
+    assert R.verify_main([str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "ema/pytorch_lora_weights.safetensors: SHA-256 differs" in err
+    assert "transformer_2/pytorch_lora_weights.safetensors: not listed in final.json" in err
+    assert R.verify_main([str(tmp_path / "none")]) == 2
+
+
+class _Hang(Exception):
+    pass
+
+
+def _no_hang(seconds=30):
+    """A read that blocks (a FIFO) raises instead of hanging the test."""
+    import signal
+
+    def on_alarm(*_):
+        raise _Hang("blocked reading the checkpoint")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+
+
+def test_only_regular_files_listed_in_the_manifest_are_read(tmp_path):
+    import signal
+
+    out = tmp_path / "run"
+    run = Run()
+    run.train(2)
+    first = _save(run, out)
+    run.train(2)
+    newest = _save(run, out)
+    man = os.path.join(newest, "manifest.json")
+    os.remove(man)
+    os.mkfifo(man)  # opening it for reading blocks until a writer comes: --resume used to hang holding the lock
+    logs = []
+    _no_hang()
+    try:
+        assert R.choose_start(_cfg(out, resume="latest"), logs.append) == first
+        # a FIFO in place of the random state, left out of the manifest: not opened
+        other = _save(run, tmp_path / "other")
+        os.remove(os.path.join(other, "rng-rank0.safetensors"))
+        os.mkfifo(os.path.join(other, "rng-rank0.safetensors"))
+        m = json.load(open(os.path.join(other, "manifest.json")))
+        del m["files"]["rng-rank0.safetensors"]
+        json.dump(m, open(os.path.join(other, "manifest.json"), "w"))
+        with pytest.raises(C.CheckpointError, match="rng-rank0.safetensors not listed in manifest.json"):
+            C.verify_checkpoint(other)
+        with pytest.raises(C.CheckpointError, match="rng-rank0.safetensors is not listed in manifest.json"):
+            Run(seed=3).ck.load(other, verify=False)
+    finally:
+        signal.alarm(0)
+    assert "not a regular file" in logs[0]
+    # a file dropped from the manifest is not loaded unchecked
+    third = _save(run, tmp_path / "third")
+    changed = Run(seed=7)
+    C._save_tensors({k: v + 1 for k, v in changed.ema.shadow.items()}, os.path.join(third, "ema.safetensors"))
+    m = json.load(open(os.path.join(third, "manifest.json")))
+    del m["files"]["ema.safetensors"]
+    json.dump(m, open(os.path.join(third, "manifest.json"), "w"))
+    with pytest.raises(C.CheckpointError, match="ema.safetensors not listed"):
+        C.verify_checkpoint(third)
+    fresh = Run(seed=3)
+    with pytest.raises(C.CheckpointError, match="ema.safetensors is not listed"):
+        fresh.ck.load(third, verify=False)
+
+
+def _nested(ck):
+    open(os.path.join(ck, "state.json"), "w").write("[" * 200000 + "]" * 200000)
+
+
+def _rng_size(ck):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    p = os.path.join(ck, "rng-rank0.safetensors")
+    with safe_open(p, framework="pt") as f:
+        meta = f.metadata()
+    save_file({"torch_cpu": torch.zeros(100, dtype=torch.uint8)}, p, metadata=meta)
+
+
+def _state(**kw):
+    def change(ck):
+        p = os.path.join(ck, "state.json")
+        st = json.load(open(p))
+        for k, v in kw.items():
+            if k == "last_epoch":
+                st["schedulers"]["student"]["last_epoch"] = v
+            else:
+                st["train_state"][k] = v
+        json.dump(st, open(p, "w"))
+    return change
+
+
+BAD_STATE = {"deeply nested JSON": (_nested, "cannot read .*state.json.*recursion"),
+             "wrong-size RNG state": (_rng_size, "torch CPU generator state .*not 5056 bytes"),
+             "string step": (_state(step="4"), "step '4' is not a whole number"),
+             "negative step": (_state(step=-3), "step -3 is not a whole number"),
+             "string last_epoch": (_state(last_epoch="3"), "scheduler 'student': last_epoch '3'")}
+
+
+@pytest.mark.parametrize("kind", list(BAD_STATE))
+def test_bad_values_in_a_checkpoint_fall_back_like_damage(tmp_path, kind):
+    change, match = BAD_STATE[kind]
+    out = tmp_path / "run"
+    run = Run()
+    run.train(2)
+    first = _save(run, out)
+    run.train(2)
+    newest = _save(run, out)
+    change(newest)
+    _rewrite_manifest(newest)  # the checksums pass: only the checks of the values protect
+    with pytest.raises(C.CheckpointError, match=match):
+        Run(seed=3).ck.load(newest)
+    with pytest.raises(C.CheckpointError, match=match):
+        C.read_state(newest) if kind != "wrong-size RNG state" else C.verify_checkpoint(newest)
+    logs = []
+    assert R.choose_start(_cfg(out, resume="latest"), logs.append) == first
+    assert "step-00000004 is damaged" in logs[0] and os.path.isdir(newest + ".damaged")
+
+
+def test_an_unreadable_file_in_the_newest_checkpoint_falls_back(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    run = Run()
+    run.train(2)
+    first = _save(run, out)
+    run.train(2)
+    newest = _save(run, out)
+    bad = os.path.join(newest, "trainable.safetensors")
+    if os.geteuid() != 0:
+        os.chmod(bad, 0)
+    else:  # root reads any file: make the read fail as it would for a user
+        real = C._sha256
+
+        def sha(path):
+            if path == bad:
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return real(path)
+
+        monkeypatch.setattr(C, "_sha256", sha)
+    logs = []
+    assert R.choose_start(_cfg(out, resume="latest"), logs.append) == first
+    assert "cannot read trainable.safetensors (Permission denied)" in logs[0]
+
+
+def test_a_run_folder_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
+    """Root writes anywhere, so the refusal is simulated at the first write of the checkpoint (as the kernel would
+    refuse it); nothing older is lost and resuming the last checkpoint gives the same weights."""
+    ref = Run()
+    ref.train(6)
+    run = Run()
+    run.train(3)
+    first = _save(run, tmp_path)
+    real = C._save_tensors
+
+    def refuse(tensors, path, metadata=None):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(C, "_save_tensors", refuse)
+    run.train(3)
+    with pytest.raises(SystemExit, match=r"cannot write .*step-00000006\.tmp.*Permission denied.*make the run folder "
+                                         r"writable and run again with --resume latest"):
+        _save(run, tmp_path)
+    monkeypatch.setattr(C, "_save_tensors", real)
+    assert [p for _, p in C.list_checkpoints(str(tmp_path))] == [first] and not os.path.exists(first[:-1] + "6.tmp")
+    again = Run(seed=9)
+    again.ck.load(R.choose_start(_cfg(tmp_path, resume="latest")))
+    again.train(3)
+    a, b = ref.weights(), again.weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def main():  # any other write of the trainer (metrics, exports): one line, exit 1
+        raise PermissionError(errno.EROFS, "Read-only file system", str(tmp_path / "metrics.jsonl"))
+
+    with pytest.raises(SystemExit) as e:
+        R.run_main(main)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write " + str(tmp_path / "metrics.jsonl") + " (Read-only file system)" in err

@@ -179,3 +179,25 @@ def test_training_on_nan_latents_fails(wan):
     assert p.returncode != 0 and "non-finite gradient and were skipped" in p.stderr, p.stderr[-3000:]
     assert "gradient norm is nan, optimizer step skipped" in p.stdout
     assert not (out / "final.json").exists() and not (out / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_final_json_lists_every_export_and_verify_catches_a_flipped_bit(full_run, tmp_path):
+    final = json.load(open(full_run / "final.json"))
+    exported = sorted(os.path.relpath(os.path.join(d, f), full_run) for n in ("pytorch_lora_weights.safetensors", "ema", "scheduler")
+                      for d, _, fs in ([(str(full_run), None, [n])] if n.endswith(".safetensors") else os.walk(full_run / n))
+                      for f in fs)
+    assert sorted(final["files"]) == exported and "ema/scheduler/scheduler_config.json" in exported
+    size = os.path.getsize(full_run / "pytorch_lora_weights.safetensors")
+    assert final["files"]["pytorch_lora_weights.safetensors"]["bytes"] == size
+    p = run_script(["--verify", str(full_run)])
+    assert p.returncode == 0 and f"ok: {len(exported)} exported files match final.json" in p.stdout, p.stderr[-2000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(full_run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    with open(copy / "ema" / "pytorch_lora_weights.safetensors", "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+    p = run_script(["--verify", str(copy)])
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == "error: ema/pytorch_lora_weights.safetensors: SHA-256 differs from final.json (the file was changed or damaged)"

@@ -52,7 +52,11 @@ def write_json(path, obj):
 
 
 def main(argv=None):
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["--verify"]:  # check a finished run's exports against final.json (docs/training.md)
+        raise SystemExit(R.verify_main(args[1:]))
     cfg = R.load_config_or_exit(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None, config_cls=QADConfig)
+    R.check_inputs(cfg)  # the teacher's weight format and the whole dataset, before the run folder or a model is touched
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
                               mixed_precision=cfg.mixed_precision, project_dir=cfg.output_dir,
                               step_scheduler_with_optimizer=False,  # the LR schedule counts iterations, not iterations x processes
@@ -185,6 +189,7 @@ def main(argv=None):
         if ema is not None:
             final["exports_ema"] = Q.export_student(Q.ema_student(base, ema.shadow), os.path.join(cfg.output_dir, "ema"),
                                                     cfg, teacher=teacher)
+        final["files"] = R.export_files(cfg.output_dir)
         write_json(os.path.join(cfg.output_dir, "final.json"), final)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -48,12 +48,16 @@ def peak_memory_mb(device) -> float:
 
 
 def main(argv=None):
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["--verify"]:  # check a finished run's exports against final.json (docs/training.md)
+        raise SystemExit(R.verify_main(args[1:]))
     cfg = R.load_config_or_exit(argv, default_config=DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     if cfg.synthetic:
         raise SystemExit("--synthetic: the teacher samples are generated once, before training: run\n  python training/prepare_data.py "
                          f"--pretrained {cfg.pretrained} --synthetic --prompts prompts.txt --num_samples N --steps {cfg.synthetic_steps} "
                          f"--shift {cfg.synthetic_shift} --height H --width W [--num_frames F] --output_dir DIR\n"
                          "then train with --data_dir DIR (and without --synthetic)")
+    R.check_inputs(cfg)  # the teacher's weight format and the whole dataset, before the run folder or a model is touched
     fsdp = FS.take_fsdp_request()  # an FSDP2 accelerate config: the trainer shards the frozen base itself (rcm_diffusers.distill.fsdp)
     accelerator = Accelerator(
         # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
@@ -231,7 +235,8 @@ def main(argv=None):
         tmp = os.path.join(cfg.output_dir, "final.json.tmp")
         with open(tmp, "w") as f:
             json.dump({"step": state.step, "skipped": state.skipped, "skipped_steps": state.skipped_steps,
-                       "skipped_fraction": state.skipped / max(1, state.step), "student_checksum_per_rank": sums}, f)
+                       "skipped_fraction": state.skipped / max(1, state.step), "student_checksum_per_rank": sums,
+                       "files": R.export_files(cfg.output_dir)}, f)
         os.replace(tmp, os.path.join(cfg.output_dir, "final.json"))
     accelerator.wait_for_everyone()
     accelerator.end_training()

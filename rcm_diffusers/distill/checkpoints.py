@@ -25,17 +25,19 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
+import stat
 import sys
 
 import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "Checkpointer", "checkpoint_step", "list_checkpoints", "verify_checkpoint",
-           "find_resumable", "prune_checkpoints", "read_state", "FORMAT"]
+           "find_resumable", "prune_checkpoints", "read_state", "check_state", "check_rng", "FORMAT"]
 
 FORMAT = "rcm-diffusers-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -75,21 +77,112 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _regular(path: str, what: str) -> None:
+    """Refuse anything but a regular file (a FIFO would block the reader forever, a device or link is not ours)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CheckpointError(f"{what}: {path} is missing ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{what}: {path} is not a regular file")
+
+
 def _read_json(path: str, what: str):
+    _regular(path, what)
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{what}: cannot read {path}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{what}: cannot read {path}: {str(e)[:200]}") from None
+
+
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_state(st, where: str) -> None:
+    """Types and ranges of every value of ``state.json`` that resume uses (a wrong one is a damaged checkpoint)."""
+    def bad(what):
+        raise CheckpointError(f"{where}/{STATE}: {what}")
+
+    if not isinstance(st, dict) or st.get("format") != FORMAT or not isinstance(st.get("config"), dict) \
+            or not isinstance(st.get("train_state"), dict):
+        bad(f"not a {FORMAT} state file")
+    ts = st["train_state"]
+    if not _is_int(ts.get("step")):
+        bad(f"step {ts.get('step')!r} is not a whole number >= 0")
+    if not _is_int(ts.get("skipped")) or ts["skipped"] > ts["step"]:
+        bad(f"skipped {ts.get('skipped')!r} is not a whole number between 0 and the step {ts['step']}")
+    if not isinstance(ts.get("skipped_steps"), list) or not all(_is_int(i) for i in ts["skipped_steps"]):
+        bad("skipped_steps is not a list of steps")
+    if not isinstance(ts.get("guard"), dict) or not isinstance(ts.get("init_checksum"), list) \
+            or not all(_is_num(v) for v in ts["init_checksum"]):
+        bad("bad spike-guard history or initial checksum")
+    if "world_size" in st and not _is_int(st["world_size"], 1):
+        bad(f"world_size {st['world_size']!r} is not a whole number >= 1")
+    for r, sch in (st.get("schedulers") or {}).items():
+        if not isinstance(sch, dict) or not _is_int(sch.get("last_epoch"), -1) \
+                or ("_step_count" in sch and not _is_int(sch["_step_count"])) \
+                or not all(_is_num(v) for k in ("base_lrs", "_last_lr") for v in (sch.get(k) or [])):
+            bad(f"learning-rate scheduler {r!r}: last_epoch {sch.get('last_epoch') if isinstance(sch, dict) else sch!r} "
+                "or its rates are not numbers of the right kind")
+    for r, o in (st.get("optimizers") or {}).items():
+        groups = o.get("param_groups") if isinstance(o, dict) else None
+        if not isinstance(groups, list) or not isinstance(o.get("params"), list) or len(groups) != len(o["params"]) \
+                or not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in o["params"]) \
+                or not isinstance(o.get("scalars", {}), dict) or not all(_is_num(v) for v in o.get("scalars", {}).values()):
+            bad(f"optimizer {r!r}: bad parameter groups or scalars")
+        for g in groups:
+            if not isinstance(g, dict) or not all(_is_num(g[k]) and g[k] >= 0 for k in ("lr", "eps", "weight_decay") if k in g) \
+                    or ("betas" in g and not (isinstance(g["betas"], list) and len(g["betas"]) == 2
+                                              and all(_is_num(b) and 0 <= b < 1 for b in g["betas"]))):
+                bad(f"optimizer {r!r}: bad hyper-parameters {g!r}"[:300])
+    ema = st.get("ema")
+    if ema is not None and not (isinstance(ema, dict) and _is_num(ema.get("s")) and ema["s"] > 0):
+        bad(f"bad EMA rate {ema!r}"[:200])
+    if st.get("grad_scaler") is not None and not isinstance(st["grad_scaler"], dict):
+        bad("bad loss-scaler state")
+
+
+_RNG_BYTES = None
+
+
+def check_rng(tensors: dict, meta, where: str) -> None:
+    """Sizes, dtypes and ranges of a process's saved generator states (what ``set_rng_state`` restores)."""
+    global _RNG_BYTES
+    if _RNG_BYTES is None:
+        _RNG_BYTES = torch.get_rng_state().numel()
+    t = tensors.get("torch_cpu")
+    if t is None or t.dtype != torch.uint8 or tuple(t.shape) != (_RNG_BYTES,):
+        raise CheckpointError(f"{where}: the torch CPU generator state is {None if t is None else (t.dtype, tuple(t.shape))}, "
+                              f"not {_RNG_BYTES} bytes")
+    if any(v.dtype != torch.uint8 or v.dim() != 1 for k, v in tensors.items() if k.startswith("torch_cuda_")):
+        raise CheckpointError(f"{where}: bad CUDA generator state")
+    try:
+        v, internal, gauss = meta["python"]
+        kind, keys, pos, has_gauss, cached = meta["numpy"]
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{where}: bad Python or NumPy random state") from None
+    word = all(_is_int(x) and x < 2**32 for x in internal) if isinstance(internal, list) else False
+    if not (_is_int(v) and word and len(internal) == 625 and (gauss is None or isinstance(gauss, float))):
+        raise CheckpointError(f"{where}: bad Python random state")
+    if not (kind == "MT19937" and isinstance(keys, list) and len(keys) == 624 and all(_is_int(x) and x < 2**32 for x in keys)
+            and _is_int(pos) and pos <= 624 and has_gauss in (0, 1) and _is_num(cached)):
+        raise CheckpointError(f"{where}: bad NumPy random state")
 
 
 def verify_checkpoint(path: str) -> dict:
-    """Check ``path`` against its manifest (format, every file present with its size and SHA-256);
-    returns the manifest or raises ``CheckpointError`` naming the first problem."""
+    """Check ``path`` against its manifest (format, step, every file a regular file with its size and SHA-256, the
+    files a resume reads all listed) and the values of ``state.json`` and the random states (types, sizes,
+    ranges); returns the manifest or raises ``CheckpointError`` naming the first problem."""
     man_path = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint directory")
-    if not os.path.exists(man_path):
+    if not os.path.lexists(man_path):
         legacy = [n for n in os.listdir(path) if n.endswith((".pkl", ".bin"))]
         hint = (" (an accelerate save_state checkpoint of an older version: its pickle files can run code and are "
                 "not loaded; start a new run)" if legacy else " (incomplete: the write was interrupted)")
@@ -99,16 +192,58 @@ def verify_checkpoint(path: str) -> dict:
         raise CheckpointError(f"{man_path}: not a {FORMAT} manifest")
     for name, meta in sorted(man["files"].items()):
         f = os.path.join(path, name)
-        if os.path.basename(name) != name or name == MANIFEST:
+        if os.path.basename(name) != name or name == MANIFEST or not isinstance(meta, dict):
             raise CheckpointError(f"{man_path}: bad file name {name!r}")
-        if not os.path.isfile(f):
+        if not os.path.lexists(f):
             raise CheckpointError(f"{path}: {name} is missing")
+        _regular(f, "checkpoint")
         size = os.path.getsize(f)
         if size != meta.get("bytes"):
             raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {meta.get('bytes')} (truncated or replaced)")
-        if _sha256(f) != meta.get("sha256"):
+        try:
+            digest = _sha256(f)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {name} ({e.strerror or e})") from None
+        if digest != meta.get("sha256"):
             raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (the file is damaged)")
+    if not _is_int(man.get("step")) or (checkpoint_step(path) is not None and man["step"] != checkpoint_step(path)):
+        raise CheckpointError(f"{man_path}: step {man.get('step')!r} does not match the folder {os.path.basename(path)}")
+    st = read_state(path, man)
+    need = ["trainable.safetensors", *(f"optimizer-{r}.safetensors" for r in st.get("optimizers") or {}),
+            *(["ema.safetensors"] if st.get("ema") else []),
+            *(f"rng-rank{r}.safetensors" for r in range(st.get("world_size") or 1))]
+    missing = [n for n in need if n not in man["files"]]
+    if missing:
+        raise CheckpointError(f"{path}: {', '.join(missing)} not listed in {MANIFEST} (the checkpoint was altered)")
+    for n in man["files"]:
+        if n.startswith("rng-rank"):
+            t, meta = _load_tensors(os.path.join(path, n), "random state")
+            check_rng(t, _rng_meta(meta, os.path.join(path, n)), os.path.join(path, n))
     return man
+
+
+def _rng_meta(meta: dict, where: str):
+    try:
+        return json.loads(meta.get("json", "{}"))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: bad random state ({str(e)[:200]})") from None
+
+
+def _manifest_files(path: str) -> dict:
+    """The ``files`` of ``path``'s manifest (read, not re-verified)."""
+    man = _read_json(os.path.join(path, MANIFEST), "manifest")
+    if not isinstance(man, dict) or not isinstance(man.get("files"), dict):
+        raise CheckpointError(f"{path}/{MANIFEST}: not a {FORMAT} manifest")
+    return man["files"]
+
+
+def _listed(path: str, name: str, files: dict) -> str:
+    """``path/name`` if the manifest lists it and it is a regular file: nothing else in a checkpoint is read."""
+    if name not in files:
+        raise CheckpointError(f"{path}: {name} is not listed in {MANIFEST}; it is not read")
+    p = os.path.join(path, name)
+    _regular(p, "checkpoint")
+    return p
 
 
 def find_resumable(output_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
@@ -135,12 +270,12 @@ def prune_checkpoints(output_dir: str, keep: int, protect: str | None = None) ->
     return gone
 
 
-def read_state(path: str) -> dict:
-    """The checkpoint's ``state.json`` (counters, config, optimizer settings), checked for the format."""
-    st = _read_json(os.path.join(path, STATE), "checkpoint state")
-    if not isinstance(st, dict) or st.get("format") != FORMAT or not isinstance(st.get("config"), dict) \
-            or not isinstance(st.get("train_state"), dict):
-        raise CheckpointError(f"{path}/{STATE}: not a {FORMAT} state file")
+def read_state(path: str, manifest: dict | None = None) -> dict:
+    """The checkpoint's ``state.json`` (counters, config, optimizer settings), listed in the manifest and checked
+    for the format and the types and ranges of its values (``check_state``)."""
+    files = manifest["files"] if manifest is not None else _manifest_files(path)
+    st = _read_json(_listed(path, STATE, files), "checkpoint state")
+    check_state(st, path)
     return st
 
 
@@ -317,6 +452,17 @@ def disk_full_message(path: str, e: BaseException) -> str:
             "(or choose another --output_dir) and run again with --resume latest.")
 
 
+def is_unwritable(e: BaseException) -> bool:
+    """``True`` for a write refused by permissions or a read-only file system."""
+    return isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def unwritable_message(path: str, e: BaseException) -> str:
+    """The user-facing text for a write refused by permissions (a run folder made read-only mid-run)."""
+    return (f"cannot write {path} ({getattr(e, 'strerror', None) or e}). Nothing older was overwritten: make the run "
+            "folder writable and run again with --resume latest.")
+
+
 def is_disk_full(e: BaseException) -> bool:
     """``True`` for ENOSPC / EDQUOT, including the text forms safetensors and torch raise."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -388,6 +534,9 @@ class Checkpointer:
             if is_disk_full(e):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise SystemExit("error: " + disk_full_message(tmp, e)) from None
+            if is_unwritable(e):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise SystemExit("error: " + unwritable_message(getattr(e, "filename", None) or tmp, e)) from None
             raise
         acc.wait_for_everyone()
         return final
@@ -399,9 +548,10 @@ class Checkpointer:
         if verify:
             verify_checkpoint(path)
         fresh = self._hyper()
-        st = read_state(path)
+        files = _manifest_files(path)
+        st = read_state(path, {"files": files})
         try:
-            load_trainable(self.trainable[0], self.trainable[1], os.path.join(path, "trainable.safetensors"))
+            load_trainable(self.trainable[0], self.trainable[1], _listed(path, "trainable.safetensors", files))
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -409,7 +559,7 @@ class Checkpointer:
         for r, (o, named) in self.optimizers.items():
             if r not in st.get("optimizers", {}):
                 raise CheckpointError(f"{path}: no optimizer state for {r!r}")
-            tensors, _ = _load_tensors(os.path.join(path, f"optimizer-{r}.safetensors"), "optimizer")
+            tensors, _ = _load_tensors(_listed(path, f"optimizer-{r}.safetensors", files), "optimizer")
             load_optimizer_state(o, named, tensors, st["optimizers"][r], path)
         for r, s in self.schedulers.items():
             if r not in st.get("schedulers", {}):
@@ -422,7 +572,7 @@ class Checkpointer:
         if self.ema is not None:
             if not st.get("ema"):
                 raise CheckpointError(f"{path}: holds no EMA (the run had ema_rate 0)")
-            shadow, _ = _load_tensors(os.path.join(path, "ema.safetensors"), "EMA")
+            shadow, _ = _load_tensors(_listed(path, "ema.safetensors", files), "EMA")
             if set(shadow) != set(self.ema.shadow) or any(shadow[k].shape != self.ema.shadow[k].shape for k in shadow):
                 raise CheckpointError(f"{path}: the EMA weights do not match the student's parameters")
             self.ema.load_state_dict({"s": float(st["ema"]["s"]), "shadow": shadow})
@@ -433,12 +583,15 @@ class Checkpointer:
             self.state.load_state_dict(st["train_state"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: bad counters in {STATE} ({e})") from None
-        rng = os.path.join(path, f"rng-rank{self.acc.process_index}.safetensors")
-        if os.path.exists(rng):
+        rank = self.acc.process_index
+        if rank < (st.get("world_size") or 1) or f"rng-rank{rank}.safetensors" in files:
+            rng = _listed(path, f"rng-rank{rank}.safetensors", files)
             t, meta = _load_tensors(rng, "random state")
+            meta = _rng_meta(meta, rng)
+            check_rng(t, meta, rng)
             try:
-                set_rng_state(t, json.loads(meta.get("json", "{}")))
-            except (KeyError, TypeError, ValueError) as e:
+                set_rng_state(t, meta)
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"{rng}: bad random state ({e})") from None
         else:
             print(f"warning: {path} has no random state for process {self.acc.process_index} (more processes than "

@@ -39,7 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["write_latent_dataset", "LatentDataset", "batch_indices", "step_seed", "step_generator", "model_inputs",
+__all__ = ["write_latent_dataset", "check_dataset", "DataError", "LatentDataset", "batch_indices", "step_seed", "step_generator", "model_inputs",
            "pack_flux_latents", "unpack_flux_latents"]
 
 FORMAT = "rcm-latents"
@@ -85,6 +85,235 @@ def write_latent_dataset(out_dir: str, samples: dict[str, torch.Tensor], *, fami
         json.dump(meta, f, indent=1)
     os.replace(tmp, os.path.join(out_dir, "meta.json"))
     return out_dir
+
+
+# ----------------------------------------------------------------------------- validation before any model loads
+
+FAMILIES = ("wan", "wan_i2v", "flux")
+_FLOATS = {"F16", "BF16", "F32", "F64"}
+_INTS = {"I8", "U8", "I16", "I32", "I64", "U16", "U32", "U64"}
+
+
+class DataError(ValueError):
+    """A latent dataset that cannot be trained on; the message names the file and what is wrong."""
+
+
+def _inside(root: str, rel, what: str) -> str:
+    """``root/rel`` for a plain relative file name that stays inside ``root`` (no absolute path, no ``..``,
+    no link out), and is a regular file."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+        raise DataError(f"{root}/meta.json: {what} {rel!r} is not a file name inside the dataset folder")
+    path = os.path.join(root, rel)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise DataError(f"{root}/meta.json: {what} {rel!r} points outside the dataset folder")
+    if not os.path.exists(path):
+        raise DataError(f"{root}: {what} {rel} is missing")
+    if not os.path.isfile(path):
+        raise DataError(f"{root}: {what} {rel} is not a regular file")
+    return path
+
+
+def _header(path: str) -> dict:
+    """``{name: (dtype, shape)}`` of a safetensors file from its header alone, after checking that the header
+    parses and that the data it describes fits the file exactly (a truncated or padded file fails)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if n <= 0 or 8 + n > size or n > 100 * 2**20:
+                raise ValueError("bad header length")
+            head = json.loads(f.read(n))
+    except (OSError, ValueError, RecursionError) as e:
+        raise DataError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if not isinstance(head, dict):
+        raise DataError(f"{path} is not a readable safetensors file (header is not a JSON object)")
+    out, end = {}, 0
+    for k, v in head.items():
+        if k == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = v["dtype"], [int(d) for d in v["shape"]], v["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"{path} is not a readable safetensors file (bad entry {k!r})") from None
+        if not 0 <= int(a) <= int(b) or min(shape, default=0) < 0:
+            raise DataError(f"{path} is not a readable safetensors file (bad offsets or shape of {k!r})")
+        out[k] = (dtype, tuple(shape))
+        end = max(end, int(b))
+    if end != size - 8 - n:
+        raise DataError(f"{path}: the header describes {end} bytes of data, the file holds {size - 8 - n} "
+                        "(truncated or damaged; write the dataset again)")
+    return out
+
+
+def _dims(model_config: dict | None, family: str) -> dict:
+    """What the teacher's ``config.json`` fixes about the data: latent channels, text width, ..."""
+    c = model_config or {}
+    cls = c.get("_class_name", "")
+    out = {}
+    if cls.startswith("Wan"):
+        if family == "flux":
+            raise DataError(f"the data is family 'flux' but the teacher is a {cls}")
+        out["channels"] = c.get("out_channels") or c.get("in_channels")
+        out["in_channels"] = c.get("in_channels")
+        out["text_dim"] = c.get("text_dim")
+        out["image_dim"] = c.get("image_dim")
+        p = c.get("patch_size") or (1, 2, 2)
+        out["patch"] = tuple(p)[-2:]
+    elif cls.startswith("Flux"):
+        if family != "flux":
+            raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
+        ic = c.get("in_channels")
+        out["channels"] = ic // 4 if ic else None
+        out["text_dim"] = c.get("joint_attention_dim")
+        out["pooled_dim"] = c.get("pooled_projection_dim")
+    return out
+
+
+def check_dataset(root: str, model_config: dict | None = None) -> dict:
+    """Check a latent dataset completely and cheaply before any model loads: ``meta.json``, every shard and table
+    file (headers only: names, dtypes, shapes, sizes), the per-family layout, the sample counts and the range of
+    every index field; with the teacher's ``config.json`` (``model_config``) also the latent channels and the text
+    and pooled widths. Raises ``DataError`` naming the first problem; returns ``{"family", "num_samples"}``."""
+    if not root or not os.path.isdir(root):
+        raise DataError(f"--data_dir {root}: no such folder (make a latent dataset with training/prepare_data.py)")
+    mpath = os.path.join(root, "meta.json")
+    if not os.path.isfile(mpath):
+        raise DataError(f"--data_dir {root}: no meta.json, not an rcm latent dataset (make one with training/prepare_data.py)")
+    try:
+        with open(mpath) as f:
+            meta = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise DataError(f"{mpath} is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{mpath}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}")
+    family = meta.get("family")
+    if family not in FAMILIES:
+        raise DataError(f"{mpath}: unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    n = meta.get("num_samples")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise DataError(f"{mpath}: num_samples {n!r} must be a whole number >= 1")
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise DataError(f"{mpath}: no shards listed")
+    fields, total = None, 0
+    index_files = []
+    for s in shards:
+        if not isinstance(s, dict):
+            raise DataError(f"{mpath}: bad shard entry {s!r}")
+        path = _inside(root, s.get("file"), "shard")
+        head = _header(path)
+        rows = {k: shape[0] if shape else None for k, (_, shape) in head.items()}
+        if "latents" not in head:
+            raise DataError(f"{path}: no 'latents' tensor")
+        r = rows["latents"]
+        bad = [k for k, v in rows.items() if v != r]
+        if bad:
+            raise DataError(f"{path}: field {bad[0]!r} has {rows[bad[0]]} rows, latents has {r}")
+        if s.get("num_samples") != r:
+            raise DataError(f"{mpath}: shard {s.get('file')} says num_samples {s.get('num_samples')!r}, the file holds {r}")
+        sig = {k: (d, shape[1:]) for k, (d, shape) in head.items()}
+        if fields is None:
+            fields = sig
+        elif sig != fields:
+            raise DataError(f"{path}: fields, dtypes or shapes differ from the first shard's ({sorted(sig)} vs {sorted(fields)})")
+        total += r
+        index_files.append(path)
+    if total != n:
+        raise DataError(f"{mpath}: num_samples is {n} but the shards hold {total} samples")
+    tables = {}
+    if meta.get("tables_file") is not None:
+        tpath = _inside(root, meta["tables_file"], "tables file")
+        tables = {k: (d, shape) for k, (d, shape) in _header(tpath).items()}
+    index = meta.get("tables") or {}
+    if not isinstance(index, dict):
+        raise DataError(f"{mpath}: 'tables' must map a table name to its index field (or null)")
+    # every field as the model sees it: (dtype, per-sample shape)
+    per = {k: v for k, v in fields.items()}
+    ranges = {}
+    for name, idx in index.items():
+        if name not in tables:
+            raise DataError(f"{mpath}: table {name!r} is listed but "
+                            + (f"{meta.get('tables_file')} has no such tensor" if meta.get("tables_file") else "there is no tables_file"))
+        d, shape = tables[name]
+        if not shape or shape[0] < 1:
+            raise DataError(f"{root}: table {name!r} has no rows")
+        if idx is not None:
+            if idx not in fields:
+                raise DataError(f"{mpath}: table {name!r} is indexed by {idx!r}, which is not a per-sample field")
+            if fields[idx][0] not in _INTS or fields[idx][1] != ():
+                raise DataError(f"{root}: index field {idx!r} must hold one whole number per sample, got "
+                                f"{fields[idx][0]} {list(fields[idx][1])}")
+            ranges.setdefault(idx, []).append((name, shape[0]))
+        per[name] = (d, shape[1:])
+    for idx, limits in ranges.items():  # the only values read: one small integer per sample
+        hi = min(m for _, m in limits)
+        for path in index_files:
+            with safe_open(path, framework="pt") as f:
+                v = f.get_tensor(idx)
+            if v.numel() and (int(v.min()) < 0 or int(v.max()) >= hi):
+                bad = int(v.min()) if int(v.min()) < 0 else int(v.max())
+                raise DataError(f"{path}: {idx} holds {bad}, outside the table rows 0..{hi - 1} "
+                                f"({', '.join(f'{t}: {m} rows' for t, m in limits)})")
+    _check_layout(root, family, per, _dims(model_config, family))
+    return {"family": family, "num_samples": n}
+
+
+def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
+    def need(k):
+        if k not in per:
+            raise DataError(f"{root}: family {family!r} needs a {k!r} field (per sample or a table)")
+        d, shape = per[k]
+        if d not in _FLOATS:
+            raise DataError(f"{root}: {k} has dtype {d}; it must be a float tensor (F32, F16, BF16 or F64)")
+        return shape
+
+    lat = need("latents")
+    want = 4 if family.startswith("wan") else 3
+    layout = "[C, T, H, W]" if family.startswith("wan") else "[C, H, W]"
+    if len(lat) != want:
+        raise DataError(f"{root}: latents are {len(lat) + 1}-D [N, {', '.join(map(str, lat))}]; family {family!r} "
+                        f"needs [N, {layout[1:]}")
+    C = lat[0]
+    if dims.get("channels") and C != dims["channels"]:
+        raise DataError(f"{root}: latents have {C} channels, the teacher's transformer takes {dims['channels']}")
+    hw = lat[-2:]
+    p = (2, 2) if family == "flux" else dims.get("patch", (1, 1))  # Flux packs 2 x 2 latent pixels per token
+    if any(h % q for h, q in zip(hw, p)):
+        raise DataError(f"{root}: latent height x width {hw[0]} x {hw[1]} is not divisible by the patch size {p[0]} x {p[1]}")
+    text = need("prompt_embeds")
+    for k in ("prompt_embeds", "negative_prompt_embeds"):
+        if k in per:
+            shape = need(k)
+            if len(shape) != 2:
+                raise DataError(f"{root}: {k} must be [L, D] per sample, got {list(shape)}")
+            if dims.get("text_dim") and shape[1] != dims["text_dim"]:
+                raise DataError(f"{root}: {k} are {shape[1]} wide, the teacher's transformer takes {dims['text_dim']} "
+                                "(text encoder of another model?)")
+    if family == "wan_i2v":
+        cond = need("condition")
+        if len(cond) != 4 or tuple(cond[1:]) != tuple(lat[1:]):
+            raise DataError(f"{root}: condition {list(cond)} must be [4 + C, T, H, W] with the latents' T, H, W {list(lat[1:])}")
+        if dims.get("in_channels") and C + cond[0] != dims["in_channels"]:
+            raise DataError(f"{root}: latents ({C}) + condition ({cond[0]}) channels = {C + cond[0]}, the teacher's "
+                            f"transformer takes {dims['in_channels']}")
+        if "image_embeds" in per:
+            img = need("image_embeds")
+            if len(img) != 2 or (dims.get("image_dim") and img[1] != dims["image_dim"]):
+                raise DataError(f"{root}: image_embeds {list(img)} must be [tokens, {dims.get('image_dim') or 'D'}]")
+            if text[0] != 512:
+                raise DataError(f"{root}: Wan I2V with image embeddings needs prompt_embeds of exactly 512 tokens, got "
+                                f"{text[0]}: re-run training/prepare_data.py with --max_sequence_length 512")
+    elif family == "wan" and dims.get("in_channels") and C != dims["in_channels"]:
+        raise DataError(f"{root}: latents have {C} channels, the teacher's transformer takes {dims['in_channels']} "
+                        "(an image-to-video teacher needs family 'wan_i2v' data with a condition)")
+    if family == "flux":
+        for k in ("pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
+            if k in per or k == "pooled_prompt_embeds":
+                shape = need(k)
+                if len(shape) != 1 or (dims.get("pooled_dim") and shape[0] != dims["pooled_dim"]):
+                    raise DataError(f"{root}: {k} {list(shape)} must be [{dims.get('pooled_dim') or 'D'}] per sample")
 
 
 class LatentDataset:

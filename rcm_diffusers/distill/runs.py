@@ -21,21 +21,31 @@ from .checkpoints import CheckpointError, checkpoint_step, find_resumable, list_
 
 __all__ = ["RunLock", "choose_start", "resume_changes", "FIXED_ON_RESUME", "BOOKKEEPING", "note_skip",
            "param_checksum", "check_learned", "model_index", "load_config_or_exit", "run_main", "remove_run_files",
-           "env_sessions", "cpu_launch_command", "trained_processes", "free_port"]
+           "env_sessions", "cpu_launch_command", "trained_processes", "free_port", "user_error", "check_inputs",
+           "export_files", "verify_run", "verify_main"]
 
 LOCK = ".rcm-run.lock"
+# what the trainers export at the end (each listed with its size and SHA-256 in final.json, ``export_files``)
+EXPORT_FILES = ("pytorch_lora_weights.safetensors", "lora_comfyui.safetensors", "delta_comfyui.safetensors",
+                "quantized_transformer.safetensors", "transformer_2", "student_transformer", "student_transformer_2",
+                "scheduler", "ema")
 # files and folders the trainers write into output_dir (removed by --overwrite true; anything else is left alone)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "spikes.jsonl", "env.json", "final.json", "samples", "ema",
-             "warm_start.json", "pytorch_lora_weights.safetensors", "lora_comfyui.safetensors",
-             "quantized_transformer.safetensors", "student_transformer", "final.json.tmp", "env.json.tmp")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "spikes.jsonl", "env.json", "final.json", "samples", "warm_start.json",
+             *EXPORT_FILES, "final.json.tmp", "env.json.tmp", "metrics.jsonl.tmp", "warm_start.json.tmp")
 # written by tools around a run before it starts (training/demo_digits.py logs here): not a sign of a run
 NEUTRAL_FILES = (LOCK, "train.log")
-EXPORTS = ("final.json", "pytorch_lora_weights.safetensors", "student_transformer", "quantized_transformer.safetensors")
+EXPORTS = ("final.json", *(n for n in EXPORT_FILES if n != "ema"))
 
 
 def fail(msg: str):
     """Stop the run with ``msg`` on stderr, no traceback, exit status 1."""
     raise SystemExit(f"error: {msg}")
+
+
+def user_error(msg: str):
+    """Stop on bad input (data, teacher folder): ``msg`` on stderr as one line, no traceback, exit status 2."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 # ----------------------------------------------------------------------------- one writer per folder
@@ -334,6 +344,123 @@ def trained_processes(output_dir: str) -> int | None:
         return len(json.load(f).get("student_checksum_per_rank") or [0])
 
 
+PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _teacher_config(pretrained: str, sub: str) -> dict | None:
+    """``<pretrained>/<sub>/config.json`` of a local teacher folder after checking that its weights are safetensors
+    (``None`` for a hub id or a folder without that subfolder: the loader reports those)."""
+    d = os.path.join(os.path.expanduser(pretrained), sub)
+    if not os.path.isdir(d):
+        return None
+    names = os.listdir(d)
+    if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        pickles = sorted(n for n in names if n.endswith(PICKLE_WEIGHTS))
+        if pickles:
+            user_error(f"--pretrained {pretrained}: {sub}/ holds only pickle weights ({', '.join(pickles[:3])}); they are "
+                       "not loaded (a pickle can run code). Save the transformer as safetensors (diffusers' "
+                       "save_pretrained does by default) and point --pretrained at that folder.")
+        user_error(f"--pretrained {pretrained}: {sub}/ holds no weights (no .safetensors file)")
+    try:
+        with open(os.path.join(d, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        user_error(f"--pretrained {pretrained}: cannot read {sub}/config.json ({type(e).__name__}: {e})")
+    return c if isinstance(c, dict) else None
+
+
+def check_inputs(cfg) -> dict:
+    """Everything cheap about a run's inputs, before the run folder is touched or a model loads: the teacher's
+    weights are safetensors, and the whole dataset (``data.check_dataset``) fits the teacher's config. A problem
+    ends the process with one line and exit status 2; returns ``check_dataset``'s summary."""
+    from .data import DataError, check_dataset
+
+    subs = [cfg.transformer_subfolder]
+    if getattr(cfg, "experts", "one") != "one" and os.path.isdir(os.path.join(os.path.expanduser(cfg.pretrained), "transformer_2")):
+        subs = list(dict.fromkeys(["transformer", "transformer_2", *subs]))
+    configs = [_teacher_config(cfg.pretrained, s) for s in subs]
+    try:
+        return check_dataset(cfg.data_dir, configs[0])
+    except DataError as e:
+        user_error(str(e))
+
+
+# ----------------------------------------------------------------------------- integrity of the exports
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _export_paths(output_dir: str) -> list[str]:
+    """Relative paths of the files under ``EXPORT_FILES`` in ``output_dir`` (sorted)."""
+    out = []
+    for n in EXPORT_FILES:
+        p = os.path.join(output_dir, n)
+        if os.path.isfile(p):
+            out.append(n)
+        elif os.path.isdir(p):
+            for dirpath, _, files in os.walk(p):
+                out += [os.path.relpath(os.path.join(dirpath, f), output_dir) for f in files]
+    return sorted(out)
+
+
+def export_files(output_dir: str) -> dict:
+    """``{relative path: {"bytes", "sha256"}}`` of every exported file of a run (for ``final.json``)."""
+    return {r: {"bytes": os.path.getsize(os.path.join(output_dir, r)), "sha256": _sha256(os.path.join(output_dir, r))}
+            for r in _export_paths(output_dir)}
+
+
+def verify_run(run_dir: str) -> tuple[int, list[str]]:
+    """Check a finished run's exports against the sizes and SHA-256 in its ``final.json``: ``(files checked,
+    problems)``; a missing ``final.json`` or one without the list is one problem."""
+    path = os.path.join(run_dir, "final.json")
+    if not os.path.isfile(path):
+        return 0, [f"{run_dir}: no final.json (not a finished run)"]
+    try:
+        with open(path) as f:
+            listed = json.load(f).get("files")
+    except (OSError, ValueError, RecursionError, AttributeError) as e:
+        return 0, [f"{path}: unreadable ({type(e).__name__}: {e})"]
+    if not isinstance(listed, dict):
+        return 0, [f"{path}: lists no exported files (written by an older version: nothing to verify against)"]
+    problems = []
+    for rel, meta in sorted(listed.items()):
+        p = os.path.join(run_dir, rel)
+        if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.split("/") or not isinstance(meta, dict):
+            problems.append(f"{path}: bad entry {rel!r}")
+        elif not os.path.exists(p):
+            problems.append(f"{rel}: missing")
+        elif not os.path.isfile(p):
+            problems.append(f"{rel}: not a regular file")
+        elif os.path.getsize(p) != meta.get("bytes"):
+            problems.append(f"{rel}: {os.path.getsize(p)} bytes, final.json says {meta.get('bytes')}")
+        elif _sha256(p) != meta.get("sha256"):
+            problems.append(f"{rel}: SHA-256 differs from final.json (the file was changed or damaged)")
+    problems += [f"{rel}: not listed in final.json (not written by this run)" for rel in _export_paths(run_dir) if rel not in listed]
+    return len(listed), problems
+
+
+def verify_main(args: list[str]) -> int:
+    """``--verify RUN_DIR``: print what ``verify_run`` found; exit status 0 all intact, 1 damaged, 2 bad usage."""
+    if len(args) != 1 or not os.path.isdir(args[0]):
+        print(f"error: --verify needs one run folder{f', {args[0]} is not a folder' if len(args) == 1 else ''}", file=sys.stderr)
+        return 2
+    n, problems = verify_run(args[0])
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"ok: {n} exported files match final.json")
+    return 0
+
+
 def load_config_or_exit(argv=None, **kw):
     """``config.load_config``, with a bad option or config file reported once, plainly (no traceback)."""
     import yaml
@@ -347,8 +474,9 @@ def load_config_or_exit(argv=None, **kw):
 
 
 def run_main(main) -> None:
-    """Run a trainer's ``main``: a full disk and an unusable checkpoint end with one plain message."""
-    from .checkpoints import disk_full_message, is_disk_full
+    """Run a trainer's ``main``: a full disk, a run folder that became read-only and an unusable checkpoint end
+    with one plain message."""
+    from .checkpoints import disk_full_message, is_disk_full, is_unwritable, unwritable_message
 
     try:
         main()
@@ -358,5 +486,8 @@ def run_main(main) -> None:
     except Exception as e:
         if is_disk_full(e):
             print(f"error: {disk_full_message(getattr(e, 'filename', None) or 'the run folder', e)}", file=sys.stderr)
+            raise SystemExit(1) from None
+        if is_unwritable(e):
+            print(f"error: {unwritable_message(getattr(e, 'filename', None) or 'the run folder', e)}", file=sys.stderr)
             raise SystemExit(1) from None
         raise

@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
     c.add_argument("--config", help="config.json to copy into a diffusers model folder")
     _network(c)
+    _overwrite(c)
 
     e = sub.add_parser("extract", help="LoRA from a fine-tuned checkpoint and its base (truncated SVD)")
     e.add_argument("--finetuned", required=True, help="fine-tuned model: file (.safetensors/.pt/.pth) or diffusers folder")
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--report", help="write the per-layer report (JSON) here")
     e.add_argument("--ema", action="store_true", help="same as --network ema (the default)")
     _network(e)
+    _overwrite(e)
 
     m = sub.add_parser("merge", help="base + weight * LoRA -> diffusers folder or ComfyUI file")
     m.add_argument("--base", required=True, help="model checkpoint file or diffusers model folder")
@@ -58,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--config", help="config.json to copy into a diffusers folder")
     m.add_argument("--skip-missing", action="store_true", help="skip (and list) LoRA layers absent from the base")
     _network(m)
+    _overwrite(m)
 
     t = sub.add_parser("transfer", help="base + weight * (finetuned - finetuned_base), e.g. T2V rCM -> I2V")
     t.add_argument("--base", required=True, help="model to add the delta to (file or diffusers folder)")
@@ -69,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="comfyui: one .safetensors in original names; diffusers: a model folder; "
                         "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
     t.add_argument("--config", help="config.json to copy into a diffusers folder")
+    _overwrite(t)
 
     i = sub.add_parser("inspect", help="print a LoRA or checkpoint's layout, architecture, dtypes and metadata")
     i.add_argument("input", help=".safetensors, .pt/.pth file or diffusers model folder")
@@ -82,10 +86,29 @@ def _network(p) -> None:
                         "default ema")
 
 
+def _overwrite(p) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (never one of the inputs: that is always refused)")
+
+
+def _check_output(out, inputs, overwrite: bool) -> None:
+    """Refuse to write ``out`` over an input (always: the same file, a folder holding an input, or an existing file
+    inside an input folder) or over an existing file or non-empty folder (unless ``overwrite``), before any work."""
+    po = Path(out).resolve()
+    for i in inputs:
+        if i is None:
+            continue
+        pi = Path(i).resolve()
+        if po == pi or po in pi.parents or (pi.is_dir() and pi in po.parents and po.exists()):
+            raise ValueError(f"{out} would write over the input {i}; choose another output (inputs are never overwritten)")
+    if po.exists() and not (po.is_dir() and not any(po.iterdir())) and not overwrite:
+        raise ValueError(f"{out} already exists; pass --overwrite to replace it, or choose another output")
+
+
 def _cmd_convert(a) -> int:
     from .checkpoint import CheckpointReader
     from .describe import _is_lora
-    from .io import load_lora, save_lora
+    from .io import check_lora, load_lora, save_lora
     from .pipeline import WEIGHT_NAME, expert_lora_files
 
     if Path(a.input).is_dir() and (Path(a.input) / WEIGHT_NAME).is_file():  # a training/rcm.py output folder (or its ema/)
@@ -97,11 +120,14 @@ def _cmd_convert(a) -> int:
                 raise ValueError(f"{a.input} holds a LoRA per expert: give OUTPUT as NAME.safetensors; "
                                  "NAME_high_noise.safetensors and NAME_low_noise.safetensors are written")
             stem = a.output[: -len(".safetensors")]
+            for tag in ("high_noise", "low_noise"):
+                _check_output(f"{stem}_{tag}.safetensors", [a.input], a.overwrite)
             for component, tag in (("transformer", "high_noise"), ("transformer_2", "low_noise")):
                 a.input, a.output = files[component], f"{stem}_{tag}.safetensors"
                 _cmd_convert(a)
             return 0
 
+    _check_output(a.output, [a.input], a.overwrite)
     reader = CheckpointReader(a.input, a.network)
     if a.format == "rcm" and _is_lora(reader.raw_keys()):
         raise ValueError("--format rcm writes model checkpoints; a LoRA converts to diffusers or comfyui")
@@ -114,6 +140,7 @@ def _cmd_convert(a) -> int:
         return 0
 
     sd, meta = load_lora(a.input, arch=a.arch)
+    check_lora(sd, f"{a.input} (nothing was written)")
     info = save_lora(a.output, sd, a.arch, format=a.format, metadata={k: v for k, v in meta.items()
                                                                         if k in ("base_model", "made_by")})
     print(f"wrote {a.output}: {info['n_lora_modules']} LoRA modules, {info['n_full_deltas']} full deltas "
@@ -125,6 +152,9 @@ def _cmd_extract(a) -> int:
     from .extract import extract_lora, report_table
     from .io import save_lora
 
+    _check_output(a.output, [a.finetuned, a.base], a.overwrite)
+    if a.report:
+        _check_output(a.report, [a.finetuned, a.base], a.overwrite)
     _report_reader(a.finetuned, a.network or ("ema" if a.ema else None))
     t0 = time.perf_counter()
     sd, report = extract_lora(a.finetuned, a.base, rank=a.rank, energy=a.energy, max_rank=a.max_rank,
@@ -170,6 +200,7 @@ def _cmd_merge(a) -> int:
     from .io import load_lora
     from .merge import merge_lora_to
 
+    _check_output(a.output, [a.base, a.lora], a.overwrite)
     _report_reader(a.base, a.network)
     lora, _ = load_lora(a.lora)
     out, skipped = merge_lora_to(a.output, a.base, lora, a.weight, a.layout,
@@ -182,6 +213,7 @@ def _cmd_merge(a) -> int:
 def _cmd_transfer(a) -> int:
     from .merge import merge_delta_to
 
+    _check_output(a.output, [a.base, a.finetuned, a.finetuned_base], a.overwrite)
     for p in (a.base, a.finetuned, a.finetuned_base):
         _report_reader(p, None)
     out, untouched = merge_delta_to(a.output, a.base, a.finetuned, a.finetuned_base, a.weight, a.layout,
@@ -193,7 +225,10 @@ def _cmd_transfer(a) -> int:
 def _cmd_inspect(a) -> int:
     from .describe import inspect_file
 
-    print(json.dumps(inspect_file(a.input, prefer=a.network), indent=1, default=str))
+    info = inspect_file(a.input, prefer=a.network)
+    print(json.dumps(info, indent=1, default=str))
+    for p in info.get("problems", []):
+        print(f"rcm-lora inspect: warning: {a.input}: {p}", file=sys.stderr)
     return 0
 
 

@@ -37,7 +37,7 @@ def inspect_file(path, prefer: str | None = None) -> dict:
 
     A LoRA is fully validated (every key must be explained: ValueError lists those that are not).
     """
-    from .io import load_lora, read_metadata
+    from .io import load_lora, lora_problems, read_metadata
 
     path = Path(path)
     reader = CheckpointReader(path, prefer)
@@ -56,6 +56,7 @@ def inspect_file(path, prefer: str | None = None) -> dict:
         out["n_lora_modules"] = sum("lora_A.weight" in g for g in groups.values())
         out["n_full_deltas"] = sum(k in ("diff", "diff_b") for g in groups.values() for k in g)
         out["ranks"] = dict(Counter(g["lora_A.weight"].shape[0] for g in groups.values() if "lora_A.weight" in g))
+        out["problems"] = lora_problems(sd)  # what convert and merge refuse (rcm-lora inspect warns)
         return out
     out["kind"] = "model checkpoint"
     names = dict.fromkeys(reader.keys())

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from .keys import detect_arch, from_any, lora_modules, to_comfy_keys
 
-__all__ = ["FORMATS", "save_lora", "load_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
+__all__ = ["FORMATS", "save_lora", "load_lora", "lora_problems", "check_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
            "stream_safetensors", "not_applied_by_comfyui"]
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,41 @@ def save_lora(path, state_dict, arch: str | None = None, format: str = "diffuser
     header[METADATA_KEY] = json.dumps(summary, sort_keys=True, default=str)
     atomic_save_safetensors(tensors, path, header)
     return summary
+
+
+def lora_problems(state_dict) -> list[str]:
+    """What makes a LoRA unusable, whatever the target model (any naming): tensors holding NaN or inf, ``lora_A``
+    without ``lora_B`` (or the reverse), rank 0, matrices that are not 2-D (convolutions: trailing 1s), ranks of
+    ``lora_A`` and ``lora_B`` that differ, an ``alpha`` that is not one finite number. Empty when usable."""
+    bad = sorted(k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    problems = [f"{len(bad)} LoRA tensor(s) hold NaN or inf: {bad[:10]}"] if bad else []
+    for target, g in lora_modules(state_dict).items():
+        A, B = g.get("lora_A.weight"), g.get("lora_B.weight")
+        if A is None and B is None:
+            continue
+        if A is None or B is None:
+            problems.append(f"{target}: lora_A without lora_B (or the reverse); the LoRA file is incomplete")
+            continue
+        if A.dim() < 2 or B.dim() < 2 or any(d != 1 for d in B.shape[2:]):
+            problems.append(f"{target}: wrong shapes, lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} must be "
+                            "matrices [rank, in] and [out, rank]")
+        elif A.shape[0] == 0 or B.shape[1] == 0:
+            problems.append(f"{target}: rank 0 (lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}): the LoRA is empty")
+        elif A.shape[0] != B.shape[1]:
+            problems.append(f"{target}: rank mismatch, lora_A {tuple(A.shape)} has rank {A.shape[0]} but "
+                            f"lora_B {tuple(B.shape)} has {B.shape[1]}")
+        if "alpha" in g and (g["alpha"].numel() != 1 or not math.isfinite(float(g["alpha"].reshape(-1)[0]))):
+            problems.append(f"{target}: alpha {tuple(g['alpha'].shape)} is not one finite number")
+    return problems
+
+
+def check_lora(state_dict, what: str = "the LoRA") -> None:
+    """Raise ValueError naming every problem ``lora_problems`` finds (the same check for convert, merge, extract's
+    output and the trainers' exports)."""
+    problems = lora_problems(state_dict)
+    if problems:
+        more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError(f"{what} is broken: " + "; ".join(problems[:10]) + more)
 
 
 def read_metadata(path) -> dict[str, str]:

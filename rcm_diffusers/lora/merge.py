@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointReader, in_layout_of
-from .io import atomic_target, stream_safetensors
+from .io import atomic_target, check_lora, stream_safetensors
 from .keys import _FUSED_FROM, _split, detect_arch, detect_format, lora_modules, to_diffusers, to_original
 from .rcm_official import is_patch_embedding
 
@@ -66,21 +66,14 @@ class LoraDelta:
         arch = arch or detect_arch(dict.fromkeys(shapes))
         if detect_arch(lora) != arch:
             raise ValueError(f"the LoRA is for {detect_arch(lora)!r} but the model is {arch!r}")
-        bad = sorted(k for k, v in lora.items() if v.is_floating_point() and not torch.isfinite(v).all())
-        if bad:
-            raise ValueError(f"{len(bad)} LoRA tensor(s) hold NaN or inf: {bad[:10]}; the file is broken, "
-                             "nothing was merged")
+        renamed = _to_layout(lora, shapes, arch)
+        check_lora(renamed, "the LoRA file (nothing was merged)")
         self.by_key: dict[str, list] = {}
         problems = []
-        for target, g in lora_modules(_to_layout(lora, shapes, arch)).items():
+        for target, g in lora_modules(renamed).items():
             if "lora_A.weight" in g or "lora_B.weight" in g:
                 A, B = g.get("lora_A.weight"), g.get("lora_B.weight")
                 key = f"{target}.weight"
-                if A is None or B is None:
-                    raise ValueError(f"{target}: lora_A without lora_B (or the reverse); the LoRA file is incomplete")
-                if A.shape[0] != B.shape[1]:
-                    raise ValueError(f"{target}: rank mismatch, lora_A {tuple(A.shape)} has rank {A.shape[0]} but "
-                                     f"lora_B {tuple(B.shape)} has {B.shape[1]}; the LoRA file is broken")
                 if key not in shapes:
                     problems.append(f"{target}: not in the base model")
                 elif (B.shape[0], math.prod(A.shape[1:])) != (shapes[key][0], math.prod(shapes[key][1:])):
