@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from rcm_diffusers import comfy
 from rcm_diffusers.lora import cli, io, keys, merge
-from test_lora_keys import tiny_flux, tiny_wan
+from test_lora_keys import assert_same_effect, tiny_flux, tiny_wan
 
 
 def original_wan():
@@ -119,15 +119,14 @@ def test_wan_layout_converts_and_merges_exactly(tmp_path, name):
     dmerged = keys.to_original(merge.merge_lora(dbase, sd)[0], "wan", prefix="")
     for k in base:
         torch.testing.assert_close(dmerged[k].double(), want[k], rtol=1e-6, atol=1e-6)
-    # convert -> ComfyUI file -> RCMLoraLoader's reader: same tensors, ComfyUI names, modulation as .diff
+    # convert -> ComfyUI file -> RCMLoraLoader's reader: the same deltas (bitwise; alpha outside the blocks folded
+    # into lora_down, exactly for these power-of-two alpha/r), ComfyUI names, modulation as .diff
     save_file(sd, tmp_path / "in.safetensors")
     assert cli.main(["convert", str(tmp_path / "in.safetensors"), str(tmp_path / "c.safetensors"),
                      "--format", "comfyui"]) == 0
     c = comfy.load_lora_file(str(tmp_path / "c.safetensors"), "wan")
     direct = comfy.load_lora_file(str(tmp_path / "in.safetensors"), "wan")  # the original file, loaded as it is
-    assert sorted(c) == sorted(direct)
-    for k in c:
-        assert torch.equal(c[k], direct[k]), k
+    assert_same_effect(c, direct)
     applied = comfy_style_apply(base, c)
     for k in base:
         torch.testing.assert_close(applied[k], want[k], rtol=1e-6, atol=1e-6)

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .keys import detect_arch, from_any, lora_modules, to_comfy_keys
+from .keys import comfyui_file_forms, detect_arch, from_any, lora_modules, to_comfy_keys
 
 __all__ = ["FORMATS", "save_lora", "load_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
            "stream_safetensors", "not_applied_by_comfyui"]
@@ -197,7 +197,7 @@ def save_lora(path, state_dict, arch: str | None = None, format: str = "diffuser
     arch = arch or detect_arch(state_dict)
     header = {"format": "pt"}
     if format == "comfyui":
-        tensors = to_comfy_keys(state_dict, arch)
+        tensors = comfyui_file_forms(to_comfy_keys(state_dict, arch), arch)  # loadable by diffusers too
         not_applied = not_applied_by_comfyui(tensors, arch)
         note = "kept; stock ComfyUI does not apply them (RCMLoraLoader does)"
     else:
