@@ -366,3 +366,34 @@ def test_load_full_lora_applies_every_delta_live_with_strength_and_exact_unload(
         assert torch.equal(after[k], dbase[k]), k
     with torch.no_grad():
         assert torch.equal(pipe.transformer(**_wan_inputs())[0], y0)
+
+
+def test_load_full_lora_into_the_second_expert():
+    """Wan 2.2: a LightX2V-layout LoRA (as a dict) into ``transformer_2`` only, at strength 0.7: equals merge_lora there,
+    the high-noise expert keeps its weights; unload restores the second expert bit for bit."""
+    from diffusers import WanImageToVideoPipeline
+    from rcm_diffusers import load_full_lora
+    from tiny import tiny_wan_transformer
+
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, image_encoder=None,
+                                   image_processor=None, boundary_ratio=0.9,
+                                   transformer=tiny_wan_transformer(seed=1, in_channels=12),
+                                   transformer_2=tiny_wan_transformer(seed=2, in_channels=12))
+    d1, d2 = ({k: v.clone() for k, v in t.state_dict().items()} for t in (pipe.transformer, pipe.transformer_2))
+    base2 = keys.to_original(d2, "wan", prefix="")
+    sd = layout("lightx2v", base2, factors(base2, seed=11), _diffs(base2))
+    g = torch.Generator().manual_seed(1)
+    x = dict(hidden_states=torch.randn(1, 12, 1, 4, 4, generator=g), timestep=torch.tensor([300]),
+             encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
+    merged = tiny_wan_transformer(seed=2, in_channels=12)
+    merged.load_state_dict(merge.merge_lora(d2, sd, weight=0.7)[0])
+    handle = load_full_lora(pipe, sd, adapter_name="low", weight=0.7, component="transformer_2")
+    assert not any("lora" in k for k in pipe.transformer.state_dict())
+    for k, v in pipe.transformer.state_dict().items():
+        assert torch.equal(v, d1[k]), k
+    with torch.no_grad():
+        y, want = pipe.transformer_2(**x)[0], merged(**x)[0]
+    assert _rel(y, want) <= 1e-6
+    handle.unload()
+    after = pipe.transformer_2.state_dict()
+    assert sorted(after) == sorted(d2) and all(torch.equal(after[k], d2[k]) for k in d2)
