@@ -184,7 +184,7 @@ def test_diffusers_load_lora_weights_applies_converted_layouts(tmp_path, name):
     sd = layout(name, base, fac, _diffs(base))
     assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, name, sd)]) == 0
     pipe = WanPipeline(transformer=tiny_wan(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
-    pipe.load_lora_weights(str(tmp_path / f"{name}.out.safetensors"))
+    pipe.load_lora_weights(str(tmp_path), weight_name=f"{name}.out.safetensors")
     pipe.fuse_lora()
     got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
                             if "lora_" not in k}, "wan", prefix="")
@@ -285,7 +285,7 @@ def test_flux_kohya_converted_loads_in_diffusers(tmp_path):
     assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, "fk", sd)]) == 0
     pipe = FluxPipeline(transformer=tiny_flux(), scheduler=None, vae=None, text_encoder=None, tokenizer=None,
                         text_encoder_2=None, tokenizer_2=None)
-    pipe.load_lora_weights(str(tmp_path / "fk.out.safetensors"))
+    pipe.load_lora_weights(str(tmp_path), weight_name="fk.out.safetensors")
     pipe.fuse_lora()
     got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
                             if "lora_" not in k}, "flux", prefix="")

@@ -32,7 +32,7 @@ def test_lora_via_comfyui_and_back_reproduces_pipeline_output(tmp_path):
     # unequal ranks and alphas, scaled so that the LoRA visibly changes the output
     lora = {k: (v * 0.3 if "lora" in k else v) for k, v in random_lora(pipe.transformer, rank=2, vary=True).items()}
     io.save_lora(tmp_path / "ref.safetensors", lora, "wan", format="diffusers")
-    pipe.load_lora_weights(str(tmp_path / "ref.safetensors"), adapter_name="ref")
+    pipe.load_lora_weights(str(tmp_path), weight_name="ref.safetensors", adapter_name="ref")
     ref = run(pipe)
     assert (ref - base).abs().max() > 1e-2  # the LoRA matters
 
@@ -48,7 +48,7 @@ def test_lora_via_comfyui_and_back_reproduces_pipeline_output(tmp_path):
     assert_same(blocks(sd), blocks(lora))
     assert_same_effect(sd, lora, rtol=2**-22)
     io.save_lora(tmp_path / "back.safetensors", sd, format="diffusers")
-    pipe.load_lora_weights(str(tmp_path / "back.safetensors"), adapter_name="back")
+    pipe.load_lora_weights(str(tmp_path), weight_name="back.safetensors", adapter_name="back")
     # exact: every LoRA'd layer gets the same delta weight (B A * alpha/r, bias) from both files
     from peft.tuners.lora import LoraLayer
 

@@ -130,7 +130,7 @@ def test_extract_merge_transfer_official_vs_sharded_diffusers_folder(tmp_path, c
 
     pipe = WanPipeline(transformer=WanTransformer3DModel.from_pretrained(tmp_path / "base" / "transformer"),
                        vae=None, scheduler=None, text_encoder=None, tokenizer=None)
-    pipe.load_lora_weights(str(tmp_path / "x.safetensors"))
+    pipe.load_lora_weights(str(tmp_path), weight_name="x.safetensors")
     pipe.fuse_lora()
     got = pipe.transformer.state_dict()
     for k in ("patch_embedding.weight", "blocks.1.attn2.to_v.weight", "proj_out.weight"):
