@@ -91,9 +91,9 @@ def _lora_pairs_for_peft(groups: dict) -> tuple[dict, list[tuple[str, str, torch
     return tensors, full
 
 
-def _parameter(model, target: str, kind: str) -> tuple[str, torch.nn.Parameter]:
-    """The live parameter a full delta applies to, also when peft has wrapped the module (``base_layer``)."""
-    params = dict(model.named_parameters())
+def _parameter(params: dict, target: str, kind: str) -> tuple[str, torch.nn.Parameter]:
+    """The live parameter (of ``params``, a model's ``named_parameters``) a full delta applies to, also when peft
+    has wrapped the module (``base_layer``)."""
     if kind == "diff_b":
         names = (f"{target}.bias", f"{target}.base_layer.bias")
     else:
@@ -181,17 +181,18 @@ def load_full_lora(pipe, lora, adapter_name: str = "full_lora", weight: float = 
     if model is None:
         raise ValueError(f"{type(pipe).__name__} has no {component}")
     tensors, full = _lora_pairs_for_peft(lora_modules(sd))
-    deltas = []
-    for target, kind, d in full:  # checked before anything is loaded
-        name, p = _parameter(model, target, kind)
+    params = dict(model.named_parameters())
+    originals = []
+    for target, kind, d in full:  # every full delta checked before anything is loaded
+        name, p = _parameter(params, target, kind)
         if _fit(d, tuple(p.shape), name) is None:
             raise ValueError(f"{target}.{kind}: delta {tuple(d.shape)} vs parameter {name} {tuple(p.shape)}")
-        deltas.append((name, p, p.detach().clone(), d))
+        originals.append(p.detach().clone())
     if tensors:
         pipe.load_lora_weights(tensors, adapter_name=adapter_name,
                                **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
     else:
         adapter_name = None
-    # peft wrapped modules: a full delta on a LoRA'd module now lives at <module>.base_layer.*
-    deltas = [(n2, p2, p0, d) for (n, _, p0, d), (t, k, _) in zip(deltas, full) for n2, p2 in [_parameter(model, t, k)]]
+    params = dict(model.named_parameters())  # peft wrapped the LoRA'd modules: their weights are now base_layer.*
+    deltas = [(*_parameter(params, target, kind), p0, d) for (target, kind, d), p0 in zip(full, originals)]
     return FullLora(pipe, component, adapter_name, deltas, weight)
