@@ -27,6 +27,7 @@ _LAZY = {
     "to_comfy_keys": "rcm_diffusers.lora",
     "from_any": "rcm_diffusers.lora",
     "extract_lora": "rcm_diffusers.lora.extract",
+    "load_full_lora": "rcm_diffusers.lora.pipeline",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

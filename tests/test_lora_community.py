@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from rcm_diffusers import comfy
 from rcm_diffusers.lora import cli, io, keys, merge
-from test_lora_keys import tiny_flux, tiny_wan
+from test_lora_keys import assert_same_effect, tiny_flux, tiny_wan
 
 
 def original_wan():
@@ -119,15 +119,14 @@ def test_wan_layout_converts_and_merges_exactly(tmp_path, name):
     dmerged = keys.to_original(merge.merge_lora(dbase, sd)[0], "wan", prefix="")
     for k in base:
         torch.testing.assert_close(dmerged[k].double(), want[k], rtol=1e-6, atol=1e-6)
-    # convert -> ComfyUI file -> RCMLoraLoader's reader: same tensors, ComfyUI names, modulation as .diff
+    # convert -> ComfyUI file -> RCMLoraLoader's reader: the same deltas (bitwise; alpha outside the blocks folded
+    # into lora_down, exactly for these power-of-two alpha/r), ComfyUI names, modulation as .diff
     save_file(sd, tmp_path / "in.safetensors")
     assert cli.main(["convert", str(tmp_path / "in.safetensors"), str(tmp_path / "c.safetensors"),
                      "--format", "comfyui"]) == 0
     c = comfy.load_lora_file(str(tmp_path / "c.safetensors"), "wan")
     direct = comfy.load_lora_file(str(tmp_path / "in.safetensors"), "wan")  # the original file, loaded as it is
-    assert sorted(c) == sorted(direct)
-    for k in c:
-        assert torch.equal(c[k], direct[k]), k
+    assert_same_effect(c, direct)
     applied = comfy_style_apply(base, c)
     for k in base:
         torch.testing.assert_close(applied[k], want[k], rtol=1e-6, atol=1e-6)
@@ -185,7 +184,7 @@ def test_diffusers_load_lora_weights_applies_converted_layouts(tmp_path, name):
     sd = layout(name, base, fac, _diffs(base))
     assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, name, sd)]) == 0
     pipe = WanPipeline(transformer=tiny_wan(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
-    pipe.load_lora_weights(str(tmp_path / f"{name}.out.safetensors"))
+    pipe.load_lora_weights(str(tmp_path), weight_name=f"{name}.out.safetensors")
     pipe.fuse_lora()
     got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
                             if "lora_" not in k}, "wan", prefix="")
@@ -286,10 +285,115 @@ def test_flux_kohya_converted_loads_in_diffusers(tmp_path):
     assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, "fk", sd)]) == 0
     pipe = FluxPipeline(transformer=tiny_flux(), scheduler=None, vae=None, text_encoder=None, tokenizer=None,
                         text_encoder_2=None, tokenizer_2=None)
-    pipe.load_lora_weights(str(tmp_path / "fk.out.safetensors"))
+    pipe.load_lora_weights(str(tmp_path), weight_name="fk.out.safetensors")
     pipe.fuse_lora()
     got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
                             if "lora_" not in k}, "flux", prefix="")
     want = expected(fbase, fac, 2.0)
     for m in fac:
         torch.testing.assert_close(got[f"{m}.weight"].double(), want[f"{m}.weight"], rtol=1e-5, atol=1e-6)
+
+
+def _wan_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name", ["lightx2v", "kijai"])
+def test_load_full_lora_applies_every_delta_live_with_strength_and_exact_unload(tmp_path, name):
+    """LightX2V / Kijai files on a live WanPipeline: stock load_lora_weights drops the norm, bias and modulation
+    deltas; load_full_lora applies them all and equals merge_lora at each strength; unload is bit-exact."""
+    from diffusers import WanPipeline
+    from rcm_diffusers import load_full_lora
+
+    dbase = {k: v.clone() for k, v in tiny_wan().state_dict().items()}
+    base = keys.to_original(dbase, "wan", prefix="")
+    fac = factors(base, seed=7)
+    diffs = _diffs(base)
+    g = torch.Generator().manual_seed(9)
+    diffs["patch_embedding.weight"] = torch.randn(base["patch_embedding.weight"].shape, generator=g) * 0.1
+    diffs["blocks.0.norm3.bias"] = torch.randn(24, generator=g) * 0.1  # bias delta of a module without a LoRA
+    sd = layout(name, base, fac, diffs)
+    save_file(sd, tmp_path / "l.safetensors")
+
+    def merged_model(w):
+        m = tiny_wan()
+        m.load_state_dict(merge.merge_lora(dbase, sd, weight=w)[0])
+        return m.eval()
+
+    pipe = WanPipeline(transformer=tiny_wan().eval(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
+    with torch.no_grad():
+        y0 = pipe.transformer(**_wan_inputs())[0]
+        want = {w: merged_model(w)(**_wan_inputs())[0] for w in (1.0, 0.4)}
+    effect = _rel(y0, want[1.0])  # the LoRA's whole effect on the output, |y_base - y_merged| / |y_merged|
+
+    # stock diffusers on the file converted to its layout (all it can take): the full deltas are lost
+    io.save_lora(tmp_path / "d.safetensors", sd, format="diffusers")
+    stock = WanPipeline(transformer=tiny_wan().eval(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
+    stock.load_lora_weights(str(tmp_path), weight_name="d.safetensors")
+    with torch.no_grad():
+        stock_err = _rel(stock.transformer(**_wan_inputs())[0], want[1.0])
+    assert stock_err > 0.05 * effect
+
+    handle = load_full_lora(pipe, str(tmp_path / "l.safetensors"), adapter_name="distill")
+    assert sorted(handle.full_deltas) == sorted([  # diffusers names of the modulation, norm and patch-embedding deltas
+        "blocks.0.scale_shift_table", "blocks.1.scale_shift_table", "scale_shift_table", "blocks.0.norm2.bias",
+        "blocks.1.norm2.weight", "patch_embedding.weight"])
+    errs = {}
+    for w in (1.0, 0.4, 1.0):
+        handle.set_weight(w)
+        with torch.no_grad():
+            errs[w] = _rel(pipe.transformer(**_wan_inputs())[0], want[w])
+        # the full deltas are merge's own arithmetic (float32 W + w * diff): bit-identical parameters
+        ref = merge.merge_lora(dbase, sd, weight=w)[0]
+        params = {k.replace(".base_layer", ""): v for k, v in pipe.transformer.named_parameters()}
+        for p in handle.full_deltas:
+            assert torch.equal(params[p.replace(".base_layer", "")], ref[p.replace(".base_layer", "")]), p
+    print(f"\n{name}: LoRA effect {effect:.3f}, stock load_lora_weights misses {stock_err:.3f}, "
+          f"load_full_lora vs merge {max(errs.values()):.2e}")
+    # float32 round-off only: the unfused peft path (x W^T + (x A^T) B^T) vs the merged weight, a few ulp per layer
+    assert max(errs.values()) <= 1e-6
+    handle.unload()
+    assert not any(pipe.get_list_adapters().values())
+    after = pipe.transformer.state_dict()
+    assert sorted(after) == sorted(dbase)
+    for k in dbase:
+        assert torch.equal(after[k], dbase[k]), k
+    with torch.no_grad():
+        assert torch.equal(pipe.transformer(**_wan_inputs())[0], y0)
+
+
+def test_load_full_lora_into_the_second_expert():
+    """Wan 2.2: a LightX2V-layout LoRA (as a dict) into ``transformer_2`` only, at strength 0.7: equals merge_lora there,
+    the high-noise expert keeps its weights; unload restores the second expert bit for bit."""
+    from diffusers import WanImageToVideoPipeline
+    from rcm_diffusers import load_full_lora
+    from tiny import tiny_wan_transformer
+
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, image_encoder=None,
+                                   image_processor=None, boundary_ratio=0.9,
+                                   transformer=tiny_wan_transformer(seed=1, in_channels=12),
+                                   transformer_2=tiny_wan_transformer(seed=2, in_channels=12))
+    d1, d2 = ({k: v.clone() for k, v in t.state_dict().items()} for t in (pipe.transformer, pipe.transformer_2))
+    base2 = keys.to_original(d2, "wan", prefix="")
+    sd = layout("lightx2v", base2, factors(base2, seed=11), _diffs(base2))
+    g = torch.Generator().manual_seed(1)
+    x = dict(hidden_states=torch.randn(1, 12, 1, 4, 4, generator=g), timestep=torch.tensor([300]),
+             encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
+    merged = tiny_wan_transformer(seed=2, in_channels=12)
+    merged.load_state_dict(merge.merge_lora(d2, sd, weight=0.7)[0])
+    handle = load_full_lora(pipe, sd, adapter_name="low", weight=0.7, component="transformer_2")
+    assert not any("lora" in k for k in pipe.transformer.state_dict())
+    for k, v in pipe.transformer.state_dict().items():
+        assert torch.equal(v, d1[k]), k
+    with torch.no_grad():
+        y, want = pipe.transformer_2(**x)[0], merged(**x)[0]
+    assert _rel(y, want) <= 1e-6
+    handle.unload()
+    after = pipe.transformer_2.state_dict()
+    assert sorted(after) == sorted(d2) and all(torch.equal(after[k], d2[k]) for k in d2)

@@ -55,6 +55,23 @@ def assert_same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+def assert_same_effect(a, b, rtol=0.0):
+    """Same LoRA deltas (float64 alpha/r B @ A; bitwise unless ``rtol``) and the same full deltas, in one naming.
+    A ComfyUI file folds alpha/r into lora_down outside the Wan blocks (``keys.comfyui_file_forms``): the keys
+    differ there, the deltas do not (a power-of-two alpha/r folds exactly)."""
+    da, db = lora_deltas(a), lora_deltas(b)
+    assert sorted(da) == sorted(db)
+    for t in da:
+        if rtol:
+            torch.testing.assert_close(da[t], db[t], rtol=rtol, atol=rtol * db[t].abs().max().item(), msg=t)
+        else:
+            assert torch.equal(da[t], db[t]), t
+    ga, gb = keys.lora_modules(a), keys.lora_modules(b)
+    for t in ga:
+        for k in ("diff", "diff_b"):
+            assert (k in ga[t]) == (k in gb[t]) and (k not in ga[t] or torch.equal(ga[t][k], gb[t][k])), (t, k)
+
+
 @pytest.mark.parametrize("i2v", [False, True])
 def test_wan_full_weights_round_trip_and_match_diffusers(i2v):
     sd = {k: v.clone() for k, v in tiny_wan(i2v).state_dict().items()}

@@ -130,7 +130,7 @@ def test_extract_merge_transfer_official_vs_sharded_diffusers_folder(tmp_path, c
 
     pipe = WanPipeline(transformer=WanTransformer3DModel.from_pretrained(tmp_path / "base" / "transformer"),
                        vae=None, scheduler=None, text_encoder=None, tokenizer=None)
-    pipe.load_lora_weights(str(tmp_path / "x.safetensors"))
+    pipe.load_lora_weights(str(tmp_path), weight_name="x.safetensors")
     pipe.fuse_lora()
     got = pipe.transformer.state_dict()
     for k in ("patch_embedding.weight", "blocks.1.attn2.to_v.weight", "proj_out.weight"):
@@ -283,3 +283,51 @@ def test_official_layout_written_back_exactly(tmp_path):
     io.save_lora(lora, {"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, DIM),
                         "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(DIM, 2)}, "wan")
     assert cli.main(["convert", str(lora), str(tmp_path / "x.pt"), "--format", "rcm"]) == 2
+
+
+def test_extracted_comfyui_file_loads_in_stock_diffusers(tmp_path):
+    """The default (ComfyUI-layout) LoRA extracted from an official .pt loads with stock ``load_lora_weights``, like
+    other ComfyUI-layout Wan LoRAs: the patch embedding's delta is a full ``diff`` in the Conv3d form (what ComfyUI
+    applies to its Conv3d weight; diffusers' Wan converter drops ``.diff`` keys and refuses a patch-embedding LoRA
+    pair). Everything else equals the diffusers-format file's load; ``load_full_lora`` applies every delta of the
+    file (merge's result)."""
+    from diffusers import WanPipeline
+    from rcm_diffusers import load_full_lora
+
+    base = {k: v.clone() for k, v in tiny_wan().state_dict().items()}
+    torch.save({f"net.{k}": v for k, v in official_from(low_rank_ft(base)).items()}, tmp_path / "ft.pt")
+    torch.save(base, tmp_path / "base.pt")
+    for fmt in ("comfyui", "diffusers"):
+        assert cli.main(["extract", "--finetuned", str(tmp_path / "ft.pt"), "--base", str(tmp_path / "base.pt"),
+                         "--output", str(tmp_path / f"x_{fmt}.safetensors"), "--rank", "2", "--format", fmt]) == 0
+    xc = load_file(tmp_path / "x_comfyui.safetensors")
+    assert xc["diffusion_model.patch_embedding.diff"].shape == (DIM, C, 1, 2, 2)
+    assert not any(k.startswith("diffusion_model.patch_embedding.lora") for k in xc)
+
+    def pipe_with(fmt):
+        model = tiny_wan()
+        model.load_state_dict(base)
+        pipe = WanPipeline(transformer=model.eval(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
+        pipe.load_lora_weights(str(tmp_path), weight_name=f"x_{fmt}.safetensors")
+        return pipe
+
+    ref = pipe_with("diffusers")
+    stock = pipe_with("comfyui")
+    ref.fuse_lora()
+    stock.fuse_lora()
+    fused = {k.replace(".base_layer", ""): v for k, v in ref.transformer.state_dict().items() if "lora_" not in k}
+    got = {k.replace(".base_layer", ""): v for k, v in stock.transformer.state_dict().items() if "lora_" not in k}
+    assert sorted(got) == sorted(fused)
+    for k in fused:
+        if k.startswith("patch_embedding."):  # stock diffusers drops a ComfyUI file's .diff/.diff_b keys here
+            assert torch.equal(got[k], base[k]) and not torch.equal(fused[k], base[k])
+        else:  # the same factors, scaled by alpha/rank in the factors (stock) or in peft's scaling
+            torch.testing.assert_close(got[k], fused[k], rtol=1e-6, atol=1e-6, msg=k)
+    full = tiny_wan()
+    full.load_state_dict(base)
+    pipe = WanPipeline(transformer=full.eval(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
+    load_full_lora(pipe, str(tmp_path / "x_comfyui.safetensors"))
+    merged = tiny_wan()
+    merged.load_state_dict(merge.merge_lora(base, xc)[0])
+    y, y_merged = forward(pipe.transformer), forward(merged.eval())
+    assert ((y - y_merged).norm() / y_merged.norm()).item() <= 1e-6

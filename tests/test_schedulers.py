@@ -376,7 +376,7 @@ def test_legacy_config_keys_still_load(tmp_path):
     assert s.sigma_max == 200.0 and s.config.stochastic is False and "use_flow_sigmas" not in s.config
     import rcm_diffusers  # the shipped digits teacher's scheduler config is a legacy one
 
-    teacher = TrigFlowEulerScheduler.from_pretrained(rcm_diffusers.__path__[0] + "/assets/digits_teacher/scheduler")
+    teacher = TrigFlowEulerScheduler.from_pretrained(rcm_diffusers.__path__[0] + "/digits/assets/digits_teacher/scheduler")
     assert teacher.sigma_max == 5000.0 and teacher.config.teacher_sigma_min == 0.002
     with pytest.raises(ValueError, match="not both"):
         RCMScheduler.from_config(RCMScheduler().config, sigma_max=10.0, rcm_sigma_max=20.0)

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .keys import detect_arch, from_any, lora_modules, to_comfy_keys
+from .keys import comfyui_file_forms, detect_arch, from_any, lora_modules, to_comfy_keys
 
 __all__ = ["FORMATS", "save_lora", "load_lora", "lora_problems", "check_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
            "stream_safetensors", "not_applied_by_comfyui"]
@@ -129,6 +129,16 @@ def not_applied_by_comfyui(state_dict, arch: str) -> list[str]:
     return sorted(k for k in state_dict if k.endswith(("modulation.diff", "modulation")))
 
 
+def _zero_lora_biases(tensors: dict) -> None:
+    """Give every LoRA module without a ``lora_B.bias`` a zero one, in place. peft's ``lora_bias`` is one switch for
+    all modules of an adapter: with it on, a module whose bias is missing from the file keeps an uninitialised
+    (meta-device) bias and its forward fails. A zero bias adds exactly nothing."""
+    for key in [k for k in tensors if k.endswith(".lora_B.weight")]:
+        b = key[: -len("weight")] + "bias"
+        if b not in tensors:
+            tensors[b] = tensors[key].new_zeros(tensors[key].shape[0])
+
+
 def diffusers_loadable(state_dict, arch: str | None = None):
     """Split any-layout LoRA into what ``load_lora_weights`` applies and what it cannot.
 
@@ -155,6 +165,8 @@ def diffusers_loadable(state_dict, arch: str | None = None):
         if has_lora:
             ranks[t] = g["lora_A.weight"].shape[0]
             alphas[t] = float(g["alpha"]) if "alpha" in g else float(ranks[t])
+    if bias:
+        _zero_lora_biases(tensors)
     meta = None
     if ranks and (bias or any(alphas[t] != ranks[t] for t in ranks)):
         r = Counter(ranks.values()).most_common(1)[0][0]
@@ -185,7 +197,7 @@ def save_lora(path, state_dict, arch: str | None = None, format: str = "diffuser
     arch = arch or detect_arch(state_dict)
     header = {"format": "pt"}
     if format == "comfyui":
-        tensors = to_comfy_keys(state_dict, arch)
+        tensors = comfyui_file_forms(to_comfy_keys(state_dict, arch), arch)  # loadable by diffusers too
         not_applied = not_applied_by_comfyui(tensors, arch)
         note = "kept; stock ComfyUI does not apply them (RCMLoraLoader does)"
     else:

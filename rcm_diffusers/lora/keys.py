@@ -466,7 +466,8 @@ def _patch_embedding_forms(group: dict, layout: str) -> dict:
     Weights and full deltas: the Conv3d form ``[dim, C, 1, 2, 2]`` in both layouts (the official
     rCM Linear form ``[dim, C*4]`` is reshaped, see :mod:`.rcm_official`). LoRA factors: the
     Conv3d LoRA of peft in diffusers (``lora_A [r, C, 1, 2, 2]``, ``lora_B [dim, r, 1, 1, 1]``), the
-    flat 2-D pair in ComfyUI (its LoRA adapter multiplies flattened factors and reshapes to the weight).
+    flat 2-D pair in ComfyUI (its LoRA adapter multiplies flattened factors and reshapes to the weight);
+    a ComfyUI *file* holds the full delta instead, see :func:`comfyui_file_forms`.
     """
     from .rcm_official import patch_embedding_to_conv
 
@@ -484,6 +485,52 @@ def _patch_embedding_forms(group: dict, layout: str) -> dict:
         else:
             g["lora_A.weight"], g["lora_B.weight"] = A.flatten(1), B.flatten(1)
     return g
+
+
+def _is_power_of_two(x: float) -> bool:
+    m, _ = math.frexp(x)
+    return x > 0 and m == 0.5
+
+
+def comfyui_file_forms(comfy_sd: dict, arch: str) -> dict:
+    """A ComfyUI-layout Wan LoRA as :func:`to_comfy_keys` writes it, in the forms that both ComfyUI and diffusers'
+    ``load_lora_weights`` take; other architectures are returned unchanged.
+
+    diffusers' Wan converter (``_convert_non_diffusers_wan_lora_to_diffusers``) refuses the whole file when a key
+    is left over after its rules, and two kinds of ours were:
+
+    - the patch embedding's LoRA pair (it has no rule for one; it drops ``.diff`` keys). Written instead as the
+      full delta ``patch_embedding.diff = alpha/r * B @ A`` in the Conv3d form ``[dim, C, 1, 2, 2]`` (float32
+      at least, plus any ``diff`` there), which ComfyUI applies to its Conv3d weight: how LightX2V's ComfyUI
+      files carry it. dim x C*4 numbers, the size of the weight; one rounding.
+    - ``.alpha`` outside the blocks (it reads ``.alpha`` only for block modules): ``head.head``, the time/text
+      embeddings, ``time_projection``, ``img_emb``. Folded into ``lora_down`` (``alpha/r * A``, no ``.alpha``:
+      scale 1 in both loaders); exact when alpha/r is a power of two (our extraction writes alpha = r), else
+      ``lora_down`` is kept in float32 (one float32 rounding).
+    """
+    if arch != "wan":
+        return comfy_sd
+    from .rcm_official import patch_embedding_to_conv
+
+    out = dict(comfy_sd)
+    for target, g in _group(comfy_sd).items():
+        if target.startswith("blocks.") or "lora_A.weight" not in g:
+            continue
+        name = "diffusion_model." + target  # to_comfy_keys' names
+        down, up = f"{name}.lora_down.weight", f"{name}.lora_up.weight"
+        A, B, scale = g["lora_A.weight"], g["lora_B.weight"], _scale(g)
+        out.pop(f"{name}.alpha", None)
+        if target == "patch_embedding":
+            dtype = torch.promote_types(torch.promote_types(A.dtype, B.dtype), torch.float32)
+            d = patch_embedding_to_conv((B.flatten(1).to(dtype) @ A.flatten(1).to(dtype)).mul_(scale))
+            if "diff" in g:
+                d = d.add_(patch_embedding_to_conv(g["diff"]).to(dtype))
+            out[f"{name}.diff"] = d
+            del out[down], out[up]
+        elif scale != 1.0:
+            folded = A.to(torch.promote_types(A.dtype, torch.float32)) * scale
+            out[down] = folded.to(A.dtype) if _is_power_of_two(scale) else folded
+    return out
 
 
 def _check_known_original(groups: dict, arch: str) -> None:

@@ -40,11 +40,20 @@ import torch
 
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.skipif(
-    not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH or "", "nodes.py")),
-    reason="set COMFYUI_PATH to a ComfyUI checkout (and run with a Python that has its requirements and "
-           "comfy-kitchen) to run the ComfyUI quantization tests",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH or "", "nodes.py")),
+        reason="set COMFYUI_PATH to a ComfyUI checkout (and run with a Python that has its requirements and "
+               "comfy-kitchen) to run the ComfyUI quantization tests",
+    ),
+    # ComfyUI's quantized layers (comfy/quant_ops.py) run on comfy-kitchen; without it they fail inside ComfyUI
+    # instead of telling what is missing
+    pytest.mark.skipif(
+        importlib.util.find_spec("comfy_kitchen") is None,
+        reason="comfy-kitchen is not installed in this Python (pip install comfy-kitchen, the version ComfyUI's "
+               "requirements.txt pins): ComfyUI's quantized layers need it",
+    ),
+]
 
 TOL = 1e-5  # relative L2 of the whole forward; the two Wan implementations differ by ~1.2e-6
 LAYER_TOL = 1e-6  # one quantized layer on the same input: float32 summation order only
