@@ -766,3 +766,35 @@ def test_setuptools_ships_only_the_rcm_diffusers_package():
         include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
     found = find_packages(where=REPO, include=include)
     assert "rcm_diffusers" in found and all(p.split(".")[0] == "rcm_diffusers" for p in found), found
+
+
+def test_comfy_registry_fields():
+    """pyproject.toml carries what the Comfy Registry's pyproject specification requires (docs.comfy.org,
+    registry/specifications): a node id, a semver version, [project.urls] Repository, PublisherId, DisplayName, a
+    square icon of at most 400x400 given as a URL (its raw form in the repository), requires-comfyui."""
+    import re
+    import tomllib
+
+    from PIL import Image
+
+    with open(f"{REPO}/pyproject.toml", "rb") as f:
+        conf = tomllib.load(f)
+    project, comfy_conf = conf["project"], conf["tool"]["comfy"]
+    name = project["name"]
+    assert len(name) < 100 and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*([-_.][A-Za-z0-9]+)*", name), name
+    assert "comfyui" not in name.lower()
+    assert re.fullmatch(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)", project["version"]), project["version"]
+    assert project["description"] and set(project["license"]) <= {"text", "file"}
+    repo_url = project["urls"]["Repository"]
+    m = re.fullmatch(r"https://github\.com/([\w.-]+)/([\w.-]+)", repo_url)
+    assert m, repo_url
+    assert comfy_conf["PublisherId"] and comfy_conf["DisplayName"]
+    icon = comfy_conf["Icon"]
+    prefix = f"https://raw.githubusercontent.com/{m[1]}/{m[2]}/main/"
+    assert icon.startswith(prefix), icon
+    path = os.path.join(REPO, icon[len(prefix):])
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.width == im.height <= 400, (im.format, im.size)
+    # the ComfyUI version the tests/comfyui suite runs against, and no older one
+    assert comfy_conf["requires-comfyui"] == ">=0.29.0"
+    assert comfy_conf["includes"] == []
