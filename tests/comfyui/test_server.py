@@ -4,7 +4,7 @@ Per ComfyUI checkout in ``COMFYUI_PATH`` (a current one and one from before ``co
 ``main.py --cpu`` on a free port of 127.0.0.1 with the repository root symlinked into
 ``custom_nodes/`` (the ComfyUI-Manager / Registry layout), a tiny random Wan 2.1 T2V model in
 ``models/diffusion_models``, a peft-made LoRA in ``models/loras``. The shipped editor workflow
-``example_workflows/wan21_t2v_rcm_4step.json`` is converted to the API prompt the editor would send,
+``example_workflows/1. Wan 2.1 T2V in 4 rCM steps.json`` is converted to the API prompt the editor would send,
 shrunk to a 64x64x5 video, its text encoder replaced by a stand-in node that returns fixed text
 embeddings (see ``comfyui_harness.STANDIN_PACK``), and its VAE decode by ``SaveLatent``. The test POSTs
 it to ``/prompt``, polls ``/history`` and compares the saved latent with
@@ -104,7 +104,7 @@ def t2v_prompt(server, sampler="RCMSampler", time_input=None, prefix=None, **rcm
 
     ``time_input``: RCMSampler's widget, else the workflow's own (bf16); ``sampler``: a built-in sampler
     (KSamplerSelect) in place of RCMSampler."""
-    with open(os.path.join(REPO, "example_workflows", "wan21_t2v_rcm_4step.json")) as f:
+    with open(os.path.join(REPO, "example_workflows", "1. Wan 2.1 T2V in 4 rCM steps.json")) as f:
         ui = json.load(f)
     api = ui_to_api(ui, server.get("/object_info"))
     by_type = {v["class_type"]: k for k, v in api.items()}
