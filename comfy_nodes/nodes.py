@@ -12,6 +12,8 @@ from rcm_diffusers import comfy as rcm
 from .schema import Input, Node, Output
 
 CATEGORY = "sampling/custom_sampling/rcm"
+#: smallest sigma_max the widget takes: the node refuses sigma_max <= 0, and ComfyUI's range check is val < min
+SIGMA_MAX_MIN = 0.01
 
 
 def _check_model(model):
@@ -24,15 +26,24 @@ def _check_model(model):
 
 def _rcm_sigmas(steps, sigma_max, mid_t, model=None):
     _check_model(model)
-    return (rcm.rcm_sigmas(steps, sigma_max, mid_t),)
+    try:
+        return (rcm.rcm_sigmas(steps, sigma_max, mid_t),)
+    except ValueError as e:
+        raise ValueError(f"rCM Sigmas: {e}") from None
 
 
-def _rcm_sigmas_validate(cls, steps=None, sigma_max=None, mid_t=None):
-    # a widget converted to an input arrives as None here (its value is not known before the run)
-    if steps is None or sigma_max is None or mid_t is None:
+def _rcm_sigmas_validate(cls, mid_t=None):
+    # Only mid_t goes through this check: ComfyUI reports a failed validate once per input the function
+    # takes, so taking steps and sigma_max as well would flag a bad mid_t three times (and steps first).
+    # steps and sigma_max are refused by their widget ranges; a combination that does not fit (more steps
+    # than angles, arctan(sigma_max) below the first angle) is one error when the node runs.
+    if mid_t is None:  # a widget converted to an input arrives as None (its value is not known before the run)
         return True
-    error = rcm.check_rcm_sigmas_widgets(steps, sigma_max, mid_t)
-    return True if error is None else f"rCM Sigmas: {error}"
+    try:
+        rcm.parse_mid_t(mid_t)
+    except ValueError as e:
+        return f"rCM Sigmas: {e}"
+    return True
 
 
 RCM_SIGMAS = Node(
@@ -44,13 +55,15 @@ RCM_SIGMAS = Node(
     inputs=[
         Input("INT", "steps", default=4, min=1, max=8,
               tooltip="1 to 4 with the default mid_t (the angles rCM was distilled at); n steps need n-1 angles."),
-        Input("FLOAT", "sigma_max", default=80.0, min=0.0, max=100000.0, step=0.5, round=False,
-              tooltip="Start noise on the EDM scale, > 0: 80 for Wan T2V, 200 for Wan I2V."),
+        Input("FLOAT", "sigma_max", default=80.0, min=SIGMA_MAX_MIN, max=100000.0, step=0.5, round=False,
+              tooltip=f"Start noise on the EDM scale, at least {SIGMA_MAX_MIN}: 80 for Wan T2V, 200 for Wan I2V; "
+                      "arctan(sigma_max) must exceed the first mid_t angle."),
         Input("STRING", "mid_t", default=rcm.DEFAULT_MID_T_TEXT,
               tooltip="Intermediate TrigFlow angles, strictly decreasing, inside (0, pi/2)."),
         Input("MODEL", "model", optional=True, tooltip="Optional: checks that the model is a flow model (Wan, Flux)."),
     ],
-    outputs=[Output("SIGMAS")],
+    outputs=[Output("SIGMAS", tooltip="steps + 1 RF times from arctan(sigma_max) down to 0, for a SamplerCustom "
+                                      "or SamplerCustomAdvanced with rCM Sampler.")],
     execute=_rcm_sigmas,
     validate=_rcm_sigmas_validate,
 )
@@ -70,17 +83,19 @@ TEACHER_SIGMAS = Node(
     category=f"{CATEGORY}/schedulers",
     description="Full-step teacher grid from sigma_max/(1+sigma_max) to 0, for reference sampling with Euler/UniPC.",
     inputs=[
-        Input("INT", "steps", default=50, min=1, max=10000),
-        Input("FLOAT", "sigma_max", default=5000.0, min=0.01, max=1e7, step=1.0, round=False),
-        Input("COMBO", "spacing", options=list(rcm.SPACINGS), default="linear"),
+        Input("INT", "steps", default=50, min=1, max=10000, tooltip="Teacher steps (Wan: 50)."),
+        Input("FLOAT", "sigma_max", default=5000.0, min=0.01, max=1e7, step=1.0, round=False,
+              tooltip="Start noise on the EDM scale; the grid starts at sigma_max / (1 + sigma_max)."),
+        Input("COMBO", "spacing", options=list(rcm.SPACINGS), default="linear",
+              tooltip="linear: uniform in the shifted RF time; karras / exponential: in the EDM sigma."),
         Input("FLOAT", "shift", default=1.0, min=0.01, max=100.0, step=0.1, round=False,
               tooltip="Time shift for linear spacing (Wan 480p: 3 to 5)."),
         Input("FLOAT", "rho", default=7.0, min=0.01, max=100.0, step=0.1, round=False, tooltip="Karras rho."),
         Input("FLOAT", "sigma_min", default=0.002, min=1e-6, max=1000.0, step=0.001, round=False,
               tooltip="Karras/exponential end noise (EDM scale)."),
-        Input("MODEL", "model", optional=True),
+        Input("MODEL", "model", optional=True, tooltip="Optional: checks that the model is a flow model (Wan, Flux)."),
     ],
-    outputs=[Output("SIGMAS")],
+    outputs=[Output("SIGMAS", tooltip="steps + 1 RF times ending at 0, for the teacher with euler or uni_pc.")],
     execute=_teacher_sigmas,
 )
 
@@ -93,7 +108,7 @@ def _rcm_sampler_options(stochastic, time_input="bf16"):
     if time_input not in rcm.TIME_INPUTS:
         raise ValueError(f"rCM Sampler: time_input={time_input!r}; use one of {list(rcm.TIME_INPUTS)} "
                          "(the time the student was trained with).")
-    return {"stochastic": bool(stochastic), "time_input": time_input}
+    return {"stochastic": rcm.check_stochastic(stochastic), "time_input": time_input}
 
 
 def _rcm_sampler(stochastic, time_input="bf16"):
@@ -118,7 +133,7 @@ RCM_SAMPLER = Node(
                       "use it for students trained with time_input: float, e.g. the digits demo. "
                       "Optional, so API prompts written before the widget existed still run (with bf16)."),
     ],
-    outputs=[Output("SAMPLER")],
+    outputs=[Output("SAMPLER", tooltip="The rCM sampler, for SamplerCustom or SamplerCustomAdvanced with rCM Sigmas.")],
     execute=_rcm_sampler,
 )
 
@@ -137,11 +152,14 @@ EXPERT_SPLIT = Node(
     description="Split SIGMAS at the Wan 2.2 A14B expert boundary: steps starting at sigma >= boundary go to the "
                 "high-noise expert; chain the low-noise sampler after it (no added noise).",
     inputs=[
-        Input("SIGMAS", "sigmas"),
+        Input("SIGMAS", "sigmas", tooltip="The schedule to split, e.g. rCM Sigmas with sigma_max 200 (I2V)."),
         Input("FLOAT", "boundary", default=rcm.WAN22_BOUNDARY, min=0.001, max=0.999, step=0.005, round=False,
               tooltip="0.9 for Wan 2.2 I2V, 0.875 for T2V."),
     ],
-    outputs=[Output("SIGMAS", "high_noise_sigmas"), Output("SIGMAS", "low_noise_sigmas")],
+    outputs=[Output("SIGMAS", "high_noise_sigmas", tooltip="The first steps, down to the switch sigma: sample them "
+                                                           "with the high-noise expert."),
+             Output("SIGMAS", "low_noise_sigmas", tooltip="The rest, from the switch sigma to 0: the low-noise expert, "
+                                                          "chained after the high-noise sampler with DisableNoise.")],
     execute=_expert_split,
 )
 
@@ -156,21 +174,26 @@ def _lora_names():
 
 
 def _lora_loader(model, lora_name, strength_model):
+    import logging
+
     import comfy.lora
     import comfy.utils
     import folder_paths
     import torch
 
-    from rcm_diffusers.lora import keys as lora_keys
-
-    path = folder_paths.get_full_path("loras", lora_name)
+    path = rcm.resolve_lora_name(lora_name, folder_paths)  # only names ComfyUI lists, never a raw path
     arch = rcm.model_arch(model.model)
+    diffusion_model = model.model.diffusion_model
     try:
-        lora = rcm.load_lora_file(path if path is not None else lora_name, arch)
-        # names and shapes against the model's own weights, then against ComfyUI's key map
-        lora_keys.check_against_model(lora, model.model.diffusion_model.state_dict())
+        lora = rcm.load_lora_file(path, arch)
+        # names and logical shapes against the model's own weights (quantized layers included), then ComfyUI's key map
+        rcm.check_lora_against_model(lora, diffusion_model)
     except ValueError as e:
         raise ValueError(f"rCM LoRA Loader, lora_name={lora_name!r}: {e} Pick a LoRA made for this model.") from e
+    if arch == "wan":
+        warning = _wan_variant_warning(path, lora_name, diffusion_model)
+        if warning:
+            logging.warning(warning)
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     missing = rcm.lora_targets_missing(lora, key_map)
     if missing:
@@ -195,6 +218,26 @@ def _lora_loader(model, lora_name, strength_model):
     return (patched,)
 
 
+def _wan_variant_warning(path, lora_name, diffusion_model):
+    """The warning for a Wan LoRA made for I2V on a T2V model or the other way round (None when fine or unknown)."""
+    from rcm_diffusers.lora import checkpoint as lora_checkpoint
+
+    model_variant = rcm.wan_model_variant(diffusion_model)
+    if str(path).endswith(".safetensors"):  # the header only: names and metadata, no tensor read
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            keys, metadata = list(f.keys()), dict(f.metadata() or {})
+    else:
+        keys, metadata = list(lora_checkpoint.load_state_dict(path, unwrap=False)), {}
+    lora_variant, why = rcm.wan_lora_variant(keys, metadata)
+    if model_variant is None or lora_variant is None or lora_variant == model_variant:
+        return None
+    return (f"rCM LoRA Loader, lora_name={lora_name!r}: this LoRA was made for Wan {lora_variant.upper()} ({why}) but "
+            f"the model is Wan {model_variant.upper()}; the shapes fit, so it is applied, but pick a "
+            f"{model_variant.upper()} LoRA unless this is intended.")
+
+
 LORA_LOADER = Node(
     node_id="RCMLoraLoader",
     display_name="rCM LoRA Loader",
@@ -202,11 +245,14 @@ LORA_LOADER = Node(
     description="Apply a Wan or Flux LoRA (diffusers, ComfyUI, LightX2V, Kijai or kohya layout; modulation "
                 "deltas included); fails, listing them, when keys do not match the model instead of skipping them.",
     inputs=[
-        Input("MODEL", "model"),
-        Input("COMBO", "lora_name", options=_lora_names),
-        Input("FLOAT", "strength_model", default=1.0, min=-100.0, max=100.0, step=0.01),
+        Input("MODEL", "model", tooltip="A Wan or Flux diffusion model (Load Diffusion Model); quantized files "
+                                        "(NVFP4, FP8, INT8, MXFP8) too."),
+        Input("COMBO", "lora_name", options=_lora_names,
+              tooltip="A LoRA file from models/loras: diffusers, ComfyUI, LightX2V, Kijai or kohya layout."),
+        Input("FLOAT", "strength_model", default=1.0, min=-100.0, max=100.0, step=0.01,
+              tooltip="LoRA scale; 1.0 for rCM LoRAs (0 returns the model unchanged)."),
     ],
-    outputs=[Output("MODEL")],
+    outputs=[Output("MODEL", tooltip="The model with the LoRA applied (the input model is left unchanged).")],
     execute=_lora_loader,
 )
 

@@ -32,6 +32,7 @@ class Input:
 class Output:
     kind: str
     name: str | None = None
+    tooltip: str | None = None
 
 
 @dataclass
@@ -72,7 +73,8 @@ def v3_nodes(nodes: list[Node]) -> list[type]:
 
     def v3_output(out: Output):
         cls = {"SIGMAS": io.Sigmas, "SAMPLER": io.Sampler, "MODEL": io.Model}[out.kind]
-        return cls.Output(display_name=out.name) if out.name else cls.Output()
+        kw = {"tooltip": out.tooltip} if out.tooltip else {}
+        return cls.Output(display_name=out.name, **kw) if out.name else cls.Output(**kw)
 
     classes = []
     for node in nodes:
@@ -117,6 +119,7 @@ def legacy_nodes(nodes: list[Node]) -> tuple[dict[str, type], dict[str, str]]:
             "INPUT_TYPES": classmethod(input_types),
             "RETURN_TYPES": tuple(o.kind for o in node.outputs),
             "RETURN_NAMES": tuple(o.name or o.kind for o in node.outputs),
+            "OUTPUT_TOOLTIPS": tuple(o.tooltip or "" for o in node.outputs),
             "FUNCTION": "run",
             "run": run,
             "CATEGORY": node.category,

@@ -38,6 +38,12 @@ __all__ = [
     "load_lora_file",
     "lora_targets_missing",
     "split_parameter_patches",
+    "check_stochastic",
+    "model_weight_shapes",
+    "check_lora_against_model",
+    "resolve_lora_name",
+    "wan_lora_variant",
+    "wan_model_variant",
 ]
 
 DEFAULT_MID_T_TEXT = ", ".join(str(m) for m in DEFAULT_MID_T)
@@ -157,6 +163,10 @@ def split_sigmas_at_boundary(sigmas: torch.Tensor, boundary: float = WAN22_BOUND
     ComfyUI's SplitSigmas: the high-noise sampler stops at the switch sigma, the low-noise one starts there.
     Raises if either expert would get no step.
     """
+    if not isinstance(sigmas, (torch.Tensor, np.ndarray, list, tuple)):
+        raise ValueError(f"rCM Expert Split: sigmas must be SIGMAS (connect rCM Sigmas), got {type(sigmas).__name__}.")
+    if isinstance(boundary, bool) or not isinstance(boundary, (int, float)) or not math.isfinite(boundary):
+        raise ValueError(f"rCM Expert Split: boundary must be a number in (0, 1), got {boundary!r}.")
     r = _checked_sigmas(sigmas)
     if not 0.0 < boundary < 1.0:
         raise ValueError(f"boundary={boundary} must lie in (0, 1) (Wan 2.2 A14B: 0.9 for I2V, 0.875 for T2V).")
@@ -189,6 +199,13 @@ def _checked_sigmas(sigmas) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- sampler
+
+
+def check_stochastic(stochastic) -> bool:
+    """``stochastic`` as a bool; ValueError for anything else (a string such as "maybe" is not taken as True)."""
+    if isinstance(stochastic, (bool, np.bool_)):
+        return bool(stochastic)
+    raise ValueError(f"rCM Sampler: stochastic must be true or false, got {stochastic!r}.")
 
 
 def seeded_noise_sampler(x: torch.Tensor, seed: int | None = None) -> Callable:
@@ -227,6 +244,7 @@ def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, n
     ``r``: ``x0 = x - r v``; ``"float"`` calls it at ``r``.
     """
     extra_args = {} if extra_args is None else extra_args
+    stochastic = check_stochastic(stochastic)
     if time_input not in TIME_INPUTS:
         raise ValueError(f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}.")
     r = _checked_sigmas(sigmas)
@@ -246,6 +264,9 @@ def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, n
             s = float(network_timestep(torch.tensor(r_cur, dtype=torch.float64), 1.0, time_input))
             x0_s = model(x, torch.full_like(s_in, s), **extra_args)
             x0 = (x.double() - (r_cur / s) * (x.double() - x0_s.double())).to(x0_s.dtype)  # v = (x - x0_s) / s
+        if not torch.isfinite(x0).all():
+            raise ValueError(f"rCM Sampler: the model output holds NaN or inf at step {i} (sigma={r_cur:.5f}); "
+                             "check the model and its inputs.")
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": x0})
         noise = noise_sampler(sigmas[i], sigmas[i + 1]) if stochastic and r_next > 0 else None
@@ -336,3 +357,82 @@ def split_parameter_patches(patches: dict) -> tuple[dict, dict]:
         name = key[0] if isinstance(key, tuple) else key
         (module if str(name).endswith((".weight", ".bias")) else raw)[key] = patch
     return module, raw
+
+
+def model_weight_shapes(diffusion_model) -> dict[str, tuple[int, ...]]:
+    """Logical shapes of a ComfyUI diffusion model's parameters and buffers, by name: what a LoRA delta must match.
+
+    ``state_dict()`` is no guide for quantized layers: ComfyUI stores them as their packed storage
+    (NVFP4: uint8 ``[N, K/2]``, padded to 16; MXFP8: padded to 32) plus scales. The logical ``[N, K]``
+    is the layer's ``_orig_shape`` (ComfyUI's quantized Linear records it), else the quantized tensor's
+    own ``orig_shape`` parameter, else the parameter's shape (comfy-kitchen's QuantizedTensor reports the
+    logical shape; FP8, INT8 and plain weights store it as it is).
+    """
+    shapes = {}
+    modules = dict(diffusion_model.named_modules())
+    for name, p in [*diffusion_model.named_parameters(), *diffusion_model.named_buffers()]:
+        owner, _, leaf = name.rpartition(".")
+        logical = getattr(modules.get(owner), "_orig_shape", None) if leaf == "weight" else None
+        if logical is None:
+            logical = getattr(getattr(p, "_params", None), "orig_shape", None)
+        shapes[name] = tuple(int(d) for d in (logical if logical is not None else p.shape))
+    return shapes
+
+
+def check_lora_against_model(comfy_state_dict: dict[str, torch.Tensor], diffusion_model) -> None:
+    """ValueError listing the LoRA targets that are missing from ``diffusion_model`` or do not fit its logical shapes."""
+    from .lora import keys as lora_keys
+
+    lora_keys.check_against_model(comfy_state_dict, model_weight_shapes(diffusion_model))
+
+
+def resolve_lora_name(lora_name, folder_paths) -> str:
+    """The file of ``lora_name`` in ComfyUI's ``loras`` list (``folder_paths``: ComfyUI's module of that name).
+
+    Only names ComfyUI lists are accepted: a name outside the list (a raw path such as ``../../x``, a
+    file removed since the list was read) is refused instead of being opened as a path.
+    """
+    names = folder_paths.get_filename_list("loras")
+    path = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) and lora_name in names else None
+    if path is None:
+        raise ValueError(f"rCM LoRA Loader: lora_name={lora_name!r} is not in ComfyUI's loras list ({len(names)} "
+                         "file(s)); put the file in models/loras, refresh and pick it from the list.")
+    return path
+
+
+#: key fragments that only Wan image-to-video models have (the CLIP image branch of Wan 2.1 I2V / FLF2V)
+_I2V_KEYS = (".k_img", ".v_img", ".norm_k_img", "img_emb.", "add_k_proj", "add_v_proj", "norm_added_k",
+             "image_embedder")
+_VARIANT_WORDS = {"i2v": ("i2v", "image-to-video", "image_to_video", "flf2v"), "t2v": ("t2v", "text-to-video", "text_to_video")}
+
+
+def wan_lora_variant(keys, metadata: dict | None = None) -> tuple[str | None, str]:
+    """``("i2v" | "t2v" | None, why)``: the Wan variant a LoRA file was made for, from its keys or header metadata.
+
+    Keys of the image branch (``k_img``, ``v_img``, ``img_emb``; diffusers ``add_k_proj``...) say I2V;
+    otherwise metadata values naming a variant (e.g. ``base_model: Wan2.1-I2V-14B``, kohya ``ss_base_model_version``)
+    decide. ``None`` when neither tells (a Wan 2.2 I2V LoRA has no image-branch keys).
+    """
+    hits = sorted({k for k in keys if any(f in k for f in _I2V_KEYS)})
+    if hits:
+        return "i2v", f"its keys target the image branch of Wan I2V ({hits[0]}{', ...' if len(hits) > 1 else ''})"
+    found = {}
+    for key, value in (metadata or {}).items():
+        text = str(value).lower()
+        if len(text) > 2000:  # adapter configs and the like: too long to name a base model
+            continue
+        for variant, words in _VARIANT_WORDS.items():
+            if any(w in text for w in words):
+                found.setdefault(variant, f"its metadata says {key}={str(value)[:80]!r}")
+    if len(found) == 1:
+        return next(iter(found.items()))
+    return None, ""
+
+
+def wan_model_variant(diffusion_model) -> str | None:
+    """"i2v" or "t2v" for a ComfyUI Wan diffusion model from its input channels (16: T2V, 36: I2V), else None."""
+    shapes = model_weight_shapes(diffusion_model)
+    shape = shapes.get("patch_embedding.weight")
+    if shape is None or len(shape) < 2:
+        return None
+    return {16: "t2v", 36: "i2v"}.get(shape[1])

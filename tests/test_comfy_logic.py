@@ -1,6 +1,8 @@
 """Logic of the ComfyUI nodes (rcm_diffusers.comfy), without ComfyUI: docs/math.md §2.1/§2.2 numbers."""
 
 import math
+import os
+import re
 import sys
 
 import numpy as np
@@ -406,6 +408,283 @@ def test_split_parameter_patches():
     assert raw == {"diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}
 
 
+# ----------------------------------------------------------------------------- bad inputs: one clear line each
+
+
+class NaNAt:
+    """A denoiser whose x0 turns NaN (or inf) from call ``at`` on."""
+
+    def __init__(self, at, value=float("nan")):
+        self.at, self.value, self.calls = at, value, 0
+
+    def __call__(self, x, sigma, **kw):
+        self.calls += 1
+        return torch.full_like(x, self.value) if self.calls > self.at else 0.5 * x
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("time_input", ["float", "bf16"])
+def test_sample_rcm_refuses_a_nan_model_output(value, time_input):
+    """A NaN/inf x0 stopped the run at once, naming the step (the diffusers schedulers' rule), not a NaN latent."""
+    x = torch.ones(1, 2, 4, 4)
+    model = NaNAt(1, value)
+    with pytest.raises(ValueError, match=r"^rCM Sampler: the model output holds NaN or inf at step 1 \(sigma=0.93378\); "
+                                         r"check the model and its inputs\.$"):
+        comfy.sample_rcm(model, x, comfy.rcm_sigmas(4), disable=True, time_input=time_input,
+                         noise_sampler=lambda a, b: torch.zeros_like(x))
+    assert model.calls == 2  # stopped at the first bad step
+
+
+@pytest.mark.parametrize("bad", ["maybe", "false", 1, 0, None, 0.5])
+def test_stochastic_must_be_a_bool(bad):
+    from comfy_nodes.nodes import _rcm_sampler_options
+
+    x = torch.zeros(1, 2, 4, 4)
+    line = rf"^rCM Sampler: stochastic must be true or false, got {re.escape(repr(bad))}\.$"
+    with pytest.raises(ValueError, match=line):
+        _rcm_sampler_options(bad)
+    with pytest.raises(ValueError, match=line):
+        comfy.sample_rcm(AffineDenoiser(x), x, comfy.rcm_sigmas(2), disable=True, stochastic=bad)
+    assert _rcm_sampler_options(np.bool_(False)) == {"stochastic": False, "time_input": "bf16"}
+
+
+@pytest.mark.parametrize("sigmas, boundary, match", [
+    (None, 0.9, r"^rCM Expert Split: sigmas must be SIGMAS \(connect rCM Sigmas\), got NoneType\.$"),
+    ("0.9, 0", 0.9, r"^rCM Expert Split: sigmas must be SIGMAS \(connect rCM Sigmas\), got str\.$"),
+    ("ok", None, r"^rCM Expert Split: boundary must be a number in \(0, 1\), got None\.$"),
+    ("ok", "0.9", r"^rCM Expert Split: boundary must be a number in \(0, 1\), got '0.9'\.$"),
+    ("ok", float("nan"), r"^rCM Expert Split: boundary must be a number in \(0, 1\), got nan\.$"),
+])
+def test_expert_split_bad_input_is_one_clear_line(sigmas, boundary, match):
+    from comfy_nodes.nodes import EXPERT_SPLIT
+
+    sigmas = comfy.rcm_sigmas(4) if sigmas == "ok" else sigmas
+    with pytest.raises(ValueError, match=match):
+        EXPERT_SPLIT.execute(sigmas=sigmas, boundary=boundary)
+
+
+class FolderPaths:
+    """ComfyUI's folder_paths for one loras folder: get_full_path resolves any name, as ComfyUI's does for a raw path."""
+
+    def __init__(self, root, names):
+        self.root, self.names, self.full_path_calls = root, names, []
+
+    def get_filename_list(self, folder):
+        assert folder == "loras"
+        return list(self.names)
+
+    def get_full_path(self, folder, name):
+        self.full_path_calls.append(name)
+        path = os.path.join(self.root, name)
+        return path if os.path.isfile(path) else None
+
+
+def test_lora_name_outside_comfyuis_list_is_refused(tmp_path):
+    """Only names ComfyUI lists reach the file system; ``../../x`` or a stale name is one line, never opened as a path."""
+    (tmp_path / "loras").mkdir()
+    (tmp_path / "loras" / "rcm.safetensors").write_bytes(b"")
+    (tmp_path / "x").write_bytes(b"")  # exists, but outside models/loras
+    fp = FolderPaths(str(tmp_path / "loras"), ["rcm.safetensors", "gone.safetensors"])
+    assert comfy.resolve_lora_name("rcm.safetensors", fp) == str(tmp_path / "loras" / "rcm.safetensors")
+    for name in ("../x", str(tmp_path / "x"), "gone.safetensors", None, ["rcm.safetensors"]):
+        with pytest.raises(ValueError, match=rf"^rCM LoRA Loader: lora_name={re.escape(repr(name))} is not in ComfyUI's "
+                                             r"loras list \(2 file\(s\)\); put the file in models/loras, refresh and "
+                                             r"pick it from the list\.$"):
+            comfy.resolve_lora_name(name, fp)
+    assert fp.full_path_calls == ["rcm.safetensors", "gone.safetensors"]  # unlisted names never looked up
+
+
+# ----------------------------------------------------------------------------- LoRA on quantized models
+
+
+def _tiny_wan(ffn_dim):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=64, in_channels=16,
+                                 out_channels=16, text_dim=32, freq_dim=32, ffn_dim=ffn_dim, num_layers=1,
+                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6).eval()
+
+
+def _roundup(n, m):
+    return -(-n // m) * m
+
+
+def _as_comfyui_holds_it(path, logical):
+    """The diffusion model ComfyUI builds from an export (``comfy/ops.py`` mixed_precision_ops): each quantized Linear
+    keeps its storage tensor as ``weight`` (what ``state_dict()`` returns: NVFP4 packed uint8, padded) plus its scales,
+    and records ``_orig_shape = (out_features, in_features)`` from the architecture (``logical``: the plain model's
+    shapes, not the file's header)."""
+    import json
+
+    from safetensors import safe_open
+
+    root = torch.nn.Module()
+    with safe_open(str(path), "pt") as f:
+        layers = json.loads(f.metadata()["_quantization_metadata"])["layers"]
+        for key in f.keys():
+            owner, _, leaf = key.rpartition(".")
+            mod = root
+            for part in owner.split("."):
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(f.get_tensor(key), requires_grad=False))
+            if owner in layers and leaf == "weight":
+                mod._orig_shape = logical[key]
+    return root, layers
+
+
+def _as_mxfp8(root, layers):
+    """The same model as ComfyUI holds an MXFP8 file: float8 storage padded to multiples of 32 (comfy-kitchen
+    ``TensorCoreMXFP8Layout.get_padded_shape``); our exporter writes no MXFP8, so the storage is made here."""
+    for name in layers:
+        mod = root.get_submodule(name)
+        n, k = mod._orig_shape
+        mod.weight = torch.nn.Parameter(torch.zeros(_roundup(n, 32), _roundup(k, 32), dtype=torch.float8_e4m3fn),
+                                        requires_grad=False)
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "int8", "mxfp8"])
+def test_lora_is_checked_against_the_logical_shape_of_quantized_layers(tmp_path, fmt):
+    """RCMLoraLoader compared a LoRA with the packed storage of NVFP4 layers ("LoRA delta (200, 64) vs weight
+    (208, 32)") and refused every LoRA; it now checks the logical [N, K] of every layout ComfyUI reads."""
+    from rcm_diffusers.lora import keys as lora_keys
+    from rcm_diffusers.lora.io import save_lora
+    from rcm_diffusers.quant.export import export_quantized
+    from rcm_diffusers.quant.modules import quantize_transformer
+
+    plain = _tiny_wan(ffn_dim=200)  # 200: NVFP4 pads N to 208 and MXFP8 to 224, so storage and logical shapes differ
+    logical = {k: tuple(v.shape) for k, v in lora_keys.to_original(plain.state_dict(), arch="wan", prefix="").items()}
+    model = _tiny_wan(ffn_dim=200)
+    quantize_transformer(model, "fp8_e4m3" if fmt == "mxfp8" else fmt, target="fake")
+    export_quantized(model, tmp_path / "q.safetensors", layout="comfyui", check_comfyui=False)
+    dm, layers = _as_comfyui_holds_it(tmp_path / "q.safetensors", logical)
+    if fmt == "mxfp8":
+        dm = _as_mxfp8(dm, layers)
+    assert {"blocks.0.self_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2"} <= set(layers)
+
+    g = torch.Generator().manual_seed(0)
+    lora = {}
+    for target, (n, k) in {"attn1.to_q": (64, 64), "ffn.net.0.proj": (200, 64), "ffn.net.2": (64, 200)}.items():
+        lora[f"transformer.blocks.0.{target}.lora_A.weight"] = torch.randn(4, k, generator=g)
+        lora[f"transformer.blocks.0.{target}.lora_B.weight"] = torch.randn(n, 4, generator=g)
+    save_lora(tmp_path / "lora.safetensors", lora, arch="wan", format="comfyui")
+    sd = comfy.load_lora_file(str(tmp_path / "lora.safetensors"), "wan")
+
+    shapes = comfy.model_weight_shapes(dm)
+    assert shapes["blocks.0.ffn.0.weight"] == (200, 64) and shapes["blocks.0.ffn.2.weight"] == (64, 200)
+    storage = {"nvfp4": (208, 32), "fp8_e4m3": (200, 64), "int8": (200, 64), "mxfp8": (224, 64)}[fmt]
+    assert tuple(dm.state_dict()["blocks.0.ffn.0.weight"].shape) == storage
+    comfy.check_lora_against_model(sd, dm)  # fits: no error
+    if storage != (200, 64):  # the storage shape is what the loader used to compare with
+        with pytest.raises(ValueError, match=re.escape(f"LoRA delta (200, 64) vs weight {storage}")):
+            lora_keys.check_against_model(sd, dm.state_dict())
+    # a LoRA of another model size is still refused, with the logical shape
+    wrong = dict(sd, **{"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 48),
+                        "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(200, 4)})
+    with pytest.raises(ValueError, match=re.escape("blocks.0.ffn.0: LoRA delta (200, 48) vs weight (200, 64)")):
+        comfy.check_lora_against_model(wrong, dm)
+
+
+# ----------------------------------------------------------------------------- LoRA variant (Wan I2V vs T2V)
+
+
+def test_wan_lora_variant_from_keys_and_metadata():
+    t2v_keys = ["diffusion_model.blocks.0.self_attn.q.lora_down.weight"]
+    assert comfy.wan_lora_variant(t2v_keys) == (None, "")
+    variant, why = comfy.wan_lora_variant(t2v_keys + ["diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight",
+                                                      "diffusion_model.blocks.0.cross_attn.v_img.lora_down.weight"])
+    assert variant == "i2v" and "blocks.0.cross_attn.k_img" in why and ", ..." in why
+    assert comfy.wan_lora_variant(["transformer.blocks.0.attn2.add_k_proj.lora_A.weight"])[0] == "i2v"
+    assert comfy.wan_lora_variant(["diffusion_model.img_emb.proj.1.diff"])[0] == "i2v"
+    assert comfy.wan_lora_variant(t2v_keys, {"ss_base_model_version": "wan2.2_i2v_a14b"}) == (
+        "i2v", "its metadata says ss_base_model_version='wan2.2_i2v_a14b'")
+    assert comfy.wan_lora_variant(t2v_keys, {"rcm_lora": '{"base_model": "Wan-AI/Wan2.1-T2V-1.3B"}'})[0] == "t2v"
+    # metadata naming both (or neither) decides nothing
+    assert comfy.wan_lora_variant(t2v_keys, {"a": "Wan2.1-T2V", "b": "Wan2.1-I2V"}) == (None, "")
+    assert comfy.wan_lora_variant(t2v_keys, {"format": "pt"}) == (None, "")
+
+
+def test_i2v_lora_on_a_t2v_model_warns(tmp_path):
+    """A Wan 2.2 I2V LoRA has the T2V shapes: it applied silently; the loader now says so (and not for a match)."""
+    from safetensors.torch import save_file
+
+    from comfy_nodes.nodes import _wan_variant_warning
+
+    def wan(in_channels):
+        m = torch.nn.Module()
+        m.patch_embedding = torch.nn.Conv3d(in_channels, 8, (1, 2, 2))
+        return m
+
+    lora = {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8),
+            "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(8, 2)}
+    save_file(lora, tmp_path / "i2v.safetensors", metadata={"ss_base_model_version": "wan2.2_i2v_a14b"})
+    save_file(lora, tmp_path / "plain.safetensors")
+    assert comfy.wan_model_variant(wan(16)) == "t2v" and comfy.wan_model_variant(wan(36)) == "i2v"
+    assert comfy.wan_model_variant(wan(48)) is None
+    msg = _wan_variant_warning(str(tmp_path / "i2v.safetensors"), "i2v.safetensors", wan(16))
+    assert msg == ("rCM LoRA Loader, lora_name='i2v.safetensors': this LoRA was made for Wan I2V (its metadata says "
+                   "ss_base_model_version='wan2.2_i2v_a14b') but the model is Wan T2V; the shapes fit, so it is "
+                   "applied, but pick a T2V LoRA unless this is intended.")
+    assert _wan_variant_warning(str(tmp_path / "i2v.safetensors"), "i2v.safetensors", wan(36)) is None
+    assert _wan_variant_warning(str(tmp_path / "plain.safetensors"), "plain.safetensors", wan(16)) is None
+
+
+# ----------------------------------------------------------------------------- node declarations
+
+
+def test_every_input_and_output_of_every_node_has_a_tooltip():
+    from comfy_nodes.nodes import NODES
+
+    assert len(NODES) == 5
+    missing = [f"{n.node_id}.{i.name}" for n in NODES for i in n.inputs if not i.extra.get("tooltip")]
+    missing += [f"{n.node_id} output {o.name or o.kind}" for n in NODES for o in n.outputs if not o.tooltip]
+    assert missing == []
+
+
+def test_widget_ranges_refuse_what_the_node_refuses():
+    """Each numeric widget's range excludes the values its node refuses (so the editor refuses them first), and the
+    range's ends are values the node takes."""
+    from comfy_nodes.nodes import EXPERT_SPLIT, RCM_SIGMAS
+
+    w = {i.name: i.extra for i in RCM_SIGMAS.inputs}
+    for sigma_max in (0.0, -1.0):
+        assert sigma_max < w["sigma_max"]["min"]
+        with pytest.raises(ValueError, match="sigma_max must be > 0"):
+            comfy.rcm_sigmas(1, sigma_max, "")
+    comfy.rcm_sigmas(1, w["sigma_max"]["min"], "")  # the smallest widget value runs (one step, no angle)
+    comfy.rcm_sigmas(w["steps"]["min"], 80.0)
+    assert w["steps"]["min"] == 1 and w["steps"]["max"] == 8
+    comfy.rcm_sigmas(8, 5000.0, "1.5, 1.4, 1.3, 1.2, 1.1, 1.0, 0.9")  # steps max with 7 angles
+    b = next(i.extra for i in EXPERT_SPLIT.inputs if i.name == "boundary")
+    assert 0 < b["min"] and b["max"] < 1
+    for boundary in (0.0, 1.0):
+        with pytest.raises(ValueError, match=r"must lie in \(0, 1\)"):
+            comfy.split_sigmas_at_boundary(comfy.rcm_sigmas(4), boundary)
+
+
+def test_a_bad_rcm_sigmas_value_is_one_error_naming_it():
+    """ComfyUI reports a failed validate once for each input the function takes: a bad mid_t was reported three
+    times, the first flagging steps. The check now takes mid_t alone; a combination that does not fit is one line
+    when the node runs."""
+    import inspect
+
+    from comfy_nodes.nodes import RCM_SIGMAS
+
+    assert inspect.getfullargspec(RCM_SIGMAS.validate).args == ["cls", "mid_t"]
+    assert RCM_SIGMAS.validate(None, mid_t="1.5, 1.4, 1.0") is True
+    assert RCM_SIGMAS.validate(None, mid_t=None) is True
+    assert RCM_SIGMAS.validate(None, mid_t="1.5, x") == (
+        "rCM Sigmas: mid_t: cannot read ['x'] as numbers in '1.5, x'; write the intermediate TrigFlow angles as "
+        "decreasing numbers separated by commas, e.g. '1.5, 1.4, 1.0'.")
+    with pytest.raises(ValueError, match=r"^rCM Sigmas: steps=6 is out of range: with mid_t=\[1.5, 1.4, 1.0\]"):
+        RCM_SIGMAS.execute(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0")
+    with pytest.raises(ValueError, match=r"^rCM Sigmas: .*arctan\(sigma_max=2.0\)"):
+        RCM_SIGMAS.execute(steps=4, sigma_max=2.0, mid_t="1.5, 1.4, 1.0")
+
+
 # ----------------------------------------------------------------------------- the pack as ComfyUI loads it
 
 REPO = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
@@ -434,9 +713,11 @@ print(json.dumps({
     "sigmas": sigmas.tolist(), "input_types": sig.INPUT_TYPES(),
     "return_types": {k: list(v.RETURN_TYPES) for k, v in m.items()},
     "sampler_input_types": m["RCMSampler"].INPUT_TYPES(),
-    "validate_ok": sig.VALIDATE_INPUTS(steps=4, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
-    "validate_bad": sig.VALIDATE_INPUTS(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0"),
-    "validate_linked": sig.VALIDATE_INPUTS(steps=None, sigma_max=80.0, mid_t="1.5"),
+    "validate_ok": sig.VALIDATE_INPUTS(mid_t="1.5, 1.4, 1.0"),
+    "validate_bad": sig.VALIDATE_INPUTS(mid_t="1.5, 1.4.0"),
+    "validate_linked": sig.VALIDATE_INPUTS(mid_t=None),
+    "validate_args": __import__("inspect").getfullargspec(sig.VALIDATE_INPUTS).args,
+    "output_tooltips": {k: list(v.OUTPUT_TOOLTIPS) for k, v in m.items()},
     "heavy": sorted(k for k in sys.modules if k.split(".")[0] in ("diffusers", "transformers", "peft", "accelerate")),
     "rcm_from": os.path.dirname(sys.modules["rcm_diffusers"].__file__),
 }))
@@ -469,7 +750,10 @@ def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_ow
     sampler = r["sampler_input_types"]
     assert list(sampler["required"]) == ["stochastic"] and list(sampler["optional"]) == ["time_input"]
     assert sampler["optional"]["time_input"][0] == ["bf16", "float"] and sampler["optional"]["time_input"][1]["default"] == "bf16"
-    assert r["validate_bad"].startswith("rCM Sigmas: steps=6 is out of range") and "mid_t" in r["validate_bad"]
+    assert r["validate_bad"].startswith("rCM Sigmas: mid_t: cannot read ['1.4.0'] as numbers")
+    # ComfyUI reports a failed validate once per argument: mid_t only, so a bad mid_t is one error naming mid_t
+    assert r["validate_args"] == ["cls", "mid_t"]
+    assert all(t and all(t) for t in r["output_tooltips"].values()), r["output_tooltips"]
 
 
 def test_setuptools_ships_only_the_rcm_diffusers_package():
@@ -482,3 +766,35 @@ def test_setuptools_ships_only_the_rcm_diffusers_package():
         include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
     found = find_packages(where=REPO, include=include)
     assert "rcm_diffusers" in found and all(p.split(".")[0] == "rcm_diffusers" for p in found), found
+
+
+def test_comfy_registry_fields():
+    """pyproject.toml carries what the Comfy Registry's pyproject specification requires (docs.comfy.org,
+    registry/specifications): a node id, a semver version, [project.urls] Repository, PublisherId, DisplayName, a
+    square icon of at most 400x400 given as a URL (its raw form in the repository), requires-comfyui."""
+    import re
+    import tomllib
+
+    from PIL import Image
+
+    with open(f"{REPO}/pyproject.toml", "rb") as f:
+        conf = tomllib.load(f)
+    project, comfy_conf = conf["project"], conf["tool"]["comfy"]
+    name = project["name"]
+    assert len(name) < 100 and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*([-_.][A-Za-z0-9]+)*", name), name
+    assert "comfyui" not in name.lower()
+    assert re.fullmatch(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)", project["version"]), project["version"]
+    assert project["description"] and set(project["license"]) <= {"text", "file"}
+    repo_url = project["urls"]["Repository"]
+    m = re.fullmatch(r"https://github\.com/([\w.-]+)/([\w.-]+)", repo_url)
+    assert m, repo_url
+    assert comfy_conf["PublisherId"] and comfy_conf["DisplayName"]
+    icon = comfy_conf["Icon"]
+    prefix = f"https://raw.githubusercontent.com/{m[1]}/{m[2]}/main/"
+    assert icon.startswith(prefix), icon
+    path = os.path.join(REPO, icon[len(prefix):])
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.width == im.height <= 400, (im.format, im.size)
+    # the ComfyUI version the tests/comfyui suite runs against, and no older one
+    assert comfy_conf["requires-comfyui"] == ">=0.29.0"
+    assert comfy_conf["includes"] == []

@@ -27,9 +27,38 @@ def load(name):
         return json.load(f)
 
 
+TWO_EXPERTS = "2. Wan 2.2 I2V A14B, two experts, 4 rCM steps.json"
+
+
 def test_the_four_example_workflows_are_there():
-    assert NAMES == ["flux1_dev_rcm_4step.json", "wan21_t2v_rcm_4step.json",
-                     "wan21_t2v_teacher_vs_rcm_student.json", "wan22_i2v_two_expert_rcm.json"]
+    assert NAMES == ["1. Wan 2.1 T2V in 4 rCM steps.json", TWO_EXPERTS, "3. FLUX.1 dev in 4 rCM steps.json",
+                     "4. Wan 2.1 T2V teacher (50 steps) vs rCM student (4 steps).json"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_template_browser_shows_a_title_an_order_and_a_thumbnail(name):
+    """What ComfyUI's template browser shows for a custom-node template (server ``/workflow_templates``: the file
+    stems; frontend 1.47 ``workflowTemplatesStore``: title = stem, description = stem with - and _ as spaces,
+    thumbnail ``<stem>.jpg`` beside the json, "Alphabetical" sorts by title): a readable stem that starts with its
+    place in the list, and a JPEG card beside it."""
+    import re
+
+    from PIL import Image
+
+    stem = name[:-len(".json")]
+    m = re.fullmatch(r"(\d)\. (\S.*)", stem)
+    assert m and int(m[1]) == NAMES.index(name) + 1, stem  # 1., 2., ... in the order of the docs
+    title = m[2]
+    assert not re.search(r"[-_]", title) and "rCM" in title and len(title) <= 60, title  # shown as is
+    thumb = os.path.join(REPO, "example_workflows", stem + ".jpg")
+    with Image.open(thumb) as im:
+        assert im.format == "JPEG" and im.size == (512, 512)
+        # a card, not a gradient placeholder: the title band is dark, the screenshot below has node detail
+        px = im.convert("L")
+        assert max(px.crop((0, 120, 512, 512)).getextrema()) > 200 and px.crop((0, 120, 512, 512)).getextrema()[0] < 40
+    # nothing else in the folder: ComfyUI lists every *.json there as a template
+    assert sorted(os.listdir(os.path.join(REPO, "example_workflows"))) == sorted(
+        n[:-5] + ext for n in NAMES for ext in (".json", ".jpg"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -62,7 +91,7 @@ def test_example_workflow_is_editor_format_and_fits_rcm_nodes(name):
 
 
 def test_wan22_workflow_splits_at_the_i2v_boundary_and_chains_without_noise():
-    ui = load("wan22_i2v_two_expert_rcm.json")
+    ui = load(TWO_EXPERTS)
     api = ui_to_api(ui, object_info_of_pack() | _builtin_stub(ui))
     kinds = {k: v["class_type"] for k, v in api.items()}
     split = next(v for v in api.values() if v["class_type"] == "RCMExpertSplit")
@@ -94,7 +123,16 @@ def test_example_workflows_against_the_server(comfy_server):
     # the editor's template browser lists them under the pack's folder name and serves the files
     templates = comfy_server.get("/workflow_templates")
     assert sorted(templates["rcm-diffusers"]) == [n[:-5] for n in NAMES], templates
-    assert comfy_server.get("/api/workflow_templates/rcm-diffusers/" + NAMES[0]) == load(NAMES[0])
+    import urllib.parse
+    import urllib.request
+
+    for name in NAMES:  # the json and the thumbnail the frontend asks for: /api/workflow_templates/<pack>/<stem>.jpg
+        base = comfy_server.url + "/api/workflow_templates/rcm-diffusers/" + urllib.parse.quote(name[:-5])
+        with urllib.request.urlopen(base + ".json", timeout=30) as r:
+            assert json.loads(r.read()) == load(name)
+        with urllib.request.urlopen(base + ".jpg", timeout=30) as r, \
+                open(os.path.join(REPO, "example_workflows", name[:-5] + ".jpg"), "rb") as f:
+            assert r.read() == f.read()
     if not has_comfy_api_latest(comfy_server.comfy_path):
         # the workflows are saved from a current ComfyUI (e.g. CreateVideo's bit_depth widget is newer);
         # an old one is checked for the rCM nodes only

@@ -117,9 +117,11 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
         assert abs((got_mod - base_mod).abs().max().item() - change) < 1e-6, loader
     assert torch.equal(model.model.diffusion_model.blocks[0].modulation.detach(), base_mod)
 
-    # bad input: a missing file, a LoRA of another architecture
-    with pytest.raises(FileNotFoundError, match="models/loras"):
-        call(nodes, "RCMLoraLoader", model=model, lora_name="missing.safetensors", strength_model=1.0)
+    # bad input: a name ComfyUI does not list (a missing file, a path out of models/loras), a LoRA of another
+    # architecture
+    for name in ("missing.safetensors", "../loras/rcm_comfy.safetensors", str(root / "loras" / "rcm_comfy.safetensors")):
+        with pytest.raises(ValueError, match=r"is not in ComfyUI's loras list .* pick it from the list\.$"):
+            call(nodes, "RCMLoraLoader", model=model, lora_name=name, strength_model=1.0)
     save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 128),
                "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(128, 4)},
               root / "loras" / "flux.safetensors")

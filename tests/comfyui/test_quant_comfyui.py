@@ -248,3 +248,46 @@ def test_weight_only_export_is_what_comfyui_runs_on_cpu(comfy, monkeypatch, fmt)
         err = rel(dm(x, t, ctx), ours(x, t, ctx, return_dict=False)[0])
     print(f"\n{fmt} weight-only on CPU: ComfyUI vs target fake {err:.2e}")
     assert err <= TOL and calls == []
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_e4m3", "int8"])
+def test_rcm_lora_loader_on_a_quantized_export_equals_comfyuis_own_loader(comfy, monkeypatch, fmt):
+    """RCMLoraLoader refused every LoRA on an NVFP4 model (it compared with the packed uint8 storage) while
+    LoraLoaderModelOnly applies it: both now give the same model output on each quantized export."""
+    import folder_paths
+
+    from rcm_diffusers.lora.io import save_lora
+    from rcm_diffusers.quant.export import export_quantized
+    from rcm_diffusers.quant.modules import quantize_transformer
+
+    root, nodes, mm = comfy
+    (root / "loras").mkdir(exist_ok=True)
+    folder_paths.add_model_folder_path("loras", str(root / "loras"), is_default=True)
+    ours = tiny_wan()
+    layers = quantize_transformer(ours, fmt, target="fake")
+    name = f"lora_base_{fmt}.safetensors"
+    export_quantized(ours, root / "diffusion_models" / name, layout="comfyui", check_comfyui=False)
+    g = torch.Generator().manual_seed(5)
+    lora = {}
+    for target, (n, k) in {"attn1.to_q": (128, 128), "ffn.net.0.proj": (256, 128), "ffn.net.2": (128, 256)}.items():
+        assert f"blocks.0.{target}" in layers  # a quantized layer
+        lora[f"transformer.blocks.0.{target}.lora_A.weight"] = 0.05 * torch.randn(4, k, generator=g)
+        lora[f"transformer.blocks.0.{target}.lora_B.weight"] = 0.05 * torch.randn(n, 4, generator=g)
+    save_lora(root / "loras" / f"q_{fmt}.safetensors", lora, arch="wan", format="comfyui")
+    cls = nodes.NODE_CLASS_MAPPINGS["UNETLoader"]
+    (model,) = cls().load_unet(unet_name=name, weight_dtype="default")
+    x, t, ctx = inputs(4)
+    outs = {}
+    for loader in ("RCMLoraLoader", "LoraLoaderModelOnly", None):
+        if loader is None:
+            m = model
+        else:
+            node = nodes.NODE_CLASS_MAPPINGS[loader]
+            kw = dict(model=model, lora_name=f"q_{fmt}.safetensors", strength_model=1.0)
+            (m,) = node.execute(**kw).args if hasattr(node, "define_schema") else getattr(node(), node.FUNCTION)(**kw)
+        mm.load_models_gpu([m])
+        with torch.no_grad():
+            outs[loader] = m.model.diffusion_model(x, t, ctx).clone()
+    err, effect = rel(outs["RCMLoraLoader"], outs["LoraLoaderModelOnly"]), rel(outs["RCMLoraLoader"], outs[None])
+    print(f"\n{fmt}: RCMLoraLoader vs LoraLoaderModelOnly {err:.2e}; LoRA effect {effect:.2e}")
+    assert err <= 1e-6 and effect > 1e-3

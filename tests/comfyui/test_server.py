@@ -4,7 +4,7 @@ Per ComfyUI checkout in ``COMFYUI_PATH`` (a current one and one from before ``co
 ``main.py --cpu`` on a free port of 127.0.0.1 with the repository root symlinked into
 ``custom_nodes/`` (the ComfyUI-Manager / Registry layout), a tiny random Wan 2.1 T2V model in
 ``models/diffusion_models``, a peft-made LoRA in ``models/loras``. The shipped editor workflow
-``example_workflows/wan21_t2v_rcm_4step.json`` is converted to the API prompt the editor would send,
+``example_workflows/1. Wan 2.1 T2V in 4 rCM steps.json`` is converted to the API prompt the editor would send,
 shrunk to a 64x64x5 video, its text encoder replaced by a stand-in node that returns fixed text
 embeddings (see ``comfyui_harness.STANDIN_PACK``), and its VAE decode by ``SaveLatent``. The test POSTs
 it to ``/prompt``, polls ``/history`` and compares the saved latent with
@@ -20,7 +20,7 @@ it to ``/prompt``, polls ``/history`` and compares the saved latent with
   diffusers path stepped by ``RCMScheduler(time_input="bf16")`` (the diffusers default), and far from the
   ``float`` result.
 
-Bad widget values come back in ``/prompt``'s 400 response; a wrong LoRA as an execution error.
+A bad widget value comes back in ``/prompt``'s 400 response as one error naming it; widgets that do not fit\ntogether (more steps than angles) and a wrong LoRA as an execution error.
 The server is stopped by its PID when the module ends.
 """
 
@@ -104,7 +104,7 @@ def t2v_prompt(server, sampler="RCMSampler", time_input=None, prefix=None, **rcm
 
     ``time_input``: RCMSampler's widget, else the workflow's own (bf16); ``sampler``: a built-in sampler
     (KSamplerSelect) in place of RCMSampler."""
-    with open(os.path.join(REPO, "example_workflows", "wan21_t2v_rcm_4step.json")) as f:
+    with open(os.path.join(REPO, "example_workflows", "1. Wan 2.1 T2V in 4 rCM steps.json")) as f:
         ui = json.load(f)
     api = ui_to_api(ui, server.get("/object_info"))
     by_type = {v["class_type"]: k for k, v in api.items()}
@@ -177,19 +177,32 @@ def test_wan_t2v_workflow_at_its_bf16_time_input_matches_the_diffusers_default(c
     assert d_float > 100 * tol and d_refs > 100 * tol
 
 
-@pytest.mark.parametrize("rcm_sigmas, fragment", [
-    ({"steps": 6}, "steps=6 is out of range: with mid_t=[1.5, 1.4, 1.0] the rCM sampler takes 1..4 steps"),
-    ({"mid_t": "1.5, 1.4.0"}, "mid_t: cannot read ['1.4.0'] as numbers"),
-    ({"sigma_max": 0.0}, "sigma_max must be > 0"),
-    ({"sigma_max": -3.0}, "sigma_max must be > 0"),
-    ({"steps": 4, "sigma_max": 2.0}, "arctan(sigma_max=2.0)"),
+@pytest.mark.parametrize("rcm_sigmas, widget, fragment", [
+    ({"mid_t": "1.5, 1.4.0"}, "mid_t", "rCM Sigmas: mid_t: cannot read ['1.4.0'] as numbers"),
+    ({"sigma_max": 0.0}, "sigma_max", "Value 0.0 smaller than min of 0.01"),
+    ({"sigma_max": -3.0}, "sigma_max", "Value -3.0 smaller than min of 0.01"),
+    ({"steps": 9}, "steps", "Value 9 bigger than max of 8"),
 ])
-def test_bad_widget_values_come_back_in_the_prompt_response(comfy_server, setup, rcm_sigmas, fragment):
+def test_bad_widget_values_come_back_in_the_prompt_response(comfy_server, setup, rcm_sigmas, widget, fragment):
+    """One error per bad value, naming that widget (ComfyUI reports a failed custom check once per input the check
+    takes: the check takes mid_t alone; steps and sigma_max are refused by their ranges)."""
     status, body = comfy_server.post("/prompt", {"prompt": t2v_prompt(comfy_server, **rcm_sigmas)})
     assert status == 400, body
     errors = [e for ne in body["node_errors"].values() for e in ne["errors"]]
-    text = " | ".join(f"{e['message']}: {e['details']}" for e in errors)
-    assert fragment in text and "rCM Sigmas" in text, text
+    assert len(errors) == 1, errors
+    (e,) = errors
+    assert e["extra_info"]["input_name"] == widget and fragment in f"{e['message']}: {e['details']}", e
+
+
+@pytest.mark.parametrize("rcm_sigmas, fragment", [
+    ({"steps": 6}, "rCM Sigmas: steps=6 is out of range: with mid_t=[1.5, 1.4, 1.0] the rCM sampler takes 1..4 steps"),
+    ({"steps": 4, "sigma_max": 2.0}, "arctan(sigma_max=2.0)"),
+])
+def test_widgets_that_do_not_fit_together_are_one_execution_error(comfy_server, setup, rcm_sigmas, fragment):
+    entry = comfy_server.run_prompt(t2v_prompt(comfy_server, **rcm_sigmas))
+    assert entry["status"]["status_str"] == "error"
+    (err,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert err["node_type"] == "RCMSigmas" and fragment in err["exception_message"], err["exception_message"]
 
 
 def test_wrong_lora_for_the_model_is_an_execution_error_naming_the_widget(comfy_server, setup):

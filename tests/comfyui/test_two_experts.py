@@ -8,7 +8,7 @@ and the same weights as a diffusers ``WanImageToVideoPipeline`` folder (``transf
 one run (``--experts both --time_input float``) on a small ``wan_i2v`` latent dataset of the real 16-channel
 shape; ``python -m rcm_diffusers.lora convert ... --format comfyui`` writes each expert's LoRA into
 ``models/loras`` under the names of the shipped editor workflow
-``example_workflows/wan22_i2v_two_expert_rcm.json`` (two ``UNETLoader``, two ``RCMLoraLoader``,
+``example_workflows/2. Wan 2.2 I2V A14B, two experts, 4 rCM steps.json`` (two ``UNETLoader``, two ``RCMLoraLoader``,
 ``RCMSigmas`` at sigma_max 200, ``RCMExpertSplit`` at 0.9, ``RCMSampler``, two ``SamplerCustomAdvanced``, the
 second with ``DisableNoise``). That workflow is converted to the API prompt the editor sends, shrunk to
 64x64x5, with stand-ins (``comfyui_harness.STANDIN_PACK``): the text encoder returns fixed embeddings,
@@ -182,7 +182,7 @@ def served(comfy_server, trained):
 
 def i2v_prompt(server, high_lora=HIGH_LORA, low_lora=LOW_LORA, prefix="two_experts"):
     """The shipped Wan 2.2 I2V two-expert editor workflow as the editor would POST it, shrunk, with stand-ins."""
-    with open(os.path.join(REPO, "example_workflows", "wan22_i2v_two_expert_rcm.json")) as f:
+    with open(os.path.join(REPO, "example_workflows", "2. Wan 2.2 I2V A14B, two experts, 4 rCM steps.json")) as f:
         ui = json.load(f)
     api = ui_to_api(ui, server.get("/object_info"))
 
