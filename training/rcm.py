@@ -33,7 +33,8 @@ from rcm_diffusers.distill import trainer as T  # noqa: E402
 from rcm_diffusers.distill.adapters import Networks  # noqa: E402
 from rcm_diffusers.distill.alternation import optimizer_steps, plan_step  # noqa: E402
 from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
-from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
+from rcm_diffusers.distill.config import noise_seeding_of  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator, step_noise, step_seed, video_noise_multiplier  # noqa: E402
 from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
 from rcm_diffusers.distill.experts import switch_of  # noqa: E402
 
@@ -59,6 +60,9 @@ def main(argv=None):
         # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
         cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
         mixed_precision=cfg.mixed_precision,
+        # N micro-batches per optimizer step: accelerator.backward divides each loss by N, accumulate() skips DDP's
+        # gradient all-reduce on all but the last micro-batch
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=cfg.output_dir,
         # the LR schedule counts iterations: by default accelerate steps a prepared scheduler once per process
@@ -160,28 +164,41 @@ def main(argv=None):
     T.MetricsWriter(os.path.join(cfg.output_dir, "spikes.jsonl"), state.step, accelerator.is_main_process)  # same trim
     guard = T.SpikeGuard(state.guard, cfg.spike_factor, cfg.spike_patience)
 
+    n_micro, B = cfg.gradient_accumulation_steps, cfg.batch_size
+    seeding = noise_seeding_of(cfg)
+    # the per-sample losses are reduced over a micro-batch; accelerator.backward divides by n_micro, which makes a
+    # mean over the whole batch; a sum over it must undo that division
+    loss_scale = float(n_micro) if cfg.loss_reduction == "sum" else 1.0
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
                disable=not (cfg.progress and accelerator.is_local_main_process), desc="rCM")
     for i in bar:
         t0 = time.perf_counter()
         plan = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, nets.has_fake)
         role = "student" if plan.student else "fake"
-        ids = batch_indices(len(data), cfg.batch_size, i, rank, world, cfg.seed)
-        x0, cond, uncond = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
-                                        if getattr(transformer.config, "guidance_embeds", False) else None)
-        gen = step_generator(cfg.seed, i, rank, device=device.type if device.type != "mps" else "cpu")
+        # the process's batch_size x n_micro samples of this optimizer step, run as n_micro micro-batches
+        ids = batch_indices(len(data), B * n_micro, i, rank, world, cfg.seed)
+        x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
+                                                    if getattr(transformer.config, "guidance_embeds", False) else None)
+        gen_all = step_noise(seeding, cfg.seed, i, rank, B * n_micro, device=device.type if device.type != "mps" else "cpu")
         for o in opts.values():
             o.zero_grad(set_to_none=True)
+        parts = []
+        for m in range(n_micro):
+            rows = (m * B, (m + 1) * B, B * n_micro)
+            x0, cond, uncond = (T.batch_rows(v, *rows) for v in (x0_all, cond_all, uncond_all))
+            gen = gen_all[m * B:(m + 1) * B] if n_micro > 1 else gen_all
 
-        def backward(loss, last):
-            with T.no_sync_unless(accelerator, sync_module[role], last):
-                accelerator.backward(loss)
+            def backward(loss, last, final=m == n_micro - 1):
+                with T.no_sync_unless(accelerator, sync_module[role], last and final):
+                    accelerator.backward(loss * loss_scale)
 
-        if plan.student:
-            nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
-            logs = T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm)
-        else:
-            logs = T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device)
+            with accelerator.accumulate(sync_module[role]):
+                if plan.student:
+                    nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
+                    parts.append(T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm))
+                else:
+                    parts.append(T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device))
+        logs = T.merge_logs(parts)
 
         if fsdp:  # adapters are replicated, not sharded: average their gradients as DDP would
             FS.all_reduce_grads(params[role])

@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from .. import rng
+
 __all__ = ["WanExpertSwitch", "pipeline_boundary_ratio", "index_boundary_ratio", "switch_of", "expert_lora_weights", "boundary_sigma", "sample_p_G_experts", "HIGH", "LOW"]
 
 #: the pipeline components of the high-noise and low-noise experts
@@ -168,7 +170,7 @@ def sample_p_G_experts(high: torch.Tensor, boundary_ratio: float, P_mean: float 
     sb = boundary_sigma(boundary_ratio)
     z_b = (math.log(sb / video_noise_multiplier) - P_mean) / P_std
     cdf_b = float(torch.special.ndtr(torch.tensor(z_b, dtype=torch.float64)))
-    u = torch.rand(high.shape[0], dtype=torch.float64, generator=generator, device=device)
+    u = rng.rand((high.shape[0],), dtype=torch.float64, generator=generator, device=device)
     high = high.to(u.device)
     # high: u in [cdf_b, 1); low: u in [0, cdf_b); kept off the ends so ndtri stays finite
     p = torch.where(high, cdf_b + u * (1.0 - cdf_b), u * cdf_b).clamp(1e-12, 1.0 - 1e-12)
