@@ -69,7 +69,9 @@ def main(argv=None):
         # per call, so P processes would run the warm-up P times faster
         step_scheduler_with_optimizer=False,
         # student and fake score train disjoint parameters on alternate iterations
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        # broadcast_buffers off: DDP would copy the buffers (Wan's RoPE tables, constants) from rank 0 in every forward,
+        # an in-place write that torch.func.jvp refuses (see also T.ddp_jvp_bypass)
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)],
     )
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # ---- the run folder: one writer, a new run only into an empty folder, the checkpoint to resume (docs/training.md)
@@ -120,6 +122,8 @@ def main(argv=None):
     wrap = [] if fsdp else names  # FSDP2: sharded above; accelerate must not add a DDP wrapper
     prepared = accelerator.prepare(*[trainable[n] for n in wrap], *[opts[r] for r in roles], *[scheds[r] for r in roles])
     prepared_modules = {**trainable, **dict(zip(wrap, prepared[: len(wrap)]))}
+    for m in prepared_modules.values():
+        T.ddp_jvp_bypass(m)  # the JVP passes (no_grad) call the module inside a DDP wrapper
     nets.replace_modules(prepared_modules)
     opts = dict(zip(roles, prepared[len(wrap): len(wrap) + len(roles)]))
     scheds = dict(zip(roles, prepared[len(wrap) + len(roles):]))

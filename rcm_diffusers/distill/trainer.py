@@ -26,7 +26,7 @@ from ..trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
 __all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
-           "lr_lambda", "batch_rows", "merge_logs"]
+           "lr_lambda", "batch_rows", "merge_logs", "ddp_jvp_bypass"]
 
 F64 = torch.float64
 
@@ -447,6 +447,25 @@ def merge_logs(parts: list[dict]) -> dict:
         else:
             out[k] = vals[-1]
     return out
+
+
+def ddp_jvp_bypass(module) -> None:
+    """Let ``torch.func.jvp`` run through a ``DistributedDataParallel`` wrapper: a call whose inputs carry a
+    forward-mode tangent goes to the wrapped module. DDP's forward wraps its outputs in an autograd.Function without a
+    forward-mode rule (``_DDPSink``, with ``find_unused_parameters``), which functorch refuses; the JVP passes run
+    under ``no_grad`` and produce no gradients for DDP to synchronise. Anything else: no-op."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel) or "forward" in module.__dict__:
+        return
+    from ..attention.function import has_tangent
+
+    stock = module.forward
+
+    def forward(*args, **kwargs):
+        if has_tangent(*[a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]):
+            return module.module(*args, **kwargs)
+        return stock(*args, **kwargs)
+
+    module.forward = forward
 
 
 def grad_norm(params) -> float:
