@@ -101,6 +101,21 @@ def main(argv=None):
             raise SystemExit(f"fd_type {cfg.fd_type} needs rcm_diffusers.attention.enable_jvp_attention ({e}); use --fd_type 2") from e
         for m in {id(m): m for m in nets.modules.values()}.values():
             enable_jvp_attention(m)
+    # ---- Ulysses context parallelism (rcm_diffusers.attention.ulysses): CP groups of consecutive ranks run one
+    # sample together; data parallelism across the groups
+    cp, dp_rank, dp_world = cfg.context_parallel_size, rank, world
+    if cp > 1:
+        from rcm_diffusers.attention import enable_jvp_attention
+        from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel
+
+        try:
+            dp_rank, dp_world, cp_group = context_parallel_groups(cp) if world > 1 else R.fail(
+                f"context_parallel_size {cp} needs {cp} x k processes, this run has 1")
+            for m in {id(m): m for m in nets.modules.values()}.values():
+                enable_jvp_attention(m)  # stock attention outside a JVP pass; the processors carry the exchange
+                enable_context_parallel(m, cp_group)
+        except ValueError as e:
+            R.fail(str(e))
     if fsdp:
         if switch_of(transformer) is not None:
             raise SystemExit("FSDP2 with two experts is not supported yet: use DDP (training/accelerate/ddp_8gpu.yaml) or --experts one")
@@ -148,6 +163,10 @@ def main(argv=None):
 
     # ---- data, logging, guards
     data = LatentDataset(cfg.data_dir)
+    if cp > 1:
+        n_tok = math.prod(n // p for n, p in zip(data.get([0])["latents"].shape[-3:], transformer.config.patch_size))
+        if n_tok % cp:
+            R.fail(f"context_parallel_size {cp}: a sample has {n_tok} video tokens, not divisible by {cp}")
     decoder = None
     if cfg.sample_every and accelerator.is_main_process:
         from rcm_diffusers.distill.previews import SampleDecoder
@@ -173,6 +192,9 @@ def main(argv=None):
     # the per-sample losses are reduced over a micro-batch; accelerator.backward divides by n_micro, which makes a
     # mean over the whole batch; a sum over it must undo that division
     loss_scale = float(n_micro) if cfg.loss_reduction == "sum" else 1.0
+    # context parallel: every rank of a group holds the same loss and its share of the gradient (the group's sum is
+    # the sample's gradient); DDP averages over all world = dp_world x cp processes, hence the factor cp
+    loss_scale *= cp
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
                disable=not (cfg.progress and accelerator.is_local_main_process), desc="rCM")
     for i in bar:
@@ -180,10 +202,10 @@ def main(argv=None):
         plan = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, nets.has_fake)
         role = "student" if plan.student else "fake"
         # the process's batch_size x n_micro samples of this optimizer step, run as n_micro micro-batches
-        ids = batch_indices(len(data), B * n_micro, i, rank, world, cfg.seed)
+        ids = batch_indices(len(data), B * n_micro, i, dp_rank, dp_world, cfg.seed)
         x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
                                                     if getattr(transformer.config, "guidance_embeds", False) else None)
-        gen_all = step_noise(seeding, cfg.seed, i, rank, B * n_micro, device=device.type if device.type != "mps" else "cpu")
+        gen_all = step_noise(seeding, cfg.seed, i, dp_rank, B * n_micro, device=device.type if device.type != "mps" else "cpu")
         for o in opts.values():
             o.zero_grad(set_to_none=True)
         parts = []

@@ -94,6 +94,9 @@ class RCMConfig:
     noise_seeding: str = opt("auto", "'rank' = one generator per (seed, step, rank) for the process's whole batch; 'sample' = one "
                              "per (seed, step, global sample position), so a sample's noise does not depend on the split into "
                              "processes or micro-batches; 'auto' = sample with gradient accumulation, else rank")
+    context_parallel_size: int = opt(1, "Wan: processes that run one sample together (Ulysses: video tokens split, all-to-all "
+                                     "around self-attention, rcm_diffusers.attention.ulysses); data parallelism runs across "
+                                     "the world_size / this groups, each group reading one process's batch_size samples")
     max_steps: int = opt(1000, "total iterations (student + fake-score steps)")
     seed: int = opt(0, "base seed; every random draw is a function of (seed, step, rank)")
     # outputs and guards
@@ -183,6 +186,11 @@ class RCMConfig:
         if self.scm_weight == 0 and self.tangent_warmup > 0:
             bad("tangent_warmup", "with scm_weight 0 (DMD only) the warm-up iterations train nothing; set tangent_warmup 0")
         _validate_accumulation(self, bad)
+        if self.context_parallel_size < 1:
+            bad("context_parallel_size", "must be >= 1")
+        if self.context_parallel_size > 1 and self.sample_every:
+            bad("sample_every", "sample grids run on the main process alone, a context-parallel model needs its whole "
+                                "group: use sample_every 0 with context_parallel_size > 1")
         return self
 
 
