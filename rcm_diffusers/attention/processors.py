@@ -95,11 +95,10 @@ class WanJVPAttnProcessor(_JVPAttend):
 
         parallel = self._parallel_config if encoder_hidden_states is None else None
         group = getattr(self, "cp_group", None) if encoder_hidden_states is None else None
-        if group is not None:  # Ulysses (attention/ulysses.py): token shards -> head shards, attend, and back
-            from .ulysses import all_to_all
-
-            q, k, v = (all_to_all(x, group, 2, 1) for x in (q, k, v))
-            out = all_to_all(self._attend(q, k, v, attention_mask, parallel), group, 1, 2).flatten(2, 3).type_as(q)
+        if group is not None:  # Ulysses (attention/ulysses.py installs cp_group and its all_to_all as cp_exchange):
+            a2a = self.cp_exchange  # token shards -> head shards, attend, and back
+            q, k, v = (a2a(x, group, 2, 1) for x in (q, k, v))
+            out = a2a(self._attend(q, k, v, attention_mask, parallel), group, 1, 2).flatten(2, 3).type_as(q)
         else:
             out = self._attend(q, k, v, attention_mask, parallel).flatten(2, 3).type_as(q)
         if out_img is not None:

@@ -157,7 +157,7 @@ def _enable(model, group) -> None:
         raise ValueError("enable_context_parallel needs rcm_diffusers' Wan attention processors: call enable_jvp_attention first")
     _disable(model)
     for p in procs.values():
-        p.cp_group = group
+        p.cp_group, p.cp_exchange = group, all_to_all
 
     def rope_out(_m, _args, out):
         return tuple(_shard(f, group, 1) for f in out)
@@ -196,4 +196,4 @@ def _disable(model) -> None:
         h.remove()
     for p in model.attn_processors.values():
         if hasattr(p, "cp_group"):
-            p.cp_group = None
+            p.cp_group = p.cp_exchange = None
