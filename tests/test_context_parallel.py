@@ -10,11 +10,14 @@ largest entry of each tensor (about 16 units)."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rcm_diffusers.distill.runs import free_port
 from train_helpers import REPO, run_script, run_trainer, tiny_wan_run
 
 TOL = 2e-6
@@ -64,7 +67,7 @@ def wan(tmp_path_factory):
 def test_rcm_context_parallel_two_processes_equals_one(wan):
     """training/rcm.py (student with sCM by exact JVP and DMD, fake score, EMA; 4 iterations) on 2 processes with
     --context_parallel_size 2 exports the same LoRA and EMA LoRA as 1 process with the same config, batch size and
-    seed, and logs the same losses. Also 2 DDP processes with batch 1 and per-sample noise equal 1 process with
+    seed, and logs the same losses; so does the same on 2 processes with FSDP2 (fsdp2_2cpu.yaml). Also 2 DDP processes with batch 1 and per-sample noise equal 1 process with
     batch 2 (this runs torch.func.jvp through the DDP wrapper: trainer.ddp_jvp_bypass)."""
     common = ["--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1], "--max_steps", "4", "--tangent_warmup", "0",
               "--student_update_freq", "2", "--lr_warmup_steps", "2", "--checkpoint_every", "0", "--adam_eps", "1e-3",
@@ -74,11 +77,20 @@ def test_rcm_context_parallel_two_processes_equals_one(wan):
             "one_sample": (1, ["--batch_size", "2", "--noise_seeding", "sample"])}
     for name, (procs, extra) in runs.items():
         run_trainer([*common, *extra, "--output_dir", str(wan[2] / name)], num_processes=procs, timeout=300)
-    for a, b in (("one", "cp2"), ("one_sample", "ddp2")):
+    # FSDP2 (the frozen base sharded over both processes) with CP 2, launched as users do with an accelerate config
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(free_port()),
+           os.path.join(REPO, "training", "rcm.py"), *common, "--batch_size", "2", "--context_parallel_size", "2",
+           "--output_dir", str(wan[2] / "fsdp_cp2")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert json.load(open(wan[2] / "fsdp_cp2" / "env.json"))["fsdp"]["layer_classes"] == ["WanTransformerBlock"]
+    for a, b in (("one", "cp2"), ("one_sample", "ddp2"), ("one", "fsdp_cp2")):
         assert json.load(open(wan[2] / b / "env.json"))["world_size"] == 2
         ra, rb = ([json.loads(line) for line in open(wan[2] / n / "metrics.jsonl")] for n in (a, b))
         assert [(r["net"], r["lr"]) for r in ra] == [(r["net"], r["lr"]) for r in rb] and len(ra) == 4
-        for x, y in zip(ra, rb) if b == "cp2" else ():  # DDP logs rank 0's own samples only
+        for x, y in zip(ra, rb) if b != "ddp2" else ():  # DDP logs rank 0's own samples only
             for k in [k for k in x if k.startswith("loss")]:
                 assert y[k] == pytest.approx(x[k], rel=1e-5), (b, k, x, y)
         for sub in ("", "ema"):
