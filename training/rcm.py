@@ -118,7 +118,7 @@ def main(argv=None):
             R.fail(str(e))
     if fsdp:
         if switch_of(transformer) is not None:
-            raise SystemExit("FSDP2 with two experts is not supported yet: use DDP (training/accelerate/ddp_8gpu.yaml) or --experts one")
+            switch_of(transformer).run_both = True  # every rank joins both experts' FSDP2 collectives in every call
         if cfg.mode != "shared":
             raise SystemExit("FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP (training/accelerate/ddp_8gpu.yaml)")
         FS.shard_frozen_base(transformer, **fsdp)

@@ -202,7 +202,7 @@ def per_rank(s: TrainSetup, world: int, device: str = "cuda") -> dict:
     out = predict_training(s, device)
     blocks = s.num_layers + s.num_single_layers
     full = out["weights"]
-    out["weights"] = full / world + (2 * full / blocks if world > 1 else 0.0)
+    out["weights"] = full / world + (2 * full / (blocks * s.experts) if world > 1 else 0.0)  # one expert runs at a time
     out["total"] = float(sum(v for k, v in out.items() if k not in ("total", "total_gib")))
     out["total_gib"] = out["total"] / GiB
     return out
