@@ -244,7 +244,7 @@ def main(argv=None):
         if guard.check(role, norm) and accelerator.is_main_process:
             with open(os.path.join(cfg.output_dir, "spikes.jsonl"), "a") as f:
                 f.write(json.dumps({"step": i, "net": role, "grad_norm": norm, "batch_ids": ids,
-                                      "seed": step_seed(cfg.seed, i, rank, 0), "noise_seeding": seeding, **logs}) + "\n")
+                                      "seed": step_seed(cfg.seed, i, dp_rank, 0), "noise_seeding": seeding, **logs}) + "\n")
         state.step = i + 1
 
         record = {"step": i, "net": role, "student_eff": plan.student_eff, "fake_eff": plan.fake_eff,
