@@ -13,8 +13,11 @@ Why our own collectives and not ``torch.distributed.nn.functional.all_to_all`` o
 their collectives as ``torch.autograd.Function`` with ``forward(ctx, ...)`` / ``backward`` only, which gives
 reverse-mode gradients but no forward-mode rule, and ``torch.func.jvp`` refuses an autograd.Function without
 ``setup_context`` and ``jvp``; diffusers also routes the attention through its backends' templated
-forward/backward ops, which have no tangent. ``_AllToAll`` and ``_Gather`` below are linear maps with all three
-rules: the tangent goes through the same collective as the primal, the gradient through its adjoint.
+forward/backward ops, which have no tangent. On a machine without an accelerator ``enable_parallelism`` does not
+even start in diffusers 0.42 (``ZeroDivisionError``: ``rank % torch.accelerator.device_count()`` in
+``_resolve_parallel_config``, tried on 2 gloo processes), so its training gradients could not be measured here.
+``_AllToAll`` and ``_Gather`` below are linear maps with all three rules: the tangent goes through the same
+collective as the primal, the gradient through its adjoint.
 
 The gather's adjoint takes the rank's own block of the output gradient without summing over the group: each
 rank of a CP group computes the same loss on the same gathered output, one copy of the loss. Each rank's
