@@ -1,6 +1,7 @@
 """The memory-model table of docs/benchmarks.md ("Memory model"): rcm_diffusers.distill.memory.predict_training for
 Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev at their training shapes, LoRA vs full three-network mode,
-and the batch x LoRA-rank dependence for Wan2.1-14B 480p. Prints markdown; CPU, seconds.
+the batch x LoRA-rank dependence for Wan2.1-14B 480p, and 8 x 80 GB with FSDP2 and Ulysses context parallelism 1/2/4/8
+for the 14B models at 480p/720p x 81 frames against a 72 GiB per-rank budget. Prints markdown; CPU, seconds.
 
     python benchmarks/memory_table.py
 """
@@ -10,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rcm_diffusers.distill.memory import GiB, TrainSetup, fits, predict_training  # noqa: E402
+from rcm_diffusers.distill.memory import GiB, TrainSetup, fits, per_rank, predict_training  # noqa: E402
 
 
 def g(x) -> str:
@@ -40,7 +41,7 @@ def main() -> None:
             else:  # official: everything sharded
                 per8 = on["total"] - (on["weights"] + tr) * 7 / 8
             f = fits(on["total"])
-            per8 = "—" if "both experts" in label else g(per8)  # training/rcm.py refuses FSDP2 with two experts (yet)
+            per8 = g(per8)  # two experts: both bases sharded (each rank runs both experts in every call under FSDP2)
             yes = lambda b: "yes" if b else "no"
             print(f"| {label} | {res} ({tok}) | {'LoRA r64, shared base' if mode=='shared' else 'full, 3 networks'} | {g(on['weights'])} | {g(tr)} | {g(on['activations'])} / {g(off['activations'])} | {g(on['jvp'])} | {g(on['total'])} ({g(off['total'])}) | {per8} | {yes(f['H200 (141 GB)'])} | {yes(f['80 GB (A100/H100)'])} | {yes(f['24 GB (RTX 4090)'])} |")
     print()
@@ -52,6 +53,23 @@ def main() -> None:
             s = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=21*30*52, text_tokens=512, lora_rank=r, batch=b)
             cells.append(g(predict_training(s)["total"]))
         print(f"| batch {b} | " + " | ".join(cells) + " |")
+    print()
+    print("8 x 80 GB, FSDP2 (frozen base sharded over 8 ranks), shared LoRA r64, bf16, fd_type 0, batch 1 per CP group; "
+          "GiB per rank, budget 72 GiB")
+    print()
+    print("| model | shape (tokens) | CP | tokens per rank | activations GC on | total GC on | <= 72 GiB | activations GC off | total GC off | <= 72 GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, arch, experts in (("Wan2.1-T2V-14B", "wan2.1-t2v-14b", 1), ("Wan2.2-I2V-A14B (one expert per run)", "wan2.2-i2v-a14b", 1),
+                                 ("Wan2.2-I2V-A14B (both experts in one run)", "wan2.2-i2v-a14b", 2)):
+        for res, tok in (("480p x 81", 21*30*52), ("720p x 81", 21*45*80)):
+            for cp in (1, 2, 4, 8):
+                cells = []
+                for gc in (True, False):
+                    s = TrainSetup.from_arch(arch, tokens=tok, text_tokens=512, lora_rank=64, gradient_checkpointing=gc,
+                                             context_parallel=cp, experts=experts)
+                    p = per_rank(s, 8)
+                    cells += [g(p["activations"]), g(p["total"]), "yes" if p["total_gib"] <= 72 else "no"]
+                print(f"| {label} | {res} ({tok}) | {cp} | {-(-tok // cp)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from . import rng
+
 __all__ = [
     "t_to_r",
     "r_to_t",
@@ -158,7 +160,7 @@ def sample_p_G(
     device=None,
 ) -> torch.Tensor:
     """sCM angles: ``ln sigma ~ N(P_mean, P_std^2)``, ``sigma *= video_noise_multiplier``, ``t = arctan sigma`` (docs/math.md §3)."""
-    n = torch.randn(batch, dtype=F64, generator=generator, device=device)
+    n = rng.randn((batch,), dtype=F64, generator=generator, device=device)
     sigma = torch.exp(P_mean + P_std * n) * video_noise_multiplier
     return torch.atan(sigma)
 
@@ -167,7 +169,7 @@ def sample_p_D(
     batch: int, shift: float = 5.0, generator: torch.Generator | None = None, device=None
 ) -> torch.Tensor:
     """DMD/critic angles: ``u ~ U[0,1)``, ``r = s u / (1 + (s-1) u)``, ``t = arctan(r / (1 - r))`` (docs/math.md §3)."""
-    u = torch.rand(batch, dtype=F64, generator=generator, device=device)
+    u = rng.rand((batch,), dtype=F64, generator=generator, device=device)
     return r_to_t(shift_r(u, shift))
 
 

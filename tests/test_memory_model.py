@@ -97,3 +97,28 @@ def test_checkpointing_and_devices():
     assert fits(100e9) == {"H200 (141 GB)": True, "80 GB (A100/H100)": False, "24 GB (RTX 4090)": False}
     s.mode = "full"
     assert predict_training(s)["total"] > predict_training(TrainSetup.from_arch("wan2.1-t2v-1.3b", tokens=32760, text_tokens=512))["total"]
+
+
+def test_context_parallel_and_accumulation():
+    """Ulysses CP P: a rank's activations are those of tokens / P (text and modulation whole); the all-to-all buffers
+    appear; accumulation keeps one micro-batch's activations; FSDP2 per rank holds 1 / world of the base plus two
+    unsharded blocks. The 8 x 80 GB rows of benchmarks/memory_table.py: Wan2.1-14B 720p x 81 needs CP >= 2 with
+    gradient checkpointing to stay under 72 GiB per rank."""
+    from rcm_diffusers.distill.memory import per_rank
+
+    kw = dict(text_tokens=512, lora_rank=64)
+    cp4 = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=4 * 9450, context_parallel=4, **kw)
+    one = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, **kw)
+    assert activation_bytes(cp4) == activation_bytes(one)
+    p4, p1 = predict_training(cp4), predict_training(one)
+    assert p4["cp_exchange"] == 3 * 2 * 2 * 9450 * one.dim * 2 and p1["cp_exchange"] == 0
+    acc = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, gradient_accumulation_steps=4, **kw)
+    assert predict_training(acc) == p1
+    assert predict_training(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, batch=4, **kw))["activations"] > 3.9 * p1["activations"]
+    r = per_rank(one, 8)
+    assert r["weights"] == p1["weights"] / 8 + 2 * p1["weights"] / one.num_layers
+    with pytest.raises(ValueError, match="does not divide"):
+        per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, context_parallel=3, **kw), 8)
+    gib = {cp: per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=21 * 45 * 80, context_parallel=cp, **kw), 8)["total_gib"]
+           for cp in (1, 2, 8)}
+    assert gib[1] > 72 > gib[2] > gib[8]

@@ -34,9 +34,9 @@ from tqdm.auto import tqdm  # noqa: E402
 from rcm_diffusers.distill import runs as R  # noqa: E402
 from rcm_diffusers.distill import trainer as T  # noqa: E402
 from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
-from rcm_diffusers.distill.config import QADConfig  # noqa: E402
+from rcm_diffusers.distill.config import QADConfig, noise_seeding_of  # noqa: E402
 from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
-from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_noise  # noqa: E402
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 from rcm_diffusers.distill import qad_trainer as Q  # noqa: E402
 from rcm_diffusers.distill.qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r  # noqa: E402
@@ -59,6 +59,9 @@ def main(argv=None):
     R.check_inputs(cfg)  # the teacher's weight format and the whole dataset, before the run folder or a model is touched
     accelerator = Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
                               mixed_precision=cfg.mixed_precision, project_dir=cfg.output_dir,
+                              # micro-batches per optimizer step: backward divides each loss by it, accumulate() skips
+                              # DDP's all-reduce on all but the last micro-batch
+                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               step_scheduler_with_optimizer=False,  # the LR schedule counts iterations, not iterations x processes
                               log_with=None if cfg.report_to == "none" else cfg.report_to)
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
@@ -146,17 +149,28 @@ def main(argv=None):
         accelerator.init_trackers("qad", config={k: str(v) for k, v in vars(cfg).items()})
 
     v_S = velocity_fn(student, cfg.time_input)
+    n_micro, B, seeding = cfg.gradient_accumulation_steps, cfg.batch_size, noise_seeding_of(cfg)
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
                disable=not (cfg.progress and accelerator.is_local_main_process), desc="QAD")
     for i in bar:
         t0 = time.perf_counter()
-        ids = batch_indices(len(data), cfg.batch_size, i, rank, world, cfg.seed)
-        x0, cond, uncond = model_inputs(data.family, data.get(ids), device, dtype, flux_g)
-        gen = step_generator(cfg.seed, i, rank, device=device.type if device.type != "mps" else "cpu")
+        # the process's batch_size x n_micro samples of this optimizer step, as n_micro micro-batches; each micro-batch's
+        # mean loss is divided by n_micro in accelerator.backward: the mean over the whole batch
+        ids = batch_indices(len(data), B * n_micro, i, rank, world, cfg.seed)
+        x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, dtype, flux_g)
+        gen_all = step_noise(seeding, cfg.seed, i, rank, B * n_micro, device=device.type if device.type != "mps" else "cpu")
         opt.zero_grad(set_to_none=True)
-        loss, logs = qad_loss(v_S, v_T, x0, cond, uncond, alpha=cfg.alpha, guidance=guidance, generator=gen,
-                              shift=cfg.shift, times=times, model_dtype=dtype)
-        accelerator.backward(loss.mean())
+        parts = []
+        for m in range(n_micro):
+            rows = (m * B, (m + 1) * B, B * n_micro)
+            x0, cond, uncond = (T.batch_rows(v, *rows) for v in (x0_all, cond_all, uncond_all))
+            with accelerator.accumulate(student):
+                loss, part = qad_loss(v_S, v_T, x0, cond, uncond, alpha=cfg.alpha, guidance=guidance,
+                                      generator=gen_all[m * B:(m + 1) * B] if n_micro > 1 else gen_all,
+                                      shift=cfg.shift, times=times, model_dtype=dtype)
+                accelerator.backward(loss.mean())
+            parts.append(part)
+        logs = T.merge_logs(parts)
         norm = float(accelerator.clip_grad_norm_(params, cfg.max_grad_norm)) if cfg.max_grad_norm > 0 else T.grad_norm(params)
         if math.isfinite(norm) or not cfg.skip_nonfinite:
             opt.step()

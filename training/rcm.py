@@ -33,7 +33,8 @@ from rcm_diffusers.distill import trainer as T  # noqa: E402
 from rcm_diffusers.distill.adapters import Networks  # noqa: E402
 from rcm_diffusers.distill.alternation import optimizer_steps, plan_step  # noqa: E402
 from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
-from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator, step_seed, video_noise_multiplier  # noqa: E402
+from rcm_diffusers.distill.config import noise_seeding_of  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator, step_noise, step_seed, video_noise_multiplier  # noqa: E402
 from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
 from rcm_diffusers.distill.experts import switch_of  # noqa: E402
 
@@ -63,13 +64,18 @@ def main(argv=None):
         # torchrun-style multi-process launch on a machine without GPUs: gloo over CPU processes
         cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
         mixed_precision=cfg.mixed_precision,
+        # N micro-batches per optimizer step: accelerator.backward divides each loss by N, accumulate() skips DDP's
+        # gradient all-reduce on all but the last micro-batch
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=cfg.output_dir,
         # the LR schedule counts iterations: by default accelerate steps a prepared scheduler once per process
         # per call, so P processes would run the warm-up P times faster
         step_scheduler_with_optimizer=False,
         # student and fake score train disjoint parameters on alternate iterations
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        # broadcast_buffers off: DDP would copy the buffers (Wan's RoPE tables, constants) from rank 0 in every forward,
+        # an in-place write that torch.func.jvp refuses (see also T.ddp_jvp_bypass)
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)],
     )
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     # ---- the run folder: one writer, a new run only into an empty folder, the checkpoint to resume (docs/training.md)
@@ -99,9 +105,24 @@ def main(argv=None):
             raise SystemExit(f"fd_type {cfg.fd_type} needs rcm_diffusers.attention.enable_jvp_attention ({e}); use --fd_type 2") from e
         for m in {id(m): m for m in nets.modules.values()}.values():
             enable_jvp_attention(m)
+    # ---- Ulysses context parallelism (rcm_diffusers.attention.ulysses): CP groups of consecutive ranks run one
+    # sample together; data parallelism across the groups
+    cp, dp_rank, dp_world = cfg.context_parallel_size, rank, world
+    if cp > 1:
+        from rcm_diffusers.attention import enable_jvp_attention
+        from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel
+
+        try:
+            dp_rank, dp_world, cp_group = context_parallel_groups(cp) if world > 1 else R.fail(
+                f"context_parallel_size {cp} needs {cp} x k processes, this run has 1")
+            for m in {id(m): m for m in nets.modules.values()}.values():
+                enable_jvp_attention(m)  # stock attention outside a JVP pass; the processors carry the exchange
+                enable_context_parallel(m, cp_group)
+        except ValueError as e:
+            R.fail(str(e))
     if fsdp:
         if switch_of(transformer) is not None:
-            raise SystemExit("FSDP2 with two experts is not supported yet: use DDP (training/accelerate/ddp_8gpu.yaml) or --experts one")
+            switch_of(transformer).run_both = True  # every rank joins both experts' FSDP2 collectives in every call
         if cfg.mode != "shared":
             raise SystemExit("FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP (training/accelerate/ddp_8gpu.yaml)")
         FS.shard_frozen_base(transformer, **fsdp)
@@ -120,6 +141,8 @@ def main(argv=None):
     wrap = [] if fsdp else names  # FSDP2: sharded above; accelerate must not add a DDP wrapper
     prepared = accelerator.prepare(*[trainable[n] for n in wrap], *[opts[r] for r in roles], *[scheds[r] for r in roles])
     prepared_modules = {**trainable, **dict(zip(wrap, prepared[: len(wrap)]))}
+    for m in prepared_modules.values():
+        T.ddp_jvp_bypass(m)  # the JVP passes (no_grad) call the module inside a DDP wrapper
     nets.replace_modules(prepared_modules)
     opts = dict(zip(roles, prepared[len(wrap): len(wrap) + len(roles)]))
     scheds = dict(zip(roles, prepared[len(wrap) + len(roles):]))
@@ -144,6 +167,10 @@ def main(argv=None):
 
     # ---- data, logging, guards
     data = LatentDataset(cfg.data_dir)
+    if cp > 1:
+        n_tok = math.prod(n // p for n, p in zip(data.get([0])["latents"].shape[-3:], transformer.config.patch_size))
+        if n_tok % cp:
+            R.fail(f"context_parallel_size {cp}: a sample has {n_tok} video tokens, not divisible by {cp}")
     decoder = None
     if cfg.sample_every and accelerator.is_main_process:
         from rcm_diffusers.distill.previews import SampleDecoder
@@ -164,28 +191,44 @@ def main(argv=None):
     T.MetricsWriter(os.path.join(cfg.output_dir, "spikes.jsonl"), state.step, accelerator.is_main_process)  # same trim
     guard = T.SpikeGuard(state.guard, cfg.spike_factor, cfg.spike_patience)
 
+    n_micro, B = cfg.gradient_accumulation_steps, cfg.batch_size
+    seeding = noise_seeding_of(cfg)
+    # the per-sample losses are reduced over a micro-batch; accelerator.backward divides by n_micro, which makes a
+    # mean over the whole batch; a sum over it must undo that division
+    loss_scale = float(n_micro) if cfg.loss_reduction == "sum" else 1.0
+    # context parallel: every rank of a group holds the same loss and its share of the gradient (the group's sum is
+    # the sample's gradient); DDP averages over all world = dp_world x cp processes, hence the factor cp
+    loss_scale *= cp
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
                disable=not (cfg.progress and accelerator.is_local_main_process), desc="rCM")
     for i in bar:
         t0 = time.perf_counter()
         plan = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, nets.has_fake)
         role = "student" if plan.student else "fake"
-        ids = batch_indices(len(data), cfg.batch_size, i, rank, world, cfg.seed)
-        x0, cond, uncond = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
-                                        if getattr(transformer.config, "guidance_embeds", False) else None)
-        gen = step_generator(cfg.seed, i, rank, device=device.type if device.type != "mps" else "cpu")
+        # the process's batch_size x n_micro samples of this optimizer step, run as n_micro micro-batches
+        ids = batch_indices(len(data), B * n_micro, i, dp_rank, dp_world, cfg.seed)
+        x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
+                                                    if getattr(transformer.config, "guidance_embeds", False) else None)
+        gen_all = step_noise(seeding, cfg.seed, i, dp_rank, B * n_micro, device=device.type if device.type != "mps" else "cpu")
         for o in opts.values():
             o.zero_grad(set_to_none=True)
+        parts = []
+        for m in range(n_micro):
+            rows = (m * B, (m + 1) * B, B * n_micro)
+            x0, cond, uncond = (T.batch_rows(v, *rows) for v in (x0_all, cond_all, uncond_all))
+            gen = gen_all[m * B:(m + 1) * B] if n_micro > 1 else gen_all
 
-        def backward(loss, last):
-            with T.no_sync_unless(accelerator, sync_module[role], last):
-                accelerator.backward(loss)
+            def backward(loss, last, final=m == n_micro - 1):
+                with T.no_sync_unless(accelerator, sync_module[role], last and final):
+                    accelerator.backward(loss * loss_scale)
 
-        if plan.student:
-            nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
-            logs = T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm)
-        else:
-            logs = T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device)
+            with accelerator.accumulate(sync_module[role]):
+                if plan.student:
+                    nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
+                    parts.append(T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm))
+                else:
+                    parts.append(T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device))
+        logs = T.merge_logs(parts)
 
         if fsdp:  # adapters are replicated, not sharded: average their gradients as DDP would
             FS.all_reduce_grads(params[role])
@@ -205,7 +248,7 @@ def main(argv=None):
         if guard.check(role, norm) and accelerator.is_main_process:
             with open(os.path.join(cfg.output_dir, "spikes.jsonl"), "a") as f:
                 f.write(json.dumps({"step": i, "net": role, "grad_norm": norm, "batch_ids": ids,
-                                      "seed": step_seed(cfg.seed, i, rank, 0), **logs}) + "\n")
+                                      "seed": step_seed(cfg.seed, i, dp_rank, 0), "noise_seeding": seeding, **logs}) + "\n")
         state.step = i + 1
 
         record = {"step": i, "net": role, "student_eff": plan.student_eff, "fake_eff": plan.fake_eff,

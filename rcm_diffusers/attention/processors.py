@@ -94,7 +94,13 @@ class WanJVPAttnProcessor(_JVPAttend):
             out_img = self._attend(q, k_img, v_img).flatten(2, 3).type_as(q)
 
         parallel = self._parallel_config if encoder_hidden_states is None else None
-        out = self._attend(q, k, v, attention_mask, parallel).flatten(2, 3).type_as(q)
+        group = getattr(self, "cp_group", None) if encoder_hidden_states is None else None
+        if group is not None:  # Ulysses (attention/ulysses.py installs cp_group and its all_to_all as cp_exchange):
+            a2a = self.cp_exchange  # token shards -> head shards, attend, and back
+            q, k, v = (a2a(x, group, 2, 1) for x in (q, k, v))
+            out = a2a(self._attend(q, k, v, attention_mask, parallel), group, 1, 2).flatten(2, 3).type_as(q)
+        else:
+            out = self._attend(q, k, v, attention_mask, parallel).flatten(2, 3).type_as(q)
         if out_img is not None:
             out = out + out_img
         return attn.to_out[1](attn.to_out[0](out))

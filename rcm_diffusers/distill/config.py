@@ -15,7 +15,7 @@ import yaml
 
 from ..models import TIME_INPUTS
 
-__all__ = ["RCMConfig", "QADConfig", "load_config", "format_help"]
+__all__ = ["RCMConfig", "QADConfig", "load_config", "format_help", "noise_seeding_of"]
 
 
 def opt(default, help: str, **kw):
@@ -88,6 +88,15 @@ class RCMConfig:
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off, as the official rCM grad_clip False)")
     ema_rate: float = opt(0.10, "power-EMA rate s (0 = no EMA)")
     batch_size: int = opt(1, "samples per process and iteration")
+    gradient_accumulation_steps: int = opt(1, "micro-batches of batch_size per process and optimizer step: one iteration = "
+                                           "one optimizer step on batch_size x this samples per process (same samples, noise "
+                                           "and loss as batch_size x this in one batch; needs noise_seeding sample, which auto picks)")
+    noise_seeding: str = opt("auto", "'rank' = one generator per (seed, step, rank) for the process's whole batch; 'sample' = one "
+                             "per (seed, step, global sample position), so a sample's noise does not depend on the split into "
+                             "processes or micro-batches; 'auto' = sample with gradient accumulation, else rank")
+    context_parallel_size: int = opt(1, "Wan: processes that run one sample together (Ulysses: video tokens split, all-to-all "
+                                     "around self-attention, rcm_diffusers.attention.ulysses); data parallelism runs across "
+                                     "the world_size / this groups, each group reading one process's batch_size samples")
     max_steps: int = opt(1000, "total iterations (student + fake-score steps)")
     seed: int = opt(0, "base seed; every random draw is a function of (seed, step, rank)")
     # outputs and guards
@@ -176,6 +185,12 @@ class RCMConfig:
             bad("scm_weight", "sCM off and DMD off leaves nothing to train")
         if self.scm_weight == 0 and self.tangent_warmup > 0:
             bad("tangent_warmup", "with scm_weight 0 (DMD only) the warm-up iterations train nothing; set tangent_warmup 0")
+        _validate_accumulation(self, bad)
+        if self.context_parallel_size < 1:
+            bad("context_parallel_size", "must be >= 1")
+        if self.context_parallel_size > 1 and self.sample_every:
+            bad("sample_every", "sample grids run on the main process alone, a context-parallel model needs its whole "
+                                "group: use sample_every 0 with context_parallel_size > 1")
         return self
 
 
@@ -230,6 +245,10 @@ class QADConfig:
     lr_warmup_steps: int = opt(0, "linear learning-rate warm-up steps")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
     batch_size: int = opt(1, "samples per process and iteration")
+    gradient_accumulation_steps: int = opt(1, "micro-batches of batch_size per process and optimizer step (same samples, noise "
+                                           "and loss as one batch of batch_size x this; needs noise_seeding sample, which auto picks)")
+    noise_seeding: str = opt("auto", "'rank' = one generator per (seed, step, rank) for the process's whole batch; 'sample' = one "
+                             "per (seed, step, global sample position); 'auto' = sample with gradient accumulation, else rank")
     max_steps: int = opt(1000, "total iterations")
     ema_rate: float = opt(0.0, "power-EMA rate s of the trained weights (0 = off); exports an EMA variant in ema/")
     export_delta: bool = opt(True, "scope all: also export the bf16 full-weight delta student - teacher (ComfyUI LoRA layout, .diff/.diff_b)")
@@ -340,6 +359,7 @@ class QADConfig:
                 bad("per_channel", "target comfyui: per-channel FP8 has no ComfyUI field")
         if not 0 <= self.ema_rate < 1:
             bad("ema_rate", "must lie in [0, 1)")
+        _validate_accumulation(self, bad)
         return self
 
     def resolved_target(self, arch: str) -> str:
@@ -352,6 +372,24 @@ class QADConfig:
         layout = self.export_layout if self.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")
         ok = self.format in COMFY_ACT and not self.per_channel and self.act_format in ("", self.format)
         return "comfyui" if layout == "comfyui" and ok else "fake"
+
+def _validate_accumulation(cfg, bad) -> None:
+    """Checks of ``gradient_accumulation_steps`` and ``noise_seeding`` (both configs)."""
+    if cfg.gradient_accumulation_steps < 1:
+        bad("gradient_accumulation_steps", "must be >= 1")
+    if cfg.noise_seeding not in ("auto", "rank", "sample"):
+        bad("noise_seeding", "use auto, rank or sample")
+    if cfg.gradient_accumulation_steps > 1 and cfg.noise_seeding == "rank":
+        bad("noise_seeding", "with gradient_accumulation_steps > 1 each micro-batch must draw its samples' own noise: "
+                              "use sample (or auto)")
+
+
+def noise_seeding_of(cfg) -> str:
+    """``cfg.noise_seeding`` with ``auto`` resolved: ``sample`` with gradient accumulation, else ``rank``."""
+    if cfg.noise_seeding != "auto":
+        return cfg.noise_seeding
+    return "sample" if cfg.gradient_accumulation_steps > 1 else "rank"
+
 
 # the script each config drives (kept off the dataclass fields)
 RCMConfig.script = "training/rcm.py"

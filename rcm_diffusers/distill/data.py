@@ -39,7 +39,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["write_latent_dataset", "check_dataset", "DataError", "LatentDataset", "batch_indices", "step_seed", "step_generator", "model_inputs",
+__all__ = ["write_latent_dataset", "check_dataset", "DataError", "LatentDataset", "batch_indices", "step_seed",
+           "step_generator", "sample_generators", "step_noise", "model_inputs",
            "pack_flux_latents", "unpack_flux_latents"]
 
 FORMAT = "rcm-latents"
@@ -370,6 +371,29 @@ def step_seed(seed: int, *keys: int) -> int:
 def step_generator(seed: int, step: int, rank: int, stream: int = 0, device="cpu") -> torch.Generator:
     """Per-(step, rank, stream) generator: noise depends on nothing but these numbers."""
     return torch.Generator(device=device).manual_seed(step_seed(seed, step, rank, stream))
+
+
+SAMPLE_STREAM = 0x5A3D  # keeps the per-sample seeds apart from the per-(step, rank, stream) ones
+
+
+def sample_generators(seed: int, step: int, first: int, count: int, device="cpu"):
+    """``rng.SampleGenerators`` of the ``count`` samples at global positions ``first, first + 1, ...`` of ``step``'s
+    global batch (the rows ``batch_indices`` reads): each sample's noise depends on ``(seed, step, position)`` only,
+    not on how the global batch is split over processes and micro-batches."""
+    from ..rng import SampleGenerators
+
+    return SampleGenerators(torch.Generator(device=device).manual_seed(step_seed(seed, step, SAMPLE_STREAM, first + j))
+                            for j in range(count))
+
+
+def step_noise(noise_seeding: str, seed: int, step: int, rank: int, batch: int, device="cpu"):
+    """The generator of ``rank``'s ``batch`` samples at ``step``: ``"rank"`` = one ``step_generator(seed, step, rank)``
+    drawn for the whole batch; ``"sample"`` = ``sample_generators`` of the rank's rows (``batch`` per rank)."""
+    if noise_seeding == "rank":
+        return step_generator(seed, step, rank, device=device)
+    if noise_seeding == "sample":
+        return sample_generators(seed, step, rank * batch, batch, device=device)
+    raise ValueError(f"noise_seeding {noise_seeding!r}: use 'rank' or 'sample'")
 
 
 def batch_indices(num_samples: int, batch_size: int, step: int, rank: int, world: int, seed: int) -> list[int]:

@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from .. import rng
+
 __all__ = ["WanExpertSwitch", "pipeline_boundary_ratio", "index_boundary_ratio", "switch_of", "expert_lora_weights", "boundary_sigma", "sample_p_G_experts", "HIGH", "LOW"]
 
 #: the pipeline components of the high-noise and low-noise experts
@@ -73,6 +75,8 @@ class WanExpertSwitch(nn.Module):
         self.boundary_timestep = float(boundary_ratio) * num_train_timesteps
         self._pin: torch.Tensor | None = None
         self.calls: list | None = None
+        # FSDP2 (both experts sharded over all ranks): every call runs both experts on every rank, see forward
+        self.run_both = False
 
     # ---- what the rest of the package reads from a diffusers model
     @property
@@ -135,16 +139,29 @@ class WanExpertSwitch(nn.Module):
             raise ValueError(f"expert choice for {high.shape[0]} samples, batch of {B}")
         high = high.to(hidden_states.device)
 
-        def run(expert: str, idx):
+        def run(expert: str, idx, record: bool = True):
             m = self.experts[expert]
             sub = (lambda a: a) if idx is None else (lambda a: a if a is None else a.index_select(0, idx))
-            if self.calls is not None:
+            if self.calls is not None and record:
                 self.calls.append((expert, sub(timestep).detach().double().cpu().reshape(-1).tolist()))
             return m(hidden_states=sub(hidden_states), timestep=sub(timestep), encoder_hidden_states=sub(encoder_hidden_states),
                      encoder_hidden_states_image=sub(encoder_hidden_states_image), attention_kwargs=attention_kwargs,
                      return_dict=False, **kw)[0]
 
-        if bool(high.all()):
+        if self.run_both:
+            # FSDP2 gathers an expert's shards in collectives every rank must join, forward and backward: each rank
+            # calls both experts in the same order; an expert no sample of this rank needs runs on sample 0 and its
+            # output enters the result times zero, so its backward runs too (zero gradients)
+            outs, zero = [], 0.0
+            idx_h, idx_l = high.nonzero()[:, 0], (~high).nonzero()[:, 0]
+            for expert, idx in ((HIGH, idx_h), (LOW, idx_l)):
+                if idx.numel():
+                    outs.append(run(expert, idx))
+                else:
+                    zero = zero + 0.0 * run(expert, idx.new_zeros(1), record=False).sum()
+            order = torch.argsort(torch.cat([idx_h, idx_l]))
+            out = torch.cat(outs).index_select(0, order) + zero
+        elif bool(high.all()):
             out = run(HIGH, None)
         elif not bool(high.any()):
             out = run(LOW, None)
@@ -168,7 +185,7 @@ def sample_p_G_experts(high: torch.Tensor, boundary_ratio: float, P_mean: float 
     sb = boundary_sigma(boundary_ratio)
     z_b = (math.log(sb / video_noise_multiplier) - P_mean) / P_std
     cdf_b = float(torch.special.ndtr(torch.tensor(z_b, dtype=torch.float64)))
-    u = torch.rand(high.shape[0], dtype=torch.float64, generator=generator, device=device)
+    u = rng.rand((high.shape[0],), dtype=torch.float64, generator=generator, device=device)
     high = high.to(u.device)
     # high: u in [cdf_b, 1); low: u in [0, cdf_b); kept off the ends so ndtri stays finite
     p = torch.where(high, cdf_b + u * (1.0 - cdf_b), u * cdf_b).clamp(1e-12, 1.0 - 1e-12)

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .. import rng
 from ..trigflow import F_from_x0_eps, _bcast, sample_p_D, trigflow_noise
 
 __all__ = [
@@ -177,7 +178,7 @@ def backward_simulation(
     if n < 1:
         raise ValueError(f"backward simulation needs n >= 1 student steps, got {n}")
     B = shape[0]
-    x = torch.randn(shape, dtype=F64, generator=generator, device=device)
+    x = rng.randn(shape, dtype=F64, generator=generator, device=device)
     t = torch.full((B,), math.pi / 2, dtype=F64, device=device)
     angles = [t]
     grad = torch.is_grad_enabled()
@@ -188,7 +189,7 @@ def backward_simulation(
         if last:
             return x0, torch.stack(angles)
         t = torch.minimum(sample_p_D(B, shift, generator=generator, device=device), t)
-        eps = torch.randn(shape, dtype=F64, generator=generator, device=device)
+        eps = rng.randn(shape, dtype=F64, generator=generator, device=device)
         x = trigflow_noise(x0.detach().to(F64), eps, t)
         angles.append(t)
 

@@ -14,7 +14,16 @@
   plus one block's recomputed activations;
 * ``jvp``: the extra working set of the no-grad ``torch.func.jvp`` pass (fd_type 0/1): primal and
   tangent of one block's live tensors (not saved across blocks: the JVP runs without grad);
+* ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the all-to-all send and receive
+  buffers of one self-attention's ``q, k, v`` (and their tangents in the JVP pass);
 * ``overhead``: runtime (CUDA context or the CPU process with torch + diffusers imported).
+
+Context parallelism divides the video tokens of a sample over ``P`` ranks: every per-token term above (the saved
+activations, the checkpointed block inputs, the JVP working set) counts ``tokens / P``; attention after the
+all-to-all holds all tokens of ``H / P`` heads, the same bytes. The text tokens (cross-attention keys/values) and the
+per-block modulation stay whole on every rank. Gradient accumulation (``gradient_accumulation_steps``) keeps one
+micro-batch of ``batch`` samples in flight: activations are those of ``batch``; gradients accumulate in place.
+``per_rank`` gives the bytes per process with the frozen base sharded over the processes (FSDP2).
 
 Activation coefficients (bytes saved per token per block, in units of the model width ``D`` and
 the feed-forward width ``F``) were counted with ``torch.autograd.graph.saved_tensors_hooks`` on the
@@ -30,7 +39,7 @@ import functools
 
 import torch
 
-__all__ = ["TrainSetup", "predict_training", "saved_activation_bytes", "DEVICES", "fits", "ACT_COEFFS"]
+__all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "DEVICES", "fits", "ACT_COEFFS"]
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,11 +83,14 @@ class TrainSetup:
     ema: bool = True
     experts: int = 1  # networks resident at once: Wan2.2 A14B with both experts in one run (docs/math.md §6.1) holds 2
     #                   bases and 2 sets of adapters/optimizer/EMA; a batch is split between them, so activations do not grow
+    context_parallel: int = 1  # Ulysses group size P: each rank holds tokens / P of every sample
+    gradient_accumulation_steps: int = 1  # micro-batches of `batch` per optimizer step: no extra memory (see above)
 
     @classmethod
     def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
                     weight_dtype: str = "bfloat16", gradient_checkpointing: bool = True, fd_type: int = 0, mode: str = "shared",
-                    ema: bool = True, experts: int = 1) -> "TrainSetup":
+                    ema: bool = True, experts: int = 1, context_parallel: int = 1,
+                    gradient_accumulation_steps: int = 1) -> "TrainSetup":
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact."""
         flux = class_name.startswith("Flux")
         counts = _counts(class_name, tuple(sorted((k, _hashable(v)) for k, v in config.items())), lora_rank)
@@ -87,7 +99,8 @@ class TrainSetup:
                    num_layers=config["num_layers"], num_single_layers=config.get("num_single_layers", 0) if flux else 0,
                    params=counts[0], lora_params_student=counts[1], lora_params_fake=counts[2], tokens=tokens,
                    text_tokens=text_tokens, batch=batch, weight_dtype=weight_dtype, gradient_checkpointing=gradient_checkpointing,
-                   fd_type=fd_type, mode=mode, ema=ema, experts=experts)
+                   fd_type=fd_type, mode=mode, ema=ema, experts=experts, context_parallel=context_parallel,
+                   gradient_accumulation_steps=gradient_accumulation_steps)
 
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
@@ -125,11 +138,18 @@ def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> 
                       + c.get("layer_D", 0.0) * s.dim)  # layer_D: per-block float32 modulation, independent of tokens
 
 
+def _rank_tokens(s: TrainSetup) -> int:
+    """Video/image tokens one rank holds: ``tokens / context_parallel`` (rounded up)."""
+    return -(-s.tokens // s.context_parallel)
+
+
 def activation_bytes(s: TrainSetup) -> tuple[float, float]:
     """``(saved, one_block)``: bytes autograd saves in one grad-enabled forward, and the largest
     single block's share (the recompute working set under gradient checkpointing)."""
+    if s.context_parallel > 1 and s.family != "wan":
+        raise ValueError("context parallelism is implemented for Wan only")
     if s.family == "wan":
-        blocks = [(ACT_COEFFS["wan"], s.tokens, s.text_tokens)] * s.num_layers
+        blocks = [(ACT_COEFFS["wan"], _rank_tokens(s), s.text_tokens)] * s.num_layers
     else:
         n = s.tokens + s.text_tokens  # both streams (double) / concatenated (single)
         blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [(ACT_COEFFS["flux_single"], n, 0)] * s.num_single_layers
@@ -138,7 +158,7 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
     if not s.gradient_checkpointing:
         return float(sum(sizes)), one
     mb = DTYPE_BYTES[s.weight_dtype]
-    n_tok = s.tokens + (s.text_tokens if s.family == "flux" else 0)
+    n_tok = _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
     inputs = len(sizes) * s.batch * n_tok * s.dim * mb  # each block's input hidden states
     return float(inputs + one), one
 
@@ -161,12 +181,31 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     saved, one = activation_bytes(s)
     out["activations"] = saved
     out["jvp"] = 2 * one if s.fd_type in (0, 1) else 0.0
+    # q, k, v sent and received (x2), primal and, in the JVP pass, tangent (x2), at the activation dtype
+    out["cp_exchange"] = (3 * 2 * (2 if s.fd_type in (0, 1) else 1) * s.batch * _rank_tokens(s) * s.dim
+                          * DTYPE_BYTES[s.weight_dtype]) if s.context_parallel > 1 else 0.0
     out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
     total = sum(out.values())
     res = {k: float(v) for k, v in out.items()}
     res["total"] = float(total)
     res["total_gib"] = total / GiB
     return res
+
+
+def per_rank(s: TrainSetup, world: int, device: str = "cuda") -> dict:
+    """``predict_training`` per process when the frozen base is sharded over ``world`` processes (FSDP2, as
+    ``training/rcm.py`` shards it; adapters, optimizer and EMA replicated): the base counts ``1 / world``, plus the
+    FSDP2 working set of two unsharded blocks (the one running and the one prefetched). ``s.context_parallel``
+    must divide ``world``."""
+    if world % s.context_parallel:
+        raise ValueError(f"context_parallel {s.context_parallel} does not divide {world} processes")
+    out = predict_training(s, device)
+    blocks = s.num_layers + s.num_single_layers
+    full = out["weights"]
+    out["weights"] = full / world + (2 * full / (blocks * s.experts) if world > 1 else 0.0)  # one expert runs at a time
+    out["total"] = float(sum(v for k, v in out.items() if k not in ("total", "total_gib")))
+    out["total_gib"] = out["total"] / GiB
+    return out
 
 
 def fits(total_bytes: float, margin: float = 0.9) -> dict[str, bool]:

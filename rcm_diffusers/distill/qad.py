@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import rng
 from ..models import _base_model
 from ..trigflow import shift_r
 
@@ -62,8 +63,8 @@ def sample_r(batch: int, shift: float = 1.0, times=None, generator=None, device=
     """``r`` per sample (float64): shifted uniform ``s u / (1 + (s - 1) u)``, or uniform among ``times`` (rCM teacher)."""
     if times:
         t = torch.as_tensor(list(times), dtype=torch.float64, device=device)
-        return t[torch.randint(len(t), (batch,), generator=generator, device=device)]
-    u = torch.rand(batch, dtype=torch.float64, generator=generator, device=device)
+        return t[rng.randint(len(t), (batch,), generator=generator, device=device)]
+    u = rng.rand((batch,), dtype=torch.float64, generator=generator, device=device)
     return shift_r(u, shift)
 
 
@@ -82,7 +83,7 @@ def qad_loss(student_v, teacher_v, x0, cond, uncond, *, alpha: float, guidance: 
     B = x0.shape[0]
     dtype = model_dtype or torch.float32
     r = sample_r(B, shift, times, generator, x0.device)
-    eps = torch.randn(x0.shape, dtype=torch.float64, generator=generator, device=x0.device)
+    eps = rng.randn(x0.shape, dtype=torch.float64, generator=generator, device=x0.device)
     x_r = ((1 - _bc(r, x0)) * x0 + _bc(r, x0) * eps).to(dtype)
     r_m = r.to(torch.float32)
     v_S = student_v(x_r, r_m, **cond).double()

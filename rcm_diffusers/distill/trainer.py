@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 
 from . import losses as L
+from .. import rng
 from .alternation import StepPlan
 from .experts import sample_p_G_experts, switch_of
 from ..models import network_timestep
@@ -25,7 +26,7 @@ from ..trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
 __all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
-           "lr_lambda"]
+           "lr_lambda", "batch_rows", "merge_logs", "ddp_jvp_bypass"]
 
 F64 = torch.float64
 
@@ -82,7 +83,7 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
         G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0.shape, plan.n_sim, shift=cfg.p_D_shift,
                                         generator=generator, device=dev)
         t_D = sample_p_D(B, cfg.p_D_shift, generator=generator, device=dev)
-        eps_D = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+        eps_D = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(G_x0.detach(), eps_D, t_D)
         with torch.no_grad():
             x0_fake = nets.x0("fake", x_t, t_D, cond)
@@ -92,7 +93,7 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
         logs.update(loss_dmd=float(l_dmd.detach().mean()), nan_dmd=info["nan"], dmd_w=info["w"], n_sim=plan.n_sim)
     if cfg.scm_weight > 0:
         t = scm_times(sw, B, cfg, noise_multiplier, generator, dev)
-        eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+        eps = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(x0, eps, t)
         F_T = teacher_F(nets, x_t, t, cond, uncond, cfg.guidance_scale)
         # two experts: every student call of the term (t, and t - h for fd_type 1/2) stays on the expert owning t
@@ -117,7 +118,7 @@ def boundary_step(nets, switch, x0, cond, generator):
     low-noise expert's student ``F`` (no gradient), the consistency function being continuous across the switch."""
     B, dev = x0.shape[0], x0.device
     t_b = r_to_t(torch.full((B,), switch.boundary_ratio, dtype=F64, device=dev))  # arctan(b / (1 - b))
-    eps = torch.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+    eps = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
     x_b = trigflow_noise(x0, eps, t_b)
     with torch.no_grad(), switch.pinned(torch.zeros(B, dtype=torch.bool)):
         F_low = nets.F("student", x_b, t_b, cond)
@@ -132,7 +133,7 @@ def scm_times(switch, B: int, cfg, noise_multiplier: float, generator, device) -
     to that expert's side of the boundary (docs/math.md §6.1)."""
     if switch is None or cfg.expert_sampling == "natural":
         return sample_p_G(B, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=device)
-    high = torch.rand(B, dtype=F64, generator=generator, device=device) < cfg.high_noise_share
+    high = rng.rand((B,), dtype=F64, generator=generator, device=device) < cfg.high_noise_share
     return sample_p_G_experts(high, switch.boundary_ratio, cfg.P_mean, cfg.P_std, noise_multiplier,
                               generator=generator, device=device)
 
@@ -146,7 +147,7 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
         G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0_shape, n, shift=cfg.p_D_shift,
                                         generator=generator, device=device)
     t = sample_p_D(B, cfg.p_D_shift, generator=generator, device=device)
-    eps = torch.randn(x0_shape, dtype=F64, generator=generator, device=device)
+    eps = rng.randn(x0_shape, dtype=F64, generator=generator, device=device)
     loss, info = L.fake_score_loss(nets.F_fn("fake", cond), G_x0, t, eps)
     backward(batch_reduce(loss, cfg.loss_reduction), last=True)
     return {"loss_fake": float(loss.detach().mean()), "nan_fake": info["nan"], "n_sim": n}
@@ -417,6 +418,54 @@ def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, d
             v = v_fn(x.to(nets.model_dtype), r, **cond).float()
             x = sch.step(v, ts, x, generator=generator).prev_sample
     return x
+
+
+def batch_rows(obj, start: int, stop: int, batch: int):
+    """Rows ``start:stop`` of every tensor in ``obj`` (a tensor, a dict of them, or ``None``) whose leading dimension
+    is ``batch``; other values (shared conditions, scalars) are passed through."""
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return {k: batch_rows(v, start, stop, batch) for k, v in obj.items()}
+    if torch.is_tensor(obj) and obj.dim() and obj.shape[0] == batch:
+        return obj[start:stop]
+    return obj
+
+
+def merge_logs(parts: list[dict]) -> dict:
+    """One iteration's logs from its micro-batches' (equal sizes): counts (``nan*``, ``scm_high``) are summed, other
+    numbers averaged (so a per-sample mean such as ``loss_scm`` is the mean over the whole batch)."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts if k in p]
+        if k.startswith("nan") or k == "scm_high":
+            out[k] = sum(vals)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[k] = vals[0] if all(v == vals[0] for v in vals) else sum(vals) / len(vals)
+        else:
+            out[k] = vals[-1]
+    return out
+
+
+def ddp_jvp_bypass(module) -> None:
+    """Let ``torch.func.jvp`` run through a ``DistributedDataParallel`` wrapper: a call whose inputs carry a
+    forward-mode tangent goes to the wrapped module. DDP's forward wraps its outputs in an autograd.Function without a
+    forward-mode rule (``_DDPSink``, with ``find_unused_parameters``), which functorch refuses; the JVP passes run
+    under ``no_grad`` and produce no gradients for DDP to synchronise. Anything else: no-op."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel) or "forward" in module.__dict__:
+        return
+    from ..attention.function import has_tangent
+
+    stock = module.forward
+
+    def forward(*args, **kwargs):
+        if has_tangent(*[a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]):
+            return module.module(*args, **kwargs)
+        return stock(*args, **kwargs)
+
+    module.forward = forward
 
 
 def grad_norm(params) -> float:

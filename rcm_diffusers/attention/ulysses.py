@@ -1,0 +1,202 @@
+"""Ulysses context parallelism for the Wan transformer, through the primal, the JVP tangent and the backward
+(docs/math.md §5).
+
+A context-parallel (CP) group of ``P`` processes runs one sample together: after the patch embedding each rank
+keeps its contiguous block of ``S / P`` video tokens (and the RoPE angles of those true positions); around every
+self-attention an all-to-all turns the sequence shards of ``q, k, v`` into head shards (all ``S`` tokens,
+``H / P`` heads) and the attention output back; cross-attention to the text (and the I2V image context) stays
+local, every rank holding the full context; after ``proj_out`` the token blocks are gathered, so every rank
+returns the full output.
+
+Why our own collectives and not ``torch.distributed.nn.functional.all_to_all`` or diffusers' context parallel
+(``ContextParallelConfig(ulysses_degree=P)`` with ``enable_parallelism``, read in diffusers 0.42): both define
+their collectives as ``torch.autograd.Function`` with ``forward(ctx, ...)`` / ``backward`` only, which gives
+reverse-mode gradients but no forward-mode rule, and ``torch.func.jvp`` refuses an autograd.Function without
+``setup_context`` and ``jvp``; diffusers also routes the attention through its backends' templated
+forward/backward ops, which have no tangent. On a machine without an accelerator ``enable_parallelism`` does not
+even start in diffusers 0.42 (``ZeroDivisionError``: ``rank % torch.accelerator.device_count()`` in
+``_resolve_parallel_config``, tried on 2 gloo processes), so its training gradients could not be measured here.
+``_AllToAll`` and ``_Gather`` below are linear maps with all three rules: the tangent goes through the same
+collective as the primal, the gradient through its adjoint.
+
+The gather's adjoint takes the rank's own block of the output gradient without summing over the group: each
+rank of a CP group computes the same loss on the same gathered output, one copy of the loss. Each rank's
+parameter gradients are then its share (the contributions through its tokens), and the group's sum is the
+unsplit gradient; a trainer that averages gradients over all processes multiplies its loss by ``P``
+(``training/rcm.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all", "gather_seq", "enable_context_parallel", "disable_context_parallel", "context_parallel_groups",
+           "cp_group_of"]
+
+
+def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    P = dist.get_world_size(group)
+    if x.shape[scatter_dim] % P:
+        raise ValueError(f"all-to-all over {P} ranks: dimension {scatter_dim} of {tuple(x.shape)} is not divisible by {P}")
+    send = torch.stack([c.contiguous() for c in x.chunk(P, dim=scatter_dim)])
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split ``scatter_dim`` into ``P`` blocks, send block ``j`` to rank ``j``, concatenate the received blocks along
+    ``gather_dim`` in rank order. Linear: the tangent takes the same map, the gradient the inverse exchange."""
+
+    @staticmethod
+    def forward(x, group, scatter_dim, gather_dim):
+        return _a2a(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, *_):
+        return _a2a(x_dot, ctx.group, ctx.scatter_dim, ctx.gather_dim)
+
+
+class _Gather(torch.autograd.Function):
+    """Concatenate every rank's block along ``dim`` (rank order). Tangent: gathered alike; gradient: the rank's own
+    block of the incoming gradient (one copy of the loss per group, see the module docstring)."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        return _gather(x, group, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group, ctx.dim = inputs[1:]
+        ctx.size = inputs[0].shape[inputs[2]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = dist.get_rank(ctx.group)
+        return grad.narrow(ctx.dim, r * ctx.size, ctx.size), None, None
+
+    @staticmethod
+    def jvp(ctx, x_dot, *_):
+        return _gather(x_dot, ctx.group, ctx.dim)
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Differentiable (reverse and forward mode) all-to-all over ``group``."""
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Differentiable (reverse and forward mode) gather of the token blocks of ``group`` along ``dim``."""
+    return _Gather.apply(x, group, dim)
+
+
+def _shard(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x.shape[dim]
+    if n % P:
+        raise ValueError(f"context parallel size {P}: the sample has {n} video tokens, not divisible by {P}; "
+                         "choose a context_parallel_size that divides (frames / p_t) x (height / p_h) x (width / p_w)")
+    return x.narrow(dim, r * (n // P), n // P)
+
+
+def context_parallel_groups(size: int):
+    """``(dp_rank, dp_world, group)``: the CP group of this process (ranks ``[g P, (g + 1) P)``, created on every rank
+    in the same order as torch.distributed requires), its data-parallel index ``g`` and the number of groups."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"context_parallel_size {size} does not divide the {world} processes")
+    mine = None
+    for g in range(world // size):
+        grp = dist.new_group(list(range(g * size, (g + 1) * size)))
+        if g == rank // size:
+            mine = grp
+    return rank // size, world // size, mine
+
+
+def cp_group_of(model):
+    """The CP group ``enable_context_parallel`` installed on ``model`` (a diffusers Wan transformer), else ``None``."""
+    return getattr(model, "_rcm_cp", {}).get("group")
+
+
+def enable_context_parallel(transformer, group):
+    """Run the diffusers ``WanTransformer3DModel`` ``transformer`` (peft-wrapped or a two-expert switch: every expert)
+    Ulysses-parallel over ``group``; its attention processors must be ours (``enable_jvp_attention`` first). Hooks
+    shard the RoPE angles and the tokens entering the first block and gather ``proj_out``'s output; the processors
+    exchange around self-attention. Refuses (``ValueError``, one line) head counts not divisible by the group size
+    and non-Wan models; a token count not divisible is refused at the call. Returns ``transformer``."""
+    from .processors import _parts
+
+    for model in _parts(transformer):
+        _enable(model, group)
+    return transformer
+
+
+def _enable(model, group) -> None:
+    from .processors import WanJVPAttnProcessor
+
+    P = dist.get_world_size(group)
+    heads = model.config.num_attention_heads
+    if heads % P:
+        raise ValueError(f"context_parallel_size {P} does not divide the {heads} attention heads of {type(model).__name__}")
+    if type(model).__name__ != "WanTransformer3DModel":
+        raise ValueError(f"context parallelism is implemented for Wan transformers, not {type(model).__name__}")
+    procs = model.attn_processors
+    if not all(isinstance(p, WanJVPAttnProcessor) for p in procs.values()):
+        raise ValueError("enable_context_parallel needs rcm_diffusers' Wan attention processors: call enable_jvp_attention first")
+    _disable(model)
+    for p in procs.values():
+        p.cp_group, p.cp_exchange = group, all_to_all
+
+    def rope_out(_m, _args, out):
+        return tuple(_shard(f, group, 1) for f in out)
+
+    def first_block_in(_m, args):
+        return (_shard(args[0], group, 1), *args[1:])
+
+    def proj_out(_m, _args, out):
+        return gather_seq(out, group, 1)
+
+    def per_token_time(_m, args, kwargs):
+        t = args[1] if len(args) > 1 else kwargs.get("timestep")
+        if t is not None and t.dim() == 2:
+            raise ValueError("context parallelism: per-token timesteps (Wan 2.2 TI2V) are not supported")
+
+    handles = [model.rope.register_forward_hook(rope_out), model.blocks[0].register_forward_pre_hook(first_block_in),
+               model.proj_out.register_forward_hook(proj_out),
+               model.register_forward_pre_hook(per_token_time, with_kwargs=True)]
+    model._rcm_cp = {"group": group, "handles": handles}
+
+
+def disable_context_parallel(transformer):
+    """Undo ``enable_context_parallel``."""
+    from .processors import _parts
+
+    for model in _parts(transformer):
+        _disable(model)
+    return transformer
+
+
+def _disable(model) -> None:
+    state = model.__dict__.pop("_rcm_cp", None)
+    if state is None:
+        return
+    for h in state["handles"]:
+        h.remove()
+    for p in model.attn_processors.values():
+        if hasattr(p, "cp_group"):
+            p.cp_group = p.cp_exchange = None
