@@ -88,7 +88,7 @@ def main(argv=None):
     if cfg.gradient_checkpointing:
         for m in trainable.values():
             m.enable_gradient_checkpointing()
-    if cfg.fd_type in (0, 1):
+    if T.needs_jvp(cfg):  # sCM with fd_type 0/1 only; dCM, fd_type 2 and DMD alone keep the stock processors
         try:
             from rcm_diffusers.attention import enable_jvp_attention
         except ImportError as e:
