@@ -1,7 +1,7 @@
 """rCM distillation: ``accelerate launch training/rcm.py --config training/configs/<name>.yaml [--key value ...]``.
 
 Distills a rectified-flow teacher (Wan T2V/I2V, Flux) into a 1-4 step student with
-L = L_sCM + lambda L_DMD (docs/math.md §4). Default mode trains two LoRA adapters on one frozen base
+L = L_sCM + lambda L_DMD (docs/math.md §4; ``--cm_type dcm``: the JVP-free discrete-time L_dCM, §4.6). Default mode trains two LoRA adapters on one frozen base
 (docs/math.md §6). ``--help`` lists every option. Outputs in ``output_dir``: ``env.json``,
 ``metrics.jsonl``, ``checkpoints/step-*`` (``--resume latest`` continues exactly), and the
 student LoRA (``pytorch_lora_weights.safetensors``, loadable by ``pipe.load_lora_weights``)
