@@ -261,3 +261,85 @@ def test_backward_simulation(n):
         torch.testing.assert_close(calls[k][2], x)
     G.sum().backward()
     assert w.grad is not None and float(w.grad) == pytest.approx(float(calls[-1][2].sum()))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_backward_simulation_fixed_angles(n):
+    """``fixed_angles`` (``dmd_fix_timesteps``): the calls run at ``[pi/2, *fixed[:n - 1]]`` and no angle is drawn, so
+    the generator gives only the initial noise and one fresh noise per re-noising."""
+    calls = []
+
+    def student_x0(x, t):
+        calls.append((t.clone(), x.clone()))
+        return 0.5 * x
+
+    fixed = [1.5, 1.4, 1.0]
+    G, angles = L.backward_simulation(student_x0, (3, 2), n, generator=torch.Generator().manual_seed(0), fixed_angles=fixed)
+    want = torch.tensor([math.pi / 2, *fixed[: n - 1]], dtype=torch.float64)[:, None].expand(n, 3)
+    assert torch.equal(angles, want)
+    gen2 = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, dtype=torch.float64, generator=gen2)
+    for k in range(1, n):
+        x = math.cos(fixed[k - 1]) * 0.5 * x + math.sin(fixed[k - 1]) * torch.randn(3, 2, dtype=torch.float64, generator=gen2)
+        torch.testing.assert_close(calls[k][1], x, rtol=1e-15, atol=0)
+    torch.testing.assert_close(G, 0.5 * x, rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="fixed angles"):
+        L.backward_simulation(student_x0, (3, 2), 5, fixed_angles=fixed)
+
+
+def test_dcm_angles_grid():
+    """``dcm_angles``: consecutive points of the shifted grid of ``total_steps`` steps in ``u``, mapped to TrigFlow angles;
+    strictly decreasing in k, inside (0, pi/2], ``u = 0`` is pi/2 and shift 1 is the plain grid."""
+    u = torch.tensor([0.0, 0.3, 1 - 2 / 48 - 1e-9], dtype=torch.float64)
+    t = L.dcm_angles(u, 48, 2, 5.0)
+    assert t.shape == (3, 3) and (t[1:] < t[:-1]).all() and (t > 0).all() and (t <= math.pi / 2).all()
+    assert float(t[0, 0]) == pytest.approx(math.pi / 2, abs=1e-15)
+    for k in range(3):
+        for b in range(3):
+            s = 1 - float(u[b]) - k / 48
+            r = 5 * s / (1 + 4 * s)
+            assert float(t[k, b]) == pytest.approx(math.atan2(r, 1 - r), rel=1e-14)
+    s = 1 - 0.3 - 1 / 48
+    assert float(L.dcm_angles(torch.tensor([0.3], dtype=torch.float64), 48, 1, 1.0)[1, 0]) == pytest.approx(math.atan2(s, 1 - s))
+
+
+def test_dcm_loss_reference_toy():
+    """``dcm_loss`` on a toy linear student/teacher: the Euler steps, the detached target and the per-sample sum, against
+    a numpy re-computation; the gradient reaches the student only through its call at t_0; a NaN sample gives 0."""
+    w = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+    def student_x0(x, t):
+        return w * torch.cos(t)[:, None] * x
+
+    def teacher_F(x, t):
+        return -0.3 * x + torch.sin(t)[:, None]
+
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(B, D, dtype=torch.float64, generator=g), torch.randn(B, D, dtype=torch.float64, generator=g)
+    u = torch.rand(B, dtype=torch.float64, generator=g) * (1 - 3 / 10)
+    loss, info = L.dcm_loss(student_x0, teacher_F, x0, eps, u, total_steps=10, skip=3, shift=2.0)
+    t = L.dcm_angles(u, 10, 3, 2.0).numpy()
+    X0, E = x0.numpy(), eps.numpy()
+    for b in range(B):
+        xt = math.cos(t[0, b]) * X0[b] + math.sin(t[0, b]) * E[b]
+        x = xt.copy()
+        for k in range(3):
+            x = x - (t[k, b] - t[k + 1, b]) * (-0.3 * x + math.sin(t[k, b]))
+        target = 0.7 * math.cos(t[3, b]) * x
+        pred = 0.7 * math.cos(t[0, b]) * xt
+        assert float(loss[b]) == pytest.approx(float(((pred - target) ** 2).sum()), rel=1e-12)
+    loss.sum().backward()
+    want = 0.0  # d/dw of sum (w cos t_0 x_t0 - target)^2, the target held fixed
+    for b in range(B):
+        xt = math.cos(t[0, b]) * X0[b] + math.sin(t[0, b]) * E[b]
+        x = xt.copy()
+        for k in range(3):
+            x = x - (t[k, b] - t[k + 1, b]) * (-0.3 * x + math.sin(t[k, b]))
+        pred, target = 0.7 * math.cos(t[0, b]) * xt, 0.7 * math.cos(t[3, b]) * x
+        want += float((2 * (pred - target) * math.cos(t[0, b]) * xt).sum())
+    assert float(w.grad) == pytest.approx(want, rel=1e-12)
+    assert info["nan"] == 0
+    bad = x0.clone()
+    bad[1, 0] = float("nan")
+    loss, info = L.dcm_loss(student_x0, teacher_F, bad, eps, u, total_steps=10, skip=3, shift=2.0)
+    assert info["nan"] == 1 and loss[1] == 0 and (loss[[0, 2, 3]] > 0).all()

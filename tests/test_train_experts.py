@@ -150,6 +150,39 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
     assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer_2."))
 
 
+def test_dcm_step_runs_each_call_on_its_experts_and_trains_both():
+    """dCM (``cm_type dcm``) with two experts: the student at ``t_0`` and ``t_N`` and the teacher's Euler steps each run
+    on the expert the pipeline picks for that time (t_0 and t_N may straddle the switch), the batch covers both
+    sides, the loss is finite and the student adapters of both experts get a gradient."""
+    from types import SimpleNamespace
+
+    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.alternation import StepPlan
+
+    hi, lo = _experts()
+    sw = WanExpertSwitch(hi, lo, 0.875)
+    nets, _ = Networks.build(sw, "shared", with_fake=False, lora_rank=2, time_input="bf16")
+    with torch.no_grad():  # student adapters off zero, so the student's own target differs from the teacher's x0
+        for n, p in nets.trainable_parameters("student").items():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    cfg = SimpleNamespace(cm_type="dcm", scm_weight=1.0, dmd_weight=0.0, dcm_total_steps=48, dcm_skipping_interval_steps=4,
+                          dcm_timestep_shift=5.0, guidance_scale=2.0, loss_reduction="mean", boundary_weight=0.0)
+    x0 = torch.randn(8, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    cond = {"encoder_hidden_states": torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1))}
+    uncond = {"encoder_hidden_states": torch.zeros(8, 3, 16)}
+    sw.calls = []
+    logs = T.student_step(nets, x0, cond, uncond, StepPlan(i=0, student=True, student_eff=0, fake_eff=0, dmd=False, n_sim=1),
+                          cfg, torch.Generator().manual_seed(0), lambda loss, last: loss.backward())
+    assert logs["loss_dcm"] > 0 and logs["nan_dcm"] == 0 and "loss_scm" not in logs
+    assert {e for e, _ in sw.calls} == {HIGH, LOW}
+    for expert, ts in sw.calls:
+        assert all((v >= 875.0) == (expert == HIGH) for v in ts), (expert, ts)
+    grads = {n: p.grad for n, p in nets.trainable_parameters("student").items() if "lora_B" in n}
+    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer."))
+    assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer_2."))
+
+
 def test_boundary_loss_value_and_gradient_match_float64_reference():
     """``L = ||d||^2 / (||d|| + c)^2`` per sample with ``d = F_high - F_low``, gradient ``2 d / (||d|| + c)`` on ``F_high``
     and none on ``F_low`` (written from docs/math.md §6.1 in float64); a NaN sample gives 0."""

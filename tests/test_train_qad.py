@@ -221,3 +221,19 @@ def test_two_processes_keep_the_per_iteration_lr_schedule(wan):
     assert [r["lr"] for r in _records(out) if "lr" in r] == pytest.approx([lr * (k + 2) / 8 for k in range(3)], rel=1e-12)
     sums = json.load(open(out / "final.json"))["student_checksum_per_rank"]
     assert len(sums) == 2 and sums[0] == sums[1]
+
+
+def test_dcm_student_is_a_qad_teacher(wan):
+    """A student trained with ``cm_type dcm`` (training/rcm.py) exports the same LoRA layout as an sCM one: QAD fuses it
+    as its teacher (``--teacher_lora``, 2-step rCM sampling times) and trains; the dCM LoRA is trained (lora_B off zero)."""
+    rcm = wan[2] / "run_rcm_dcm"
+    run_trainer(trainer_args(os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), wan, rcm, "--cm_type", "dcm",
+                             "--max_steps", "4", "--tangent_warmup", "4", "--checkpoint_every", "0", "--ema_rate", "0"))
+    out = wan[2] / "run_qad_from_dcm"
+    run_trainer(_args(wan, out, "--teacher_lora", str(rcm), "--r_source", "rcm", "--rcm_steps", "2", "--warm_start_batches", "0",
+                      "--max_steps", "3", "--checkpoint_every", "0"), script="qad.py")
+    assert (out / "final.json").exists()
+    env = json.load(open(out / "env.json"))
+    assert env["config"]["teacher_lora"] == str(rcm) and len(env["training_times"]) == 2
+    sd = load_file(rcm / "pytorch_lora_weights.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in sd.items())  # the dCM student moved off the base

@@ -235,3 +235,31 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
         load_config(["--config", str(y), "--lr_decay_fraction", "0"])
     with pytest.raises(ValueError, match="lr decay"):
         lr_lambda(3, 10, "exp")
+
+
+def test_dcm_and_fixed_dmd_options_parse_and_validate(tmp_path):
+    """``cm_type`` / ``dcm_*`` / ``dmd_fix_timesteps`` / ``backward_timesteps`` from YAML and the command line, with the
+    official defaults; bad values are refused naming the option; which settings take a JVP (``trainer.needs_jvp``)."""
+    from rcm_diffusers.distill.trainer import needs_jvp
+
+    y = tmp_path / "c.yaml"
+    y.write_text("pretrained: p\ndata_dir: d\ncm_type: dcm\ndcm_skipping_interval_steps: 2\n")
+    d = RCMConfig(pretrained="p", data_dir="d").validate()
+    assert (d.cm_type, d.dcm_total_steps, d.dcm_skipping_interval_steps, d.dcm_timestep_shift) == ("scm", 48, 1, 5.0)
+    assert d.dmd_fix_timesteps is False and d.backward_timesteps == [1.5, 1.4, 1.0]
+    c = load_config(["--config", str(y), "--dcm_timestep_shift", "3", "--dmd_fix_timesteps", "true",
+                     "--backward_timesteps", "[1.2, 0.7, 0.3]"])
+    assert (c.cm_type, c.dcm_skipping_interval_steps, c.dcm_timestep_shift) == ("dcm", 2, 3.0)
+    assert c.dmd_fix_timesteps is True and c.backward_timesteps == [1.2, 0.7, 0.3]
+    for args, key in [(["--cm_type", "ecm"], "cm_type"), (["--dcm_total_steps", "1"], "dcm_total_steps"),
+                      (["--dcm_skipping_interval_steps", "48"], "dcm_skipping_interval_steps"),
+                      (["--dcm_skipping_interval_steps", "0"], "dcm_skipping_interval_steps"),
+                      (["--dcm_timestep_shift", "0"], "dcm_timestep_shift"),
+                      (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.0, 1.4, 0.5]"], "backward_timesteps"),
+                      (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.6, 1.0, 0.5]"], "backward_timesteps"),
+                      (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.0]"], "backward_timesteps")]:
+        with pytest.raises(ValueError, match=f"option {key} "):
+            load_config(["--config", str(y), *args])
+    assert needs_jvp(RCMConfig(fd_type=0)) and needs_jvp(RCMConfig(fd_type=1)) and not needs_jvp(RCMConfig(fd_type=2))
+    assert not needs_jvp(RCMConfig(fd_type=0, cm_type="dcm"))
+    assert not needs_jvp(RCMConfig(fd_type=0, scm_weight=0.0, tangent_warmup=0))

@@ -201,3 +201,95 @@ def test_final_json_lists_every_export_and_verify_catches_a_flipped_bit(full_run
     p = run_script(["--verify", str(copy)])
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip() == "error: ema/pytorch_lora_weights.safetensors: SHA-256 differs from final.json (the file was changed or damaged)"
+
+
+# ----------------------------------------------------------------------------- dCM and fixed-angle DMD: JVP-free
+
+
+class _NoForwardAD(torch.autograd.Function):
+    """Identity with a backward and no forward-mode rule: any JVP through it raises."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class NoJVPAttnProcessor:
+    """The stock Wan attention processor behind ``_NoForwardAD``: trains in reverse mode, fails under ``torch.func.jvp``."""
+
+    def __init__(self, stock, calls):
+        self.stock, self.calls = stock, calls
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        self.calls.append(1)
+        return _NoForwardAD.apply(self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb))
+
+
+def _rcm_main():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rcm_train_script", os.path.join(REPO, "training", "rcm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dcm_and_fixed_dmd_train_without_any_jvp(wan, monkeypatch):
+    """``training/rcm.py`` with every attention processor replaced by one that has no forward-mode support: ``cm_type
+    dcm`` + DMD on fixed angles (``fd_type 0`` set, and ignored) trains through warm-up, student and fake-score steps and
+    never installs the JVP attention; the same trainer with sCM ``fd_type 0`` fails on that processor (so the first
+    run would fail had it taken a JVP)."""
+    import rcm_diffusers.attention as A
+    from rcm_diffusers.distill import trainer as T
+
+    enabled, calls = [], []
+    monkeypatch.setattr(A, "enable_jvp_attention", lambda m, *a, **k: enabled.append(m) or m)
+    load = T.load_transformer
+
+    def load_with_no_jvp_processors(*a, **k):
+        m = load(*a, **k)
+        m.set_attn_processor({n: NoJVPAttnProcessor(p, calls) for n, p in m.attn_processors.items()})
+        return m
+
+    monkeypatch.setattr(T, "load_transformer", load_with_no_jvp_processors)
+    main = _rcm_main().main
+    out = wan[2] / "run_nojvp_dcm"
+    main(_args(wan, out, "--cm_type", "dcm", "--fd_type", "0", "--dmd_fix_timesteps", "true", "--max_steps", "6",
+               "--tangent_warmup", "2", "--student_update_freq", "2", "--checkpoint_every", "0", "--ema_rate", "0"))
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["net"] for r in recs] == ["student", "student", "student", "fake", "student", "fake"]
+    assert all("loss_dcm" in r and "loss_scm" not in r and r["loss_dcm"] > 0 for r in recs if r["net"] == "student")
+    assert any("loss_dmd" in r for r in recs) and (out / "final.json").exists()
+    assert enabled == [] and len(calls) > 0
+    calls.clear()
+    # the JVP fails on the first attention op without a forward-mode rule: on CPU that is the stock SDPA inside the
+    # processor (no forward-AD formula), else _NoForwardAD
+    with pytest.raises(RuntimeError, match="forward AD with _scaled_dot_product|autograd.Function with functorch transforms"):
+        main(_args(wan, wan[2] / "run_nojvp_scm", "--fd_type", "0", "--max_steps", "2", "--tangent_warmup", "0",
+                   "--checkpoint_every", "0", "--ema_rate", "0"))
+    assert len(enabled) == 1 and len(calls) > 0
+
+
+def test_dcm_kill_and_resume_equals_uninterrupted(wan):
+    """A dCM + fixed-angle DMD run killed after step 6 and resumed from its step-4 checkpoint ends with the same LoRA, EMA
+    and logged losses, bit for bit, as the same run uninterrupted."""
+    extra = ("--cm_type", "dcm", "--dcm_skipping_interval_steps", "2", "--dmd_fix_timesteps", "true", "--max_steps", "10",
+             "--tangent_warmup", "3", "--checkpoint_every", "4")
+    full, cut = wan[2] / "run_dcm_full", wan[2] / "run_dcm_cut"
+    run_trainer(_args(wan, full, *extra))
+    p = run_trainer(_args(wan, cut, *extra, "--exit_after_step", "6"), check=False)
+    assert p.returncode != 0 and "exit_after_step 6: hard exit" in p.stdout, p.stderr[-3000:]
+    p = run_trainer(_args(wan, cut, *extra, "--resume", "latest"))
+    assert "at iteration 4" in p.stdout
+    for name in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors"):
+        a, b = load_file(full / name), load_file(cut / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    ref = [json.loads(line) for line in open(full / "metrics.jsonl")]
+    got = [json.loads(line) for line in open(cut / "metrics.jsonl")]
+    keys = ("step", "net", "loss_dcm", "loss_dmd", "loss_fake")
+    assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in ref]
+    assert any("loss_dmd" in r for r in ref) and sum("loss_dcm" in r for r in ref) >= 5

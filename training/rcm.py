@@ -1,7 +1,7 @@
 """rCM distillation: ``accelerate launch training/rcm.py --config training/configs/<name>.yaml [--key value ...]``.
 
 Distills a rectified-flow teacher (Wan T2V/I2V, Flux) into a 1-4 step student with
-L = L_sCM + lambda L_DMD (docs/math.md §4). Default mode trains two LoRA adapters on one frozen base
+L = L_sCM + lambda L_DMD (docs/math.md §4; ``--cm_type dcm``: the JVP-free discrete-time L_dCM, §4.6). Default mode trains two LoRA adapters on one frozen base
 (docs/math.md §6). ``--help`` lists every option. Outputs in ``output_dir``: ``env.json``,
 ``metrics.jsonl``, ``checkpoints/step-*`` (``--resume latest`` continues exactly), and the
 student LoRA (``pytorch_lora_weights.safetensors``, loadable by ``pipe.load_lora_weights``)
@@ -98,7 +98,7 @@ def main(argv=None):
     if cfg.gradient_checkpointing:
         for m in trainable.values():
             m.enable_gradient_checkpointing()
-    if cfg.fd_type in (0, 1):
+    if T.needs_jvp(cfg):  # sCM with fd_type 0/1 only; dCM, fd_type 2 and DMD alone keep the stock processors
         try:
             from rcm_diffusers.attention import enable_jvp_attention
         except ImportError as e:

@@ -68,8 +68,18 @@ class RCMConfig:
     fd_h: float = opt(1e-4, "finite-difference step h (fd_type 1, 2)")
     use_dmd: bool = opt(True, "train a fake score and add the DMD term (False = sCM only)")
     dmd_weight: float = opt(0.01, "weight of L_DMD in L = scm_weight L_sCM + dmd_weight L_DMD (official rCM: 1 with scm_weight 100, its loss_scale_dmd)")
-    scm_weight: float = opt(1.0, "weight of L_sCM (0 = DMD only; official rCM: 100, its loss_scale)")
+    scm_weight: float = opt(1.0, "weight of the consistency term L_sCM, or L_dCM with cm_type dcm (0 = DMD only, no JVP; official rCM: 100, its loss_scale)")
     loss_reduction: str = opt("mean", "batch reduction of the per-sample losses (student and fake score): 'mean' or 'sum' (official rCM)")
+    cm_type: str = opt("scm", "consistency term (official cm_type): 'scm' = continuous-time sCM (JVP tangent, fd_type) | 'dcm' = "
+                       "discrete-time CM: the teacher's guided Euler steps from t_0 to t_N, target the student's sg(x0) at t_N, "
+                       "no JVP (docs/math.md §4.6); scm_weight weights whichever term is chosen")
+    dcm_total_steps: int = opt(48, "cm_type dcm: the grid has this many uniform steps in u before the shift (official 48)")
+    dcm_skipping_interval_steps: int = opt(1, "cm_type dcm: grid steps between t_0 and t_N, i.e. teacher Euler steps per sample (official 1)")
+    dcm_timestep_shift: float = opt(5.0, "cm_type dcm: flow shift s of the grid, r = s u / (1 + (s-1) u) (official 5)")
+    dmd_fix_timesteps: bool = opt(False, "backward simulation (DMD term and fake score) on the fixed angles backward_timesteps "
+                                  "instead of p_D draws (official dmd_fix_timesteps, default false; docs/math.md §4.2)")
+    backward_timesteps: list = opt([1.5, 1.4, 1.0], "dmd_fix_timesteps: intermediate TrigFlow angles after pi/2, n steps use "
+                                   "the first n - 1 (official default); sample the student on the same angles (mid_t)")
     student_update_freq: int = opt(5, "after warm-up, the student trains every this many iterations, the fake score otherwise")
     max_simulation_steps: int = opt(4, "backward simulation uses n = student_eff % this + 1 student steps")
     time_input: str = opt("bf16", "time the networks see: 'bf16' = (1000 r) rounded to bfloat16 as the official rCM code trains and samples; 'float' = exact. Sample the student with RCMScheduler(time_input=...) set the same")
@@ -181,6 +191,22 @@ class RCMConfig:
             bad("adam_betas", "two numbers in [0, 1)")
         if self.guidance_scale < 0:
             bad("guidance_scale", "must be >= 0 (1 = no guidance)")
+        if self.cm_type not in ("scm", "dcm"):
+            bad("cm_type", "use 'scm' (continuous-time) or 'dcm' (discrete-time)")
+        if self.dcm_total_steps < 2:
+            bad("dcm_total_steps", "must be >= 2")
+        if not 1 <= self.dcm_skipping_interval_steps < self.dcm_total_steps:
+            bad("dcm_skipping_interval_steps", f"must lie in [1, dcm_total_steps - 1 = {self.dcm_total_steps - 1}]")
+        if not (self.dcm_timestep_shift > 0 and math.isfinite(self.dcm_timestep_shift)):
+            bad("dcm_timestep_shift", "must be a positive finite number (1 = no shift)")
+        if self.dmd_fix_timesteps:
+            bt = self.backward_timesteps
+            if (not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in bt)
+                    or any(not 0 < a < math.pi / 2 for a in bt) or any(a <= b for a, b in zip(bt, bt[1:]))):
+                bad("backward_timesteps", "TrigFlow angles strictly decreasing, strictly inside (0, pi/2)")
+            if len(bt) < self.max_simulation_steps - 1:
+                bad("backward_timesteps", f"max_simulation_steps {self.max_simulation_steps} needs at least "
+                    f"{self.max_simulation_steps - 1} angles")
         if self.scm_weight == 0 and not self.use_dmd:
             bad("scm_weight", "sCM off and DMD off leaves nothing to train")
         if self.scm_weight == 0 and self.tangent_warmup > 0:

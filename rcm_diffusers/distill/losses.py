@@ -1,5 +1,5 @@
-"""rCM losses (docs/math.md §4): the sCM term with its JVP rearrangement, the DMD term with backward
-simulation, the fake-score flow-matching loss, and the classifier-free-guided teacher.
+"""rCM losses (docs/math.md §4): the sCM term with its JVP rearrangement, the JVP-free discrete-time dCM term,
+the DMD term with backward simulation (sampled or fixed angles), the fake-score flow-matching loss, and the classifier-free-guided teacher.
 
 Every function takes networks as plain callables ``F(x_t, t) -> F`` or ``x0(x_t, t) -> x0``
 (conditions already bound), so the same code serves a diffusers transformer wrapped by
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .. import rng
-from ..trigflow import F_from_x0_eps, _bcast, sample_p_D, trigflow_noise
+from ..trigflow import F_from_x0_eps, _bcast, r_to_t, sample_p_D, shift_r, trigflow_noise
 
 __all__ = [
     "scale_from_reference_g",
@@ -34,6 +34,8 @@ __all__ = [
     "scm_g",
     "normalize_g",
     "scm_loss",
+    "dcm_angles",
+    "dcm_loss",
     "backward_simulation",
     "dmd_loss",
     "fake_score_loss",
@@ -159,6 +161,38 @@ def scm_loss(
     return loss, info
 
 
+def dcm_angles(u: torch.Tensor, total_steps: int, skip: int, shift: float) -> torch.Tensor:
+    """The dCM angles ``[skip + 1, B]`` of grid positions ``u`` ``[B]`` (docs/math.md §4.6), float64:
+    ``s_k = 1 - u - k / total_steps``, ``r_k = shift s_k / (1 + (shift - 1) s_k)``, ``t_k = arctan(r_k / (1 - r_k))``
+    for ``k = 0 .. skip``; ``t_0 > t_1 > ... > t_skip``."""
+    u = torch.as_tensor(u, dtype=F64)
+    k = torch.arange(skip + 1, dtype=F64, device=u.device).reshape(-1, 1)
+    return r_to_t(shift_r(1.0 - (u.reshape(1, -1) + k / total_steps), shift))
+
+
+def dcm_loss(student_x0: Fn, teacher_F: Fn, x0: torch.Tensor, eps: torch.Tensor, u: torch.Tensor, *, total_steps: int,
+             skip: int, shift: float):
+    """Per-sample discrete-time consistency loss (docs/math.md §4.6), no JVP anywhere:
+    ``x_{t_0} = cos t_0 x0 + sin t_0 eps``; ``skip`` Euler steps of the (guided) teacher velocity
+    ``x_{k+1} = x_k - (t_k - t_{k+1}) F_T(x_k, t_k)``; target ``sg(x0_theta(x_{t_skip}, t_skip))``;
+    ``L = sum (x0_theta(x_{t_0}, t_0) - target)^2``. ``teacher_F`` is the guided teacher velocity (no grad),
+    ``student_x0`` the student's ``x0``; ``u`` ``[B]`` are the grid positions (``dcm_angles``). The target is
+    computed first, so the one gradient-enabled student call is the last forward before the caller's backward.
+    A non-finite sample gives 0. Returns ``(loss[B], info)`` with ``t0`` (mean ``t_0``) and ``nan``."""
+    t = dcm_angles(u, total_steps, skip, shift).to(x0.device)
+    x_t = trigflow_noise(x0.to(F64), eps.to(F64), t[0])
+    with torch.no_grad():
+        x = x_t
+        for k in range(skip):
+            x = x - _bcast(t[k] - t[k + 1], x) * teacher_F(x, t[k]).to(F64)
+        target = student_x0(x, t[skip]).to(F64)
+    pred = student_x0(x_t, t[0]).to(F64)
+    loss = per_sample_sum((pred - target) ** 2)
+    ok = torch.isfinite(loss)
+    loss = torch.where(ok, loss, torch.zeros_like(loss))
+    return loss, {"nan": int((~ok).sum()), "t0": float(t[0].mean())}
+
+
 def backward_simulation(
     student_x0: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     shape,
@@ -167,16 +201,20 @@ def backward_simulation(
     shift: float = 5.0,
     generator: torch.Generator | None = None,
     device=None,
+    fixed_angles=None,
 ):
     """Few-step student sample ``G_x0`` by ``n`` student calls, gradient on the last only (docs/math.md §4.2).
 
     Starts at ``t = pi/2`` from pure noise; the ``n - 1`` intermediate angles are drawn from
-    ``p_D`` and clamped to at most the previous one; after each non-final call the student's
-    ``x0`` is re-noised with fresh noise, ``x = cos t_next x0 + sin t_next eps``. Returns
-    ``(G_x0, angles)`` with ``angles`` ``[n, B]``, the angle of each call.
+    ``p_D`` and clamped to at most the previous one, or, with ``fixed_angles`` (the official
+    ``dmd_fix_timesteps`` with its ``backward_timesteps``), are ``fixed_angles[:n - 1]`` and nothing is drawn for
+    them; after each non-final call the student's ``x0`` is re-noised with fresh noise,
+    ``x = cos t_next x0 + sin t_next eps``. Returns ``(G_x0, angles)`` with ``angles`` ``[n, B]``, the angle of each call.
     """
     if n < 1:
         raise ValueError(f"backward simulation needs n >= 1 student steps, got {n}")
+    if fixed_angles is not None and len(fixed_angles) < n - 1:
+        raise ValueError(f"backward simulation of n = {n} steps needs {n - 1} fixed angles, got {list(fixed_angles)}")
     B = shape[0]
     x = rng.randn(shape, dtype=F64, generator=generator, device=device)
     t = torch.full((B,), math.pi / 2, dtype=F64, device=device)
@@ -188,7 +226,10 @@ def backward_simulation(
             x0 = student_x0(x, t)
         if last:
             return x0, torch.stack(angles)
-        t = torch.minimum(sample_p_D(B, shift, generator=generator, device=device), t)
+        if fixed_angles is None:
+            t = torch.minimum(sample_p_D(B, shift, generator=generator, device=device), t)
+        else:
+            t = torch.full((B,), float(fixed_angles[k]), dtype=F64, device=device)
         eps = rng.randn(shape, dtype=F64, generator=generator, device=device)
         x = trigflow_noise(x0.detach().to(F64), eps, t)
         angles.append(t)

@@ -24,7 +24,7 @@ from .experts import sample_p_G_experts, switch_of
 from ..models import network_timestep
 from ..trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
 
-__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "student_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
+__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "needs_jvp", "backward_angles", "student_step", "dcm_step", "scm_times", "boundary_step", "fake_step", "TrainState", "SpikeGuard",
            "MetricsWriter", "latest_checkpoint", "env_snapshot", "load_transformer", "export_student", "save_student_lora", "sample_student",
            "lr_lambda", "batch_rows", "merge_logs", "ddp_jvp_bypass"]
 
@@ -66,8 +66,33 @@ def batch_reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
+def needs_jvp(cfg) -> bool:
+    """Whether a run takes a forward-mode JVP through the student (and so needs ``enable_jvp_attention``): only the sCM
+    term with ``fd_type`` 0 or 1. dCM (``cm_type dcm``), ``fd_type`` 2 and DMD alone (``scm_weight 0``) run on the stock
+    attention processors."""
+    return cfg.scm_weight > 0 and getattr(cfg, "cm_type", "scm") == "scm" and cfg.fd_type in (0, 1)
+
+
+def backward_angles(cfg):
+    """The fixed intermediate angles of the backward simulation (``backward_timesteps`` with ``dmd_fix_timesteps``),
+    else ``None`` (angles drawn from ``p_D``) (docs/math.md §4.2)."""
+    return list(cfg.backward_timesteps) if getattr(cfg, "dmd_fix_timesteps", False) else None
+
+
+def dcm_step(nets, x0, cond, uncond, cfg, generator):
+    """The dCM term's per-sample loss (docs/math.md §4.6): ``eps``, then grid positions
+    ``u ~ U[0, 1 - skip / total_steps)`` from ``generator``; teacher guided by ``cfg.guidance_scale``."""
+    total, skip = cfg.dcm_total_steps, cfg.dcm_skipping_interval_steps
+    B, dev = x0.shape[0], x0.device
+    eps = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
+    u = rng.rand((B,), dtype=F64, generator=generator, device=dev) * (1.0 - skip / total)
+    return L.dcm_loss(nets.x0_fn("student", cond), lambda x, t: teacher_F(nets, x, t, cond, uncond, cfg.guidance_scale),
+                      x0, eps, u, total_steps=total, skip=skip, shift=cfg.dcm_timestep_shift)
+
+
 def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0):
-    """One student iteration: ``L = scm_weight L_sCM + dmd_weight L_DMD`` (docs/math.md §4.1, §4.2), each
+    """One student iteration: ``L = scm_weight L_CM + dmd_weight L_DMD`` (docs/math.md §4.1, §4.2, §4.6; ``L_CM`` is
+    ``L_sCM`` or, with ``cfg.cm_type == "dcm"``, ``L_dCM``), each
     per-sample loss reduced over the batch by ``cfg.loss_reduction`` (``batch_reduce``); two experts add
     ``boundary_weight L_bc`` (docs/math.md §6.1).
 
@@ -81,7 +106,7 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
     with_bc = sw is not None and getattr(cfg, "boundary_weight", 0.0) > 0
     if plan.dmd and cfg.dmd_weight > 0:
         G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0.shape, plan.n_sim, shift=cfg.p_D_shift,
-                                        generator=generator, device=dev)
+                                        generator=generator, device=dev, fixed_angles=backward_angles(cfg))
         t_D = sample_p_D(B, cfg.p_D_shift, generator=generator, device=dev)
         eps_D = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(G_x0.detach(), eps_D, t_D)
@@ -91,7 +116,12 @@ def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backwar
         l_dmd, info = L.dmd_loss(G_x0, x0_fake, x0_teach)
         backward(cfg.dmd_weight * batch_reduce(l_dmd, cfg.loss_reduction), last=cfg.scm_weight == 0 and not with_bc)
         logs.update(loss_dmd=float(l_dmd.detach().mean()), nan_dmd=info["nan"], dmd_w=info["w"], n_sim=plan.n_sim)
-    if cfg.scm_weight > 0:
+    if cfg.scm_weight > 0 and getattr(cfg, "cm_type", "scm") == "dcm":
+        # two experts: each call runs on the expert owning its own time (t_0 and t_N may straddle the switch)
+        l_dcm, info = dcm_step(nets, x0, cond, uncond, cfg, generator)
+        backward(cfg.scm_weight * batch_reduce(l_dcm, cfg.loss_reduction), last=not with_bc)
+        logs.update(loss_dcm=float(l_dcm.detach().mean()), nan_dcm=info["nan"], dcm_t0=info["t0"])
+    elif cfg.scm_weight > 0:
         t = scm_times(sw, B, cfg, noise_multiplier, generator, dev)
         eps = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(x0, eps, t)
@@ -145,7 +175,7 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
     n = plan.fake_eff % cfg.max_simulation_steps + 1
     with torch.no_grad():
         G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0_shape, n, shift=cfg.p_D_shift,
-                                        generator=generator, device=device)
+                                        generator=generator, device=device, fixed_angles=backward_angles(cfg))
     t = sample_p_D(B, cfg.p_D_shift, generator=generator, device=device)
     eps = rng.randn(x0_shape, dtype=F64, generator=generator, device=device)
     loss, info = L.fake_score_loss(nets.F_fn("fake", cond), G_x0, t, eps)
