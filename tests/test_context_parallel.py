@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from rcm_diffusers.distill.runs import free_port

@@ -10,7 +10,6 @@ from safetensors import safe_open
 
 from rcm_diffusers.quant.export import (dequantized_copy, export_quantized, from_blocked, load_quantized, pack_e2m1, to_blocked,
                                         unpack_e2m1)
-from rcm_diffusers.quant.formats import quantize
 from rcm_diffusers.quant.modules import QuantLinear, calibration, quant_layers, quantize_transformer
 from tiny import tiny_flux_pipeline, tiny_wan_transformer, wan_embeds
 

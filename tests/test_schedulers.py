@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from rcm_diffusers import RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler
-from rcm_diffusers.sampling import rcm_rf_times, shift_family, teacher_rf_grid
+from rcm_diffusers.sampling import shift_family, teacher_rf_grid
 
 from tiny import flux_scheduler_config, wan_scheduler_config
 

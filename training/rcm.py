@@ -34,7 +34,7 @@ from rcm_diffusers.distill.adapters import Networks  # noqa: E402
 from rcm_diffusers.distill.alternation import optimizer_steps, plan_step  # noqa: E402
 from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
 from rcm_diffusers.distill.config import noise_seeding_of  # noqa: E402
-from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_generator, step_noise, step_seed, video_noise_multiplier  # noqa: E402
+from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_noise, step_seed, video_noise_multiplier  # noqa: E402
 from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
 from rcm_diffusers.distill.experts import switch_of  # noqa: E402
 

@@ -49,7 +49,6 @@ products ``q_x q_w`` in float32 and applies the scales after, the same numbers u
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

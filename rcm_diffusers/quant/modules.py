@@ -28,7 +28,7 @@ import fnmatch
 import torch
 import torch.nn.functional as F
 
-from .formats import COMFY_ACT, FORMATS, check_format, comfy_act_fake_quant, fake_quant, input_scale_of, quantize
+from .formats import COMFY_ACT, check_format, comfy_act_fake_quant, fake_quant, input_scale_of, quantize
 
 __all__ = ["DEFAULT_EXCLUDE", "TARGETS", "QuantLinear", "quantize_transformer", "quant_layers", "calibration"]
 
