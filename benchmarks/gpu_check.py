@@ -6,6 +6,11 @@
    gradient checkpointing, fd_type 0) on a 480p x 81-frame latent (16 x 21 x 60 x 104 = 32 760 tokens)
    and 512 text tokens, through ``training/rcm.py``: time per iteration and peak CUDA memory, next to
    ``rcm_diffusers.distill.memory.predict_training`` for the same setup.
+3. Ulysses context parallelism (``rcm_diffusers.attention.ulysses``) with a group of one rank (NCCL on the GPU):
+   a 2-layer Wan2.1-1.3B-wide transformer's output, exact sCM tangent (``torch.func.jvp``) and a weight gradient
+   with the CP hooks, all-to-alls and gather installed against the same model without them. With one rank every
+   exchange is a copy, so they agree up to the attention kernel's choice on other strides; this checks that the
+   collectives and their forward-mode rule run on CUDA (multi-rank CP was tested on CPU processes only).
 
 ``--smoke`` (and any machine without CUDA): the same code at tiny sizes on CPU (CI runs it).
 """
@@ -62,6 +67,71 @@ def train_check(smoke: bool, steps: int, timeout: float, work: str) -> dict:
     return res
 
 
+def cp_check(smoke: bool) -> dict:
+    """Section 3 of the module docstring: ``{"tokens", "exchanges", "err": {output, jvp, grad} relative to the largest
+    entry, "tol", "ok", "seconds"}``; ``tol`` is 8 units of the weight dtype."""
+    import torch.distributed as dist
+
+    from rcm_diffusers.arch import build_transformer
+    from rcm_diffusers.attention import enable_jvp_attention
+    from rcm_diffusers.attention import ulysses as U
+    from rcm_diffusers.distill import losses as L
+    from rcm_diffusers.distill.runs import free_port
+    from rcm_diffusers.models import velocity_fn
+    from rcm_diffusers.trigflow import TrigFlowDenoiser
+
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available() and not smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    over = dict(num_layers=2) if cuda else dict(num_layers=1, num_attention_heads=2)
+    shape, text = ((16, 5, 60, 104), 512) if cuda else ((16, 2, 8, 8), 16)  # 7 800 / 32 video tokens
+    model = build_transformer("wan2.1-t2v-1.3b", dtype=dtype, device=device, **over)
+    model.requires_grad_(False)
+    weight = model.blocks[0].attn1.to_q.weight
+    weight.requires_grad_(True)
+    enable_jvp_attention(model)
+    g = torch.Generator(device).manual_seed(0)
+    x_t = torch.randn(1, *shape, generator=g, device=device, dtype=torch.float64)
+    F_T = torch.randn(1, *shape, generator=g, device=device, dtype=torch.float64)
+    t = torch.tensor([1.1], device=device, dtype=torch.float64)
+    cond = {"encoder_hidden_states": torch.randn(1, text, model.config.text_dim, generator=g, device=device, dtype=torch.float64).to(dtype)}
+    den = TrigFlowDenoiser(velocity_fn(model, "float"), dtype)
+
+    def run() -> dict:
+        def F(x, tt):
+            return den.F(x, tt, **cond)
+
+        weight.grad = None
+        with torch.no_grad():
+            out = F(x_t, t)
+            _, jvp = L.scm_dF(F, x_t, t, F_T, fd_type=0)
+        loss, _ = L.scm_loss(F, x_t, t, F_T, step=0, tangent_warmup=0, fd_type=0)
+        loss.sum().backward()
+        return {"output": out.double(), "jvp": jvp.double(), "grad": weight.grad.double()}
+
+    ref = run()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    seen, a2a = [0], U._a2a
+
+    def counted(*a, **k):
+        seen[0] += 1
+        return a2a(*a, **k)
+
+    try:
+        U._a2a = counted
+        U.enable_context_parallel(model, dist.new_group([0]))
+        got = run()
+    finally:
+        U._a2a = a2a
+        U.disable_context_parallel(model)
+        dist.destroy_process_group()
+    err = {k: float((ref[k] - got[k]).abs().max() / ref[k].abs().max()) for k in ref}
+    tol = 8 * torch.finfo(dtype).eps
+    return {"arch": "wan2.1-t2v-1.3b", "overrides": over, "latent": [1, *shape], "tokens": shape[1] * shape[2] * shape[3] // 4,
+            "dtype": str(dtype).split(".")[-1], "device": device, "exchanges": seen[0], "err": err, "tol": tol,
+            "ok": seen[0] > 0 and all(e <= tol for e in err.values()), "seconds": time.perf_counter() - t0}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny CPU sizes (CI); implied without CUDA")
@@ -86,14 +156,20 @@ def main(argv=None):
     res["jvp_s"] = time.time() - t0
     dump()
     left = a.budget_s - (time.time() - t0)
-    res["train"] = train_check(smoke, 2 if smoke else a.steps, max(left - 10, 30), a.work)
+    res["train"] = train_check(smoke, 2 if smoke else a.steps, max(left - 50, 30), a.work)
+    dump()
+    res["context_parallel_1"] = cp_check(smoke)
     res["total_s"] = time.time() - t0
     dump()
+    cp = res["context_parallel_1"]
+    print(f"context parallel, one rank: {cp['exchanges']} exchanges, relative differences {cp['err']} (tolerance {cp['tol']:.2g})")
     tr = res["train"]
     print(f"\ntraining: rc {tr['rc']}, iterations {[round(s['step_time'], 2) for s in tr['steps']]} s, peak "
           f"{max([s['peak_mem_mb'] for s in tr['steps']] or [0]) / 1024:.2f} GiB measured vs {tr['predicted']['total_gib']:.2f} GiB predicted")
     if tr["rc"] != 0:
         raise SystemExit(f"training check failed:\n{tr.get('log_tail', '')}")
+    if not cp["ok"]:
+        raise SystemExit("context-parallel check failed: the one-rank CP model differs from the plain one beyond the tolerance")
 
 
 if __name__ == "__main__":

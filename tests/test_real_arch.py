@@ -180,7 +180,7 @@ def test_bf16_base_trains_float32_adapters():
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     """``benchmarks/gpu_check.sh --smoke``: the GPU check's code (JVP attention rows, rCM iterations through
-    training/rcm.py, memory-model prediction, JSON) at tiny sizes on CPU, as CI runs it."""
+    training/rcm.py, memory-model prediction, one-rank context parallelism, JSON) at tiny sizes on CPU, as CI runs it."""
     import json
     import shutil
 
@@ -196,3 +196,5 @@ def test_gpu_check_smoke(tmp_path):
     tr = res["train"]
     assert tr["rc"] == 0 and [s["net"] for s in tr["steps"]] == ["student", "fake"]
     assert tr["predicted"]["total_gib"] > 0 and (tmp_path / "out" / "gpu_check.log").exists()
+    cp = res["context_parallel_1"]  # the Ulysses hooks and collectives with a one-rank group change nothing
+    assert cp["ok"] and cp["exchanges"] > 0 and all(e <= cp["tol"] for e in cp["err"].values()), cp

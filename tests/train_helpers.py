@@ -14,12 +14,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_DIM, TEXT_LEN = 16, 4
 
 
-def tiny_wan_transformer():
+def tiny_wan_transformer(seed: int = 0, in_channels: int = 4, image_dim: int | None = None):
+    """2-layer, 2-head Wan transformer; I2V: ``in_channels`` 12 (noise + mask + image latents), ``image_dim`` = width
+    of the image tokens it also cross-attends to."""
     from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+                                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
+                                 image_dim=image_dim, added_kv_proj_dim=None if image_dim is None else 24)
 
 
 def make_tiny_wan(root: str) -> str:
@@ -36,10 +39,11 @@ def make_tiny_wan(root: str) -> str:
     return root
 
 
-def make_tiny_wan2(root: str, i2v: bool = False, boundary_ratio: float = 0.875) -> str:
+def make_tiny_wan2(root: str, i2v: bool = False, boundary_ratio: float = 0.875, image_dim: int | None = None) -> str:
     """Save a tiny Wan 2.2-style two-expert pipeline (``transformer`` high noise, ``transformer_2`` low noise,
     ``boundary_ratio``): ``WanPipeline`` or, with ``i2v``, ``WanImageToVideoPipeline`` (image latents + mask on the
-    channels, no CLIP image branch, as Wan2.2-I2V-A14B)."""
+    channels, no CLIP image branch, as Wan2.2-I2V-A14B; with ``image_dim`` the experts also cross-attend to that
+    many-wide image tokens, the Wan 2.1 I2V branch)."""
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
     if os.path.exists(os.path.join(root, "model_index.json")):
@@ -49,7 +53,8 @@ def make_tiny_wan2(root: str, i2v: bool = False, boundary_ratio: float = 0.875) 
         torch.manual_seed(seed)
         return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                      in_channels=12 if i2v else 4, out_channels=4, text_dim=TEXT_DIM, freq_dim=32,
-                                     ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+                                     ffn_dim=32, num_layers=2, rope_max_seq_len=32, image_dim=image_dim,
+                                     added_kv_proj_dim=None if image_dim is None else 24)
 
     torch.manual_seed(0)
     vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
@@ -85,23 +90,29 @@ def make_tiny_flux(root: str) -> str:
     return root
 
 
-def make_dataset(root: str, family: str, n: int = 16, classes: int = 3) -> str:
-    """Random-but-structured latents (class-dependent means) with a class table of prompt embeddings."""
+def make_dataset(root: str, family: str, n: int = 16, classes: int = 3, image_tokens: int = 0, image_dim: int = 8,
+                 frames: int = 1) -> str:
+    """Random-but-structured latents (class-dependent means) with a class table of prompt embeddings; ``wan_i2v``
+    with ``image_tokens``: also ``image_tokens`` x ``image_dim`` image embeddings per sample and prompts padded to
+    the 512 tokens Wan I2V attention expects; ``frames``: latent frames of a Wan sample."""
     from rcm_diffusers.distill.data import write_latent_dataset
 
     if os.path.exists(os.path.join(root, "meta.json")):
         return root
     g = torch.Generator().manual_seed(0)
     label = torch.arange(n) % classes
-    shape = (4, 1, 4, 4) if family.startswith("wan") else (4, 4, 4)
+    shape = (4, frames, 4, 4) if family.startswith("wan") else (4, 4, 4)
     means = torch.randn(classes, *shape, generator=g)
     lat = means[label] + 0.3 * torch.randn(n, *shape, generator=g)
-    tables = {"prompt_embeds": torch.randn(classes, TEXT_LEN, TEXT_DIM, generator=g),
-              "negative_prompt_embeds": torch.zeros(1, TEXT_LEN, TEXT_DIM)}
+    text_len = 512 if image_tokens else TEXT_LEN
+    tables = {"prompt_embeds": torch.randn(classes, text_len, TEXT_DIM, generator=g),
+              "negative_prompt_embeds": torch.zeros(1, text_len, TEXT_DIM)}
     index = {"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}
     samples = {"latents": lat, "prompt_index": label}
     if family == "wan_i2v":  # first-frame mask (4 channels) + the image latents, as WanImageToVideoPipeline builds them
-        samples["condition"] = torch.cat([torch.ones(n, 4, 1, 4, 4), lat + 0.1 * torch.randn(n, *shape, generator=g)], dim=1)
+        samples["condition"] = torch.cat([torch.ones(n, 4, frames, 4, 4), lat + 0.1 * torch.randn(n, *shape, generator=g)], dim=1)
+        if image_tokens:
+            samples["image_embeds"] = torch.randn(n, image_tokens, image_dim, generator=g)
     if family == "flux":
         tables["pooled_prompt_embeds"] = torch.randn(classes, 8, generator=g)
         index["pooled_prompt_embeds"] = "prompt_index"

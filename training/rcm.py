@@ -110,9 +110,10 @@ def main(argv=None):
     cp, dp_rank, dp_world = cfg.context_parallel_size, rank, world
     if cp > 1:
         from rcm_diffusers.attention import enable_jvp_attention
-        from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel
+        from rcm_diffusers.attention.ulysses import check_context_parallel, context_parallel_groups, enable_context_parallel
 
         try:
+            check_context_parallel(transformer, cp)  # Wan (one network or both experts, T2V or I2V) with heads P divides
             dp_rank, dp_world, cp_group = context_parallel_groups(cp) if world > 1 else R.fail(
                 f"context_parallel_size {cp} needs {cp} x k processes, this run has 1")
             for m in {id(m): m for m in nets.modules.values()}.values():

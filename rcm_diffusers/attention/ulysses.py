@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all", "gather_seq", "enable_context_parallel", "disable_context_parallel", "context_parallel_groups",
-           "cp_group_of"]
+           "cp_group_of", "check_context_parallel"]
 
 
 def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -146,15 +146,24 @@ def enable_context_parallel(transformer, group):
     return transformer
 
 
+def check_context_parallel(transformer, size: int) -> None:
+    """Refuse (``ValueError``, one line) what ``enable_context_parallel`` with a group of ``size`` ranks cannot run:
+    a model that is not a diffusers Wan transformer (every expert of a two-expert switch is checked) or whose head
+    count ``size`` does not divide. Needs no process group."""
+    from .processors import _parts
+
+    for model in _parts(transformer):
+        if type(model).__name__ != "WanTransformer3DModel":
+            raise ValueError(f"context parallelism is implemented for Wan transformers, not {type(model).__name__}")
+        heads = model.config.num_attention_heads
+        if heads % size:
+            raise ValueError(f"context_parallel_size {size} does not divide the {heads} attention heads of {type(model).__name__}")
+
+
 def _enable(model, group) -> None:
     from .processors import WanJVPAttnProcessor
 
-    P = dist.get_world_size(group)
-    heads = model.config.num_attention_heads
-    if heads % P:
-        raise ValueError(f"context_parallel_size {P} does not divide the {heads} attention heads of {type(model).__name__}")
-    if type(model).__name__ != "WanTransformer3DModel":
-        raise ValueError(f"context parallelism is implemented for Wan transformers, not {type(model).__name__}")
+    check_context_parallel(model, dist.get_world_size(group))
     procs = model.attn_processors
     if not all(isinstance(p, WanJVPAttnProcessor) for p in procs.values()):
         raise ValueError("enable_context_parallel needs rcm_diffusers' Wan attention processors: call enable_jvp_attention first")

@@ -138,6 +138,7 @@ class WanExpertSwitch(nn.Module):
         if high.shape[0] != B:
             raise ValueError(f"expert choice for {high.shape[0]} samples, batch of {B}")
         high = high.to(hidden_states.device)
+        _same_choice_in_cp_group(high, self.transformer)
 
         def run(expert: str, idx, record: bool = True):
             m = self.experts[expert]
@@ -174,6 +175,25 @@ class WanExpertSwitch(nn.Module):
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+
+def _same_choice_in_cp_group(high: torch.Tensor, expert: nn.Module) -> None:
+    """Under context parallelism (``attention.ulysses``) every rank of a group must send each sample to the same
+    expert: the all-to-all inside the experts would otherwise mix two experts' tokens without any error. One
+    all-reduce of the per-sample choice; a mismatch raises ``ValueError``."""
+    from ..attention.ulysses import cp_group_of
+
+    group = cp_group_of(expert)
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    mine = torch.tensor([int(h) for h in high.tolist()], dtype=torch.int32, device=high.device)  # plain, also inside a jvp
+    total = mine.clone()
+    dist.all_reduce(total, group=group)
+    if not torch.equal(total, mine * dist.get_world_size(group)):
+        raise ValueError(f"two experts under context parallelism: the ranks of a group route the batch differently "
+                         f"(this rank: high-noise expert for {mine.tolist()}); every rank of a group needs the same times")
 
 
 def sample_p_G_experts(high: torch.Tensor, boundary_ratio: float, P_mean: float = -0.8, P_std: float = 1.6,
