@@ -151,7 +151,6 @@ def test_checkpoint_held_bytes_within_10_percent(case, dtype):
         s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=c["frames"] * c["hw"] ** 2 // 4, text_tokens=c["text"],
                                    lora_rank=8, weight_dtype=str(dtype).split(".")[-1], checkpointing_policy=policy)
         held[policy] = measured, checkpoint_held(s)
-        print(f"{policy} {dtype}: measured {measured}, predicted {held[policy][1]:.0f}, ratio {held[policy][1] / measured:.4f}")
         assert 0.9 <= held[policy][1] / measured <= 1.1, (policy, held[policy])
     (ms, ps), (mf, pf) = held["selective"], held["full"]
     assert ms > 2 * mf and 0.9 <= (ps - pf) / (ms - mf) <= 1.1, held
