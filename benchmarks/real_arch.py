@@ -6,7 +6,8 @@ real-length text (512 tokens of dim 4096), every run is a fresh subprocess so it
 * ``pipeline``: a 4-step ``RCMScheduler`` run of the stock diffusers pipeline (WanPipeline / FluxPipeline),
 * ``fd0-gc``, ``fd0``, ``fd2-gc``, ``fd2``: ``training/rcm.py`` in shared-base LoRA mode for ``--steps``
   iterations (student sCM+DMD, fake score, student again), ``fd_type`` 0 (exact JVP through
-  ``rcm_diffusers.attention``, torch backend on CPU) or 2 (finite difference), gradient checkpointing on/off.
+  ``rcm_diffusers.attention``, torch backend on CPU) or 2 (finite difference), gradient checkpointing on/off;
+  ``fd0-sac``, ``fd2-sac``: gradient checkpointing with ``--checkpointing_policy selective``.
 
 Prints a markdown table (peak RSS, time per step, parameters trainable / frozen) and writes ``--out`` JSON
 with the memory model's prediction (``rcm_diffusers.distill.memory``) next to each measurement.
@@ -34,7 +35,8 @@ sys.path.insert(0, REPO)
 from rcm_diffusers.arch import arch_config, arch_meta, save_random_pipeline  # noqa: E402
 
 TEXT_TOKENS, TEXT_DIM = 512, 4096
-TRAIN_RUNS = {"fd0-gc": (0, True), "fd0": (0, False), "fd2-gc": (2, True), "fd2": (2, False)}
+TRAIN_RUNS = {"fd0-gc": (0, True), "fd0": (0, False), "fd2-gc": (2, True), "fd2": (2, False), "fd0-sac": (0, "selective"),
+              "fd2-sac": (2, "selective")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -140,7 +142,8 @@ def write_train_config(path: str, args, pretrained: str, data: str, out: str, fd
     bf16 = args.dtype == "bfloat16"
     # the run folder is this benchmark's scratch: a rerun replaces it (the trainer refuses a used folder otherwise)
     cfg = {"pretrained": pretrained, "data_dir": data, "output_dir": out, "overwrite": True, "mode": "shared", "lora_rank": args.rank,
-           "weight_dtype": args.dtype, "mixed_precision": "bf16" if bf16 else "no", "gradient_checkpointing": gc,
+           "weight_dtype": args.dtype, "mixed_precision": "bf16" if bf16 else "no", "gradient_checkpointing": bool(gc),
+           "checkpointing_policy": gc if isinstance(gc, str) else "full",
            "fd_type": fd_type, "batch_size": 1, "max_steps": args.steps,
            # iteration 0: student sCM + DMD, 1: fake score, 2: student sCM + DMD with 2 simulation steps
            "tangent_warmup": 0, "student_update_freq": 2, "max_simulation_steps": 4, "dmd_weight": 0.01,
@@ -233,7 +236,8 @@ def main(argv=None):
             r["final"] = os.path.exists(os.path.join(out, "final.json"))
             r["losses_finite"] = all(math.isfinite(v) for rec in recs for k, v in rec.items() if k.startswith("loss") and v is not None)
             setup = TrainSetup.from_config(cfg, meta["class_name"], tokens=tokens, text_tokens=args.text_tokens, batch=1,
-                                           lora_rank=args.rank, weight_dtype=args.dtype, gradient_checkpointing=gc, fd_type=fd)
+                                           lora_rank=args.rank, weight_dtype=args.dtype, gradient_checkpointing=bool(gc), fd_type=fd,
+                                           checkpointing_policy=gc if isinstance(gc, str) else "full")
             r["predicted"] = predict_training(setup, device="cpu")
             if r["rc"] != 0:
                 r["error"] = open(log).read()[-3000:]
@@ -258,15 +262,17 @@ def table(res: dict) -> str:
     lines = [f"{res['arch']} {res['overrides'] or ''} {res['dtype']}, latent {res['latent']} ({res['tokens']} tokens), "
              f"text {res['text_tokens']}, LoRA rank {res['lora_rank']}: frozen {p['frozen'] / 1e9:.3f} B, "
              f"trainable {p['student'] / 1e6:.1f} M (student) + {p['fake'] / 1e6:.1f} M (fake)", "",
-             "| run | peak RSS (GiB) | predicted (GiB) | s / step (per iteration) | wall (s) |", "|---|---|---|---|---|"]
+             "| run | peak RSS (GiB) | predicted (GiB) | predicted activations (GiB) | s / step (per iteration) | wall (s) |",
+             "|---|---|---|---|---|---|"]
     for name, r in res["runs"].items():
         if name == "pipeline":
             steps = ", ".join(f"{s:.1f}" for s in r.get("step_s", []))
-            lines.append(f"| pipeline 4-step | {r['peak_rss_gib']:.2f} | | {steps} | {r['wall_s']:.0f} |")
+            lines.append(f"| pipeline 4-step | {r['peak_rss_gib']:.2f} | | | {steps} | {r['wall_s']:.0f} |")
         else:
-            steps = ", ".join(f"{s['net'][0]} {s['step_time']:.0f}" for s in r.get("steps", []))
+            steps = ", ".join(f"{s['net'][0]} {s['step_time']:.1f}" for s in r.get("steps", []))
             pred = r.get("predicted", {}).get("total_gib", float("nan"))
-            lines.append(f"| train {name} | {r['peak_rss_gib']:.2f} | {pred:.2f} | {steps} | {r['wall_s']:.0f} |")
+            act = r.get("predicted", {}).get("activations", float("nan")) / 2**30
+            lines.append(f"| train {name} | {r['peak_rss_gib']:.2f} | {pred:.2f} | {act:.3f} | {steps} | {r['wall_s']:.0f} |")
     return "\n".join(lines)
 
 

@@ -95,9 +95,11 @@ def main(argv=None):
     nets, trainable = Networks.build(transformer, cfg.mode, with_fake=cfg.use_dmd, lora_rank=cfg.lora_rank,
                                      lora_alpha=cfg.lora_alpha or None, lora_target_modules=cfg.lora_target_modules or None,
                                      fake_lora_rank=cfg.fake_lora_rank or None, time_input=cfg.time_input)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing:  # the selective policy recomputes the rank-r LoRA up-projections (checkpointing.py)
+        from rcm_diffusers.distill.checkpointing import enable_checkpointing
+
         for m in trainable.values():
-            m.enable_gradient_checkpointing()
+            enable_checkpointing(m, cfg.checkpointing_policy, max(cfg.lora_rank, cfg.fake_lora_rank) if cfg.mode == "shared" else 0)
     if T.needs_jvp(cfg):  # sCM with fd_type 0/1 only; dCM, fd_type 2 and DMD alone keep the stock processors
         try:
             from rcm_diffusers.attention import enable_jvp_attention

@@ -51,6 +51,12 @@ class RCMConfig:
     fake_lora_rank: int = opt(0, "LoRA rank of the fake-score adapter (0 = lora_rank)")
     lora_target_modules: list = opt([], "module names to adapt ([] = family default, see rcm_diffusers.distill.adapters.DEFAULT_LORA_TARGETS)")
     gradient_checkpointing: bool = opt(False, "checkpoint transformer blocks in the grad passes (JVP passes run under no_grad without it)")
+    checkpointing_policy: str = opt("full", "with gradient_checkpointing: 'full' = keep each block's inputs, recompute the whole block in "
+                                    "the backward; 'selective' = also keep the outputs of the matrix products (q/k/v/out and "
+                                    "feed-forward projections, cross-attention text K/V, LoRA down-projections) and of the "
+                                    "attention kernels, recompute the rest (norms, RoPE, modulation, GELU, residual adds, casts "
+                                    "and the rank-r LoRA up-projections): more memory than full, less recompute (the official "
+                                    "rCM mm_only mode; rcm_diffusers.distill.checkpointing)")
     flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored when the transformer has no guidance embedding)")
     # data (docs/math.md §8)
     data_dir: str = opt("", "directory in the rcm latent format (rcm_diffusers.distill.data; make one with training/prepare_data.py)")
@@ -140,6 +146,10 @@ class RCMConfig:
             bad("data_dir", "set a latent dataset directory (see rcm_diffusers.distill.data)")
         if self.mode not in ("shared", "full"):
             bad("mode", "use 'shared' or 'full'")
+        if self.checkpointing_policy not in ("full", "selective"):
+            bad("checkpointing_policy", "use 'full' or 'selective'")
+        if self.checkpointing_policy != "full" and not self.gradient_checkpointing:
+            bad("checkpointing_policy", "applies with gradient_checkpointing true; set it too")
         if self.fd_type not in (0, 1, 2):
             bad("fd_type", "use 0, 1 or 2")
         if self.time_input not in TIME_INPUTS:

@@ -100,9 +100,10 @@ class WanExpertSwitch(nn.Module):
         for m in self.experts.values():
             m.add_adapter(adapter_config, adapter_name=adapter_name)
 
-    def enable_gradient_checkpointing(self) -> None:
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
+        """diffusers ``enable_gradient_checkpointing`` on both experts (``None``: diffusers' default function)."""
         for m in self.experts.values():
-            m.enable_gradient_checkpointing()
+            m.enable_gradient_checkpointing(gradient_checkpointing_func=gradient_checkpointing_func)
 
     @property
     def attn_processors(self) -> dict:

@@ -10,8 +10,11 @@
 * ``optimizer``: AdamW's two float32 moments for student and fake score;
 * ``ema``: the float32 power-EMA shadow of the student;
 * ``activations``: what autograd saves in the one grad-enabled forward of a step (the sCM/DMD
-  student pass, or the fake-score pass), all blocks, or with gradient checkpointing the block inputs
-  plus one block's recomputed activations;
+  student pass, or the fake-score pass), all blocks; with gradient checkpointing (``checkpointing_policy``
+  ``full``) the block inputs plus one block's recomputed activations; with ``selective`` (Wan;
+  ``rcm_diffusers.distill.checkpointing``) also every block's matrix-product and attention outputs, the recompute
+  working set of one block then being the rest of that block (``checkpoint_held`` gives what is held between the
+  forward and the backward);
 * ``jvp``: the extra working set of the no-grad ``torch.func.jvp`` pass (fd_type 0/1): primal and
   tangent of one block's live tensors (not saved across blocks: the JVP runs without grad);
 * ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the all-to-all send and receive
@@ -39,7 +42,8 @@ import functools
 
 import torch
 
-__all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "DEVICES", "fits", "ACT_COEFFS"]
+__all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "checkpoint_held", "checkpoint_held_bytes",
+           "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS"]
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -57,8 +61,18 @@ ACT_COEFFS = {
     "flux_single": {"float32": {"per_D": 70.9, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 49.8, "per_F": 0.0, "txt_D": 0.0}},
 }
 
+#: bytes the ``selective`` checkpointing policy keeps per Wan block (``rcm_diffusers.distill.checkpointing``), by
+#: activation bytes ``b`` (4 float32, 2 bf16 weights or bf16 autocast): per video token ``(9 D + F) b`` (q, k, v of
+#: self-attention, both attention outputs, both out-projections, the cross-attention query, the feed-forward up (F)
+#: and down projections), ``8 r b`` (the ``lora_A`` outputs of the 8 adapted token projections, rank r) and 4 bytes
+#: per head and attention for the float32 log-sum-exp; per text token ``2 D b + 2 r b`` (cross-attention K, V and
+#: their ``lora_A``). Counted from the ops the policy keeps; checked against the cached tensors
+#: (``checkpoint_held_bytes``) in tests/test_memory_model.py.
+SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, "lse_per_head": 2 * 4}
+
 #: device name -> usable bytes
-DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "24 GB (RTX 4090)": 24e9}
+DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "48 GB (L40S / RTX 6000 Ada)": 48e9, "24 GB (RTX 4090)": 24e9}
+POLICIES = ("full", "selective")
 
 
 @dataclasses.dataclass
@@ -85,12 +99,15 @@ class TrainSetup:
     #                   bases and 2 sets of adapters/optimizer/EMA; a batch is split between them, so activations do not grow
     context_parallel: int = 1  # Ulysses group size P: each rank holds tokens / P of every sample
     gradient_accumulation_steps: int = 1  # micro-batches of `batch` per optimizer step: no extra memory (see above)
+    checkpointing_policy: str = "full"  # with gradient_checkpointing: "full" | "selective" (Wan)
+    lora_rank: int = 64  # LoRA rank (the selective policy keeps the lora_A outputs, rank wide)
+    head_dim: int = 128  # attention head dimension (selective: the log-sum-exp per head; Wan RoPE tables)
 
     @classmethod
     def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
                     weight_dtype: str = "bfloat16", gradient_checkpointing: bool = True, fd_type: int = 0, mode: str = "shared",
                     ema: bool = True, experts: int = 1, context_parallel: int = 1,
-                    gradient_accumulation_steps: int = 1) -> "TrainSetup":
+                    gradient_accumulation_steps: int = 1, checkpointing_policy: str = "full") -> "TrainSetup":
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact."""
         flux = class_name.startswith("Flux")
         counts = _counts(class_name, tuple(sorted((k, _hashable(v)) for k, v in config.items())), lora_rank)
@@ -100,7 +117,8 @@ class TrainSetup:
                    params=counts[0], lora_params_student=counts[1], lora_params_fake=counts[2], tokens=tokens,
                    text_tokens=text_tokens, batch=batch, weight_dtype=weight_dtype, gradient_checkpointing=gradient_checkpointing,
                    fd_type=fd_type, mode=mode, ema=ema, experts=experts, context_parallel=context_parallel,
-                   gradient_accumulation_steps=gradient_accumulation_steps)
+                   gradient_accumulation_steps=gradient_accumulation_steps, checkpointing_policy=checkpointing_policy,
+                   lora_rank=lora_rank if mode == "shared" else 0, head_dim=config["attention_head_dim"])
 
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
@@ -143,6 +161,34 @@ def _rank_tokens(s: TrainSetup) -> int:
     return -(-s.tokens // s.context_parallel)
 
 
+def _selective_block_bytes(s: TrainSetup) -> float:
+    """Bytes the ``selective`` policy keeps for one Wan block (``SELECTIVE_COEFFS``)."""
+    c, b = SELECTIVE_COEFFS, 4 if s.weight_dtype == "float32" else 2
+    heads = s.dim // s.head_dim
+    return s.batch * (_rank_tokens(s) * (b * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim + c["per_r"] * s.lora_rank)
+                                         + c["lse_per_head"] * heads)
+                      + s.text_tokens * b * (c["txt_D"] * s.dim + c["txt_r"] * s.lora_rank))
+
+
+def checkpoint_held(s: TrainSetup) -> float:
+    """Bytes the checkpointed blocks hold between the grad-enabled forward and its backward (gradient checkpointing
+    on): every block's input hidden states, the block arguments shared by all blocks (Wan: text states, float32 RoPE
+    tables and modulation), and with ``selective`` every block's kept outputs (``SELECTIVE_COEFFS``)."""
+    if s.checkpointing_policy not in POLICIES:
+        raise ValueError(f"checkpointing_policy must be one of {POLICIES}, got {s.checkpointing_policy!r}")
+    if s.checkpointing_policy == "selective" and s.family != "wan":
+        raise ValueError("the selective checkpointing policy is modelled for Wan only")
+    mb = DTYPE_BYTES[s.weight_dtype]
+    n_tok = _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
+    blocks = s.num_layers + s.num_single_layers
+    held = blocks * s.batch * n_tok * s.dim * mb  # each block's input hidden states
+    if s.family == "wan":  # text states, RoPE cos / sin (float32, per token and head dim), modulation (6 D, float32)
+        held += s.batch * (s.text_tokens * s.dim * mb + 6 * s.dim * 4) + 2 * _rank_tokens(s) * s.head_dim * 4
+    if s.checkpointing_policy == "selective":
+        held += blocks * _selective_block_bytes(s)
+    return float(held)
+
+
 def activation_bytes(s: TrainSetup) -> tuple[float, float]:
     """``(saved, one_block)``: bytes autograd saves in one grad-enabled forward, and the largest
     single block's share (the recompute working set under gradient checkpointing)."""
@@ -157,10 +203,10 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
     one = max(sizes) if sizes else 0.0
     if not s.gradient_checkpointing:
         return float(sum(sizes)), one
-    mb = DTYPE_BYTES[s.weight_dtype]
-    n_tok = _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
-    inputs = len(sizes) * s.batch * n_tok * s.dim * mb  # each block's input hidden states
-    return float(inputs + one), one
+    held = checkpoint_held(s)
+    if s.checkpointing_policy == "selective":  # the recompute re-uses the kept outputs of the block it runs
+        return held + max(one - _selective_block_bytes(s), 0.0), one
+    return held + one, one
 
 
 def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
@@ -227,4 +273,28 @@ def saved_activation_bytes(fn, exclude=()) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
+    return int(sum(seen.values()))
+
+
+def checkpoint_held_bytes(fn, exclude=()) -> int:
+    """Bytes of the distinct storages the checkpointed block calls (``rcm_diffusers.distill.checkpointing``) made
+    while running ``fn()`` hold for the backward: their inputs and the outputs the selective policy cached
+    (parameters in ``exclude`` not counted): the measurement ``checkpoint_held`` is checked against."""
+    from torch.utils._pytree import tree_leaves
+
+    from .checkpointing import recording
+
+    with recording() as rec:
+        fn()
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    seen = {}
+    for args, ctx in rec:
+        leaves = list(tree_leaves(args))
+        if ctx is not None:  # torch's SAC cache: {op: {index: pytree of wrappers holding the kept tensor in .val}}
+            for per_op in ctx.storage.values():
+                for entry in per_op.values():
+                    leaves += [getattr(w, "val", w) for w in tree_leaves(entry, is_leaf=lambda x: hasattr(x, "val"))]
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return int(sum(seen.values()))
