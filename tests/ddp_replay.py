@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from rcm_diffusers.distill.data import step_generator  # noqa: E402
 OUT, WORLD = os.environ["GRAD_OUT"], int(os.environ.get("REPLAY_WORLD", "0"))
 spec = importlib.util.spec_from_file_location("rcm_train", os.path.join(REPO, "training", "rcm.py"))
 M = importlib.util.module_from_spec(spec)
@@ -45,7 +46,7 @@ def student_replay(nets, x0, cond, uncond, plan, cfg, generator, backward, noise
     B, logs = x0.shape[0] // WORLD, {}
     for r in range(WORLD):
         logs = student(nets, rank_rows(x0, r, B), rank_rows(cond, r, B), rank_rows(uncond, r, B), plan, cfg,
-                       M.step_generator(cfg.seed, plan.i, r), lambda loss, last: backward(loss / WORLD, last),
+                       step_generator(cfg.seed, plan.i, r), lambda loss, last: backward(loss / WORLD, last),
                        noise_multiplier=noise_multiplier)
     return logs
 
@@ -54,7 +55,7 @@ def fake_replay(nets, x0_shape, cond, plan, cfg, generator, backward, device):
     """``trainer.fake_step`` once per replayed rank, as ``student_replay``."""
     B, logs = x0_shape[0] // WORLD, {}
     for r in range(WORLD):
-        logs = fake(nets, (B, *x0_shape[1:]), rank_rows(cond, r, B), plan, cfg, M.step_generator(cfg.seed, plan.i, r),
+        logs = fake(nets, (B, *x0_shape[1:]), rank_rows(cond, r, B), plan, cfg, step_generator(cfg.seed, plan.i, r),
                     lambda loss, last: backward(loss / WORLD, last), device)
     return logs
 

@@ -261,7 +261,7 @@ def test_sample_grid_png_and_gif(env, ds_img, ds_vid, tmp_path):
     gif = Image.open(vid.replace(".safetensors", ".gif"))
     assert gif.size == (64, 96) and gif.n_frames == 5
     # no VAE in the pipeline (the shipped digits teacher): latents only
-    assert SampleDecoder.from_pretrained(os.path.join(REPO, "rcm_diffusers", "assets", "digits_teacher"), "wan") is None
+    assert SampleDecoder.from_pretrained(os.path.join(REPO, "rcm_diffusers", "digits", "assets", "digits_teacher"), "wan") is None
 
 
 @torch.no_grad()
