@@ -316,6 +316,10 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         ``RCMScheduler`` config there (a LoRA from elsewhere): ``from_config(base_config, **kwargs)`` defaults and a
         warning saying so. Logs (INFO) the settings taken."""
         trained, source = cls._trained_config(path)
+        for alias, key in cls._aliases.items():  # sigma_max= in kwargs; configs written by earlier versions
+            for d in (kwargs, trained or {}):
+                if alias in d and key not in d:
+                    d[key] = d.pop(alias)
         if trained is None:
             sched = cls.from_config(base_config or {}, **kwargs)
             warnings.warn(f"{path}: no RCMScheduler config (scheduler/scheduler_config.json, written by training/rcm.py) "
@@ -323,9 +327,6 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
                           "was trained for other settings, pass them: RCMScheduler.from_config(pipe.scheduler.config, "
                           "sigma_max=..., mid_t=[...], time_input=...)", stacklevel=2)
             return sched
-        for alias, key in cls._aliases.items():  # configs written by earlier versions
-            if alias in trained and key not in trained:
-                trained[key] = trained.pop(alias)
         keys = cls._get_init_keys(cls) - {"self", *cls._aliases}
         # as keyword arguments, so that they win over base_config's keys and its _use_default_values
         sched = cls.from_config(base_config or {}, **{**{k: v for k, v in trained.items() if k in keys}, **kwargs})

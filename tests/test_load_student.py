@@ -114,3 +114,4 @@ def test_without_a_scheduler_folder_it_falls_back_with_a_message(run_dir, tmp_pa
     assert _settings(RCMScheduler.from_lora(str(run_dir / WEIGHT_NAME))) == TRAINED
     # explicit keyword arguments still win over the exported config
     assert RCMScheduler.from_lora(str(run_dir), stochastic=False).config.stochastic is False
+    assert RCMScheduler.from_lora(str(run_dir), sigma_max=200.0).sigma_max == 200.0
