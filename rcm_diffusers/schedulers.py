@@ -23,7 +23,10 @@ Conventions shared by the three:
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +41,8 @@ from .models import TIME_INPUTS
 from .sampling import DEFAULT_MID_T, SPACINGS, parse_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
 
 __all__ = ["RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler", "RCMSchedulerOutput"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -301,6 +306,59 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         self.generator: torch.Generator | list[torch.Generator] | None = None
         self._noise_generators: list[torch.Generator] | None = None
         self.init_noise_sigma = rcm_sigma_max / (1.0 + rcm_sigma_max)
+
+    @classmethod
+    def from_lora(cls, path: str, base_config=None, **kwargs) -> "RCMScheduler":
+        """The scheduler a student LoRA was trained for: the ``scheduler/`` config ``training/rcm.py`` writes next to
+        it (``sigma_max``, ``mid_t``, ``time_input``), laid over ``base_config`` (e.g. ``pipe.scheduler.config``, whose
+        other keys such as ``shift`` are kept for swapping back), then ``kwargs``. ``path``: a run folder, its ``ema/``
+        (without a ``scheduler/`` of its own: the run's), a LoRA file (its folder) or a Hub repo id. Without an
+        ``RCMScheduler`` config there (a LoRA from elsewhere): ``from_config(base_config, **kwargs)`` defaults and a
+        warning saying so. Logs (INFO) the settings taken."""
+        trained, source = cls._trained_config(path)
+        for alias, key in cls._aliases.items():  # sigma_max= in kwargs; configs written by earlier versions
+            for d in (kwargs, trained or {}):
+                if alias in d and key not in d:
+                    d[key] = d.pop(alias)
+        if trained is None:
+            sched = cls.from_config(base_config or {}, **kwargs)
+            warnings.warn(f"{path}: no RCMScheduler config (scheduler/scheduler_config.json, written by training/rcm.py) "
+                          f"next to this LoRA; using RCMScheduler.from_config defaults ({sched._settings()}). If the LoRA "
+                          "was trained for other settings, pass them: RCMScheduler.from_config(pipe.scheduler.config, "
+                          "sigma_max=..., mid_t=[...], time_input=...)", stacklevel=2)
+            return sched
+        keys = cls._get_init_keys(cls) - {"self", *cls._aliases}
+        # as keyword arguments, so that they win over base_config's keys and its _use_default_values
+        sched = cls.from_config(base_config or {}, **{**{k: v for k, v in trained.items() if k in keys}, **kwargs})
+        logger.info("rcm_diffusers: RCMScheduler from %s: %s", source, sched._settings())
+        return sched
+
+    @classmethod
+    def _trained_config(cls, path: str) -> tuple[dict | None, str | None]:
+        """``(config, folder)`` of the ``RCMScheduler`` saved for the LoRA at ``path`` (see :meth:`from_lora`), or
+        ``(None, None)``."""
+        path = os.fspath(path)
+        if os.path.isfile(path):
+            path = os.path.dirname(path) or "."
+        if os.path.isdir(path):
+            dirs = [path] + ([os.path.dirname(os.path.abspath(path))] if os.path.basename(os.path.normpath(path)) == "ema" else [])
+            dirs = [d for d in dirs if os.path.isfile(os.path.join(d, "scheduler", cls.config_name))]
+            if not dirs:
+                return None, None
+            path = dirs[0]
+        try:
+            cfg = dict(cls.load_config(path, subfolder="scheduler"))
+        except OSError as e:  # a Hub repo without scheduler/; anything else (offline, no such repo) is raised
+            if "does not appear to have a file named" in str(e):
+                return None, None
+            raise
+        if cfg.get("_class_name") != cls.__name__:
+            return None, None
+        return cfg, os.path.join(path, "scheduler")
+
+    def _settings(self) -> str:
+        c = self.config
+        return f"sigma_max {c.rcm_sigma_max:g}, mid_t {list(c.mid_t)}, time_input {c.time_input}"
 
     @property
     def sigma_max(self) -> float:

@@ -94,11 +94,13 @@ def test_demo_with_ablations_end_to_end(tmp_path):
     out = tmp_path / "digits"
     rows = demo_digits.main(["--ablations", "--jobs", "2", "--processes", "2", "--out", str(out), *TINY])
     names = ["rcm", "rcm-ema", "scm-only", "scm-only-ema", "dmd-only", "dmd-only-ema"]
+    user = ["student rcm", *(f"student rcm-ema{how}" for how in ("", ": user call", ": from_config defaults"))]  # rCM's EMA only
     assert [(r.method, r.steps) for r in rows] == ([("teacher euler", 2), ("teacher euler", 1), ("teacher unipc", 2),
-                                                    ("teacher unipc", 1)] + [(f"student {n}", 1) for n in names])
+                                                    ("teacher unipc", 1)] + [(m, 1) for m in user]
+                                                   + [(f"student {n}", 1) for n in names[2:]])
     assert all(0 <= r.accuracy <= 1 and r.fd == r.fd and r.nfe == r.steps for r in rows)
     report = (out / "report.md").read_text()
-    assert all(f"| student {n} | 1 | 1 |" in report for n in names) and (out / "samples.png").exists()
+    assert all(f"| {m} | 1 | 1 |" in report for m in user + [f"student {n}" for n in names]) and (out / "samples.png").exists()
     assert "student RCMScheduler sigma_max 5000, mid_t [0.8, 0.5, 0.25]" in report  # the sampler digits.yaml names
     from rcm_diffusers import RCMScheduler  # the same sampler exported for diffusers users, next to each LoRA
 

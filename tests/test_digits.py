@@ -139,6 +139,49 @@ def test_report_and_grid(tmp_path, split):
     assert img.size == (150 + 10 * 18, 2 * 18 + 2)
 
 
+def test_report_has_the_rows_of_the_stock_pipeline_path(tmp_path):
+    """eval_digits adds, per LoRA student, the rows a diffusers user gets: "user call" (WanPipeline.from_pretrained +
+    load_rcm_lora, which brings the run's scheduler/) and "from_config defaults"; the user call samples with the
+    exported scheduler (its rows equal digits.sample_pipeline with that scheduler), the defaults row with sigma_max 80."""
+    import sys
+    from types import SimpleNamespace
+
+    from diffusers import WanPipeline
+
+    from rcm_diffusers import RCMScheduler
+    from rcm_diffusers.distill.adapters import add_rcm_adapters, lora_parameters
+    from rcm_diffusers.distill.trainer import export_student
+
+    out = tmp_path / "run"
+    tr, emb = D.load_teacher()
+    add_rcm_adapters(tr, rank=4, alpha=None, with_fake=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora_parameters(tr, "student").values():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    export_student(WanPipeline, SimpleNamespace(sigma_max=5000.0, mid_t=[0.8, 0.5, 0.25], time_input="float",
+                                                output_dir=str(out), mode="shared"), tr, None)
+    sys.path.insert(0, os.path.join(REPO, "training"))
+    import eval_digits
+
+    rows = eval_digits.main(["--student", f"rcm={out}", "--out", str(tmp_path / "eval"), "--samples", "20",
+                             "--ref_steps", "2", "--teacher_steps", "", "--student_steps", "1"])
+    assert [r.method for r in rows] == ["teacher euler", "teacher unipc", "student rcm", "student rcm: user call",
+                                        "student rcm: from_config defaults"]
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert "| student rcm: user call | 1 | 1 |" in report and "| student rcm: from_config defaults | 1 | 1 |" in report
+    assert "load_rcm_lora(pipe, DIR)" in report and "(sigma_max 80, mid_t [1.5, 1.4, 1.0], time input bf16)" in report
+    user, dflt = rows[3], rows[4]
+    assert user.fd != dflt.fd  # different samplers, different samples
+    pipe, _ = D.load_student_pipeline(D.TEACHER_DIR, str(out))
+    assert pipe.scheduler.config.rcm_sigma_max == 5000.0 and pipe.scheduler.config.time_input == "float"
+    labels = torch.arange(20) % D.NUM_CLASSES
+    x = D.sample_pipeline(pipe, emb, labels, 1, seed=1234)
+    assert D.Evaluator().evaluate(x, labels)["fd"] == pytest.approx(user.fd, rel=1e-4)
+    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=80.0, mid_t=[1.5, 1.4, 1.0], time_input="bf16")
+    assert D.Evaluator().evaluate(D.sample_pipeline(pipe, emb, labels, 1, seed=1234), labels)["fd"] == pytest.approx(dflt.fd, rel=1e-4)
+
+
 @pytest.mark.slow
 def test_digits_trainer_smoke_then_eval(tmp_path):
     """A dozen rCM iterations on the shipped teacher with the default config, then the eval script with the LoRA."""
@@ -155,7 +198,9 @@ def test_digits_trainer_smoke_then_eval(tmp_path):
 
     rows = eval_digits.main(["--student", f"rcm={out}", "--out", str(tmp_path / "eval"), "--samples", "40",
                              "--ref_steps", "8", "--teacher_steps", "1", "--student_steps", "1,2"])
-    assert [(r.method, r.steps) for r in rows][-2:] == [("student rcm", 1), ("student rcm", 2)]
+    assert [(r.method, r.steps) for r in rows if r.method.startswith("student rcm")] == [
+        ("student rcm", 1), ("student rcm", 2), ("student rcm: user call", 1), ("student rcm: user call", 2),
+        ("student rcm: from_config defaults", 1), ("student rcm: from_config defaults", 2)]
     assert all(np.isfinite(r.fd) and 0 <= r.accuracy <= 1 for r in rows)
     assert (tmp_path / "eval" / "report.md").exists() and (tmp_path / "eval" / "samples.png").exists()
     # the LoRA changed the network: 1-step student samples differ from the un-adapted teacher's

@@ -284,8 +284,8 @@ def _stock_pipeline_samples(pipe_dir, run_dir, data_dir, steps, time_input="bf16
     from rcm_diffusers.lora.pipeline import load_rcm_lora
 
     pipe = WanPipeline.from_pretrained(pipe_dir, text_encoder=None, tokenizer=None)
+    files = load_rcm_lora(pipe, str(run_dir), scheduler=False)  # the sampler is set here, for the preview's settings
     pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=80.0, time_input=time_input)
-    files = load_rcm_lora(pipe, str(run_dir))
     assert set(files) == {HIGH, LOW}
     calls = []
     for name in (HIGH, LOW):
@@ -375,7 +375,7 @@ def test_i2v_two_experts_lora_pair_reproduces_previews(tmp_path):
                  "--sample_every", "30", "--sigma_max", "200"])
     prev = load_file(out / "samples" / "step-00000030.safetensors")
     pipe = WanImageToVideoPipeline.from_pretrained(pipe_dir, text_encoder=None, tokenizer=None, image_encoder=None, image_processor=None)
-    load_rcm_lora(pipe, str(out))
+    load_rcm_lora(pipe, str(out), scheduler=False)
     sw = WanExpertSwitch(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio)
     sw.calls = []
     data = LatentDataset(data_dir)

@@ -194,7 +194,8 @@ def train(runs: list[dict], a) -> dict:
 
 
 def evaluate(runs: list[dict], a):
-    """One ``training/eval_digits.py`` pass with every student (live and EMA weights) as rows; returns its rows."""
+    """One ``training/eval_digits.py`` pass with every student (live and EMA weights) as rows, plus the stock-pipeline
+    rows of the rCM run's EMA student (``--user_rows``); returns its rows."""
     students = []
     for r in runs:
         students += ["--student", f"{r['name']}={r['dir']}"]
@@ -205,7 +206,9 @@ def evaluate(runs: list[dict], a):
             "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.eval_threads or a.threads * a.processes), "--title", title,
             "--time_input", runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
             "--sigma_max", str(runs[0]["config"].get("sigma_max", 80.0)),  # and with the sampler their config names
-            "--mid_t", ",".join(str(m) for m in runs[0]["config"].get("mid_t") or [])]
+            "--mid_t", ",".join(str(m) for m in runs[0]["config"].get("mid_t") or []),
+            # the rCM student to use (its EMA) as a diffusers user loads it: load_rcm_lora, and without the run's scheduler
+            "--user_rows", runs[0]["name"] + ("-ema" if runs[0]["config"]["ema_rate"] > 0 else "")]
     print(f"[demo] evaluating: python training/eval_digits.py {' '.join(argv)}", flush=True)
     if a.dry_run:
         return []

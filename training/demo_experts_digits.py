@@ -118,7 +118,7 @@ def two_expert_student(teacher_dir: str, lora_dir: str, reuse: bool):
     sw, emb = D.load_teacher(teacher_dir)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=sw.transformer,
                        transformer_2=sw.transformer_2, boundary_ratio=sw.boundary_ratio)
-    load_rcm_lora(pipe, lora_dir, adapter_name="student", reuse_for_both=reuse)
+    load_rcm_lora(pipe, lora_dir, adapter_name="student", reuse_for_both=reuse, scheduler=False)  # sampled by digits.sample
     return WanExpertSwitch(pipe.transformer, pipe.transformer_2, sw.boundary_ratio).eval(), emb
 
 

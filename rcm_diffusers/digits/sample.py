@@ -79,6 +79,19 @@ def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: i
     return torch.cat(outs)
 
 
+@torch.no_grad()
+def sample_pipeline(pipe, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, batch_size: int = 500) -> torch.Tensor:
+    """Samples ``[B, 1, 1, 8, 8]`` by the stock ``pipe(...)`` call a user makes (64 px = 8x8 latents, ``guidance_scale=1``,
+    ``output_type="latent"``): ``pipe.scheduler`` as it is, the pipeline's own unscaled initial noise from
+    ``generator=torch.Generator().manual_seed(seed)`` and the scheduler's own re-noising. NFE = steps."""
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for i in range(0, len(labels), batch_size):
+        outs.append(pipe(prompt_embeds=class_embeddings[labels[i:i + batch_size]], height=64, width=64, num_frames=1,
+                         num_inference_steps=steps, guidance_scale=1.0, output_type="latent", generator=g).frames.float())
+    return torch.cat(outs)
+
+
 def timed(fn, *args, **kwargs):
     """``(result, seconds, peak_mb)``: wall clock of ``fn``; peak memory is CUDA's ``max_memory_allocated`` on GPU,
     else the process's resident-set high-water mark (``ru_maxrss``, process-wide, not per call)."""

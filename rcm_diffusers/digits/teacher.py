@@ -186,6 +186,22 @@ def load_student(path: str = TEACHER_DIR, lora_dir: str | None = None, device="c
     return tr, emb
 
 
+def load_student_pipeline(path: str = TEACHER_DIR, lora_dir: str | None = None, scheduler: bool = True, device="cpu"):
+    """The teacher folder as a user loads it, ``WanPipeline.from_pretrained(path)``, with the student of ``lora_dir``
+    loaded by ``rcm_diffusers.lora.pipeline.load_rcm_lora`` (not fused; with ``scheduler=True`` it also sets the
+    scheduler the run wrote). Returns ``(pipe, the pipeline's own scheduler config before that call)``."""
+    from diffusers import WanPipeline
+
+    from ..lora.pipeline import load_rcm_lora
+
+    pipe = WanPipeline.from_pretrained(path, vae=None, text_encoder=None, tokenizer=None).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    stock = pipe.scheduler.config
+    if lora_dir:
+        load_rcm_lora(pipe, lora_dir, scheduler=scheduler)
+    return pipe, stock
+
+
 def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, class_embeddings: torch.Tensor) -> str:
     """The train split in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
     ``prompt_index``/``label`` per sample, tables ``prompt_embeds`` (per class) and ``negative_prompt_embeds`` (null)."""

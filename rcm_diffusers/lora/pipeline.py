@@ -4,7 +4,8 @@ every delta it holds (LightX2V / Kijai distill LoRAs: norm, bias and modulation 
 ``training/rcm.py`` writes a two-expert run as ``pytorch_lora_weights.safetensors`` (the high-noise expert,
 ``transformer``) plus ``transformer_2/pytorch_lora_weights.safetensors`` (the low-noise expert), and the same under
 ``ema/``. diffusers loads one LoRA per call (``load_lora_weights(..., load_into_transformer_2=True)`` for the
-second expert); :func:`load_rcm_lora` makes the two calls with one adapter name and strength.
+second expert); :func:`load_rcm_lora` makes the two calls with one adapter name and strength, and sets the
+pipeline's scheduler to the ``RCMScheduler`` the run wrote next to the LoRA (``scheduler/``).
 
 diffusers' ``load_lora_weights`` applies LoRA pairs (and bias deltas of LoRA'd modules as peft's ``lora_B.bias``)
 but drops full deltas: ``.diff`` of norms and of the patch embedding, ``.diff_b`` of modules without a LoRA, and
@@ -38,11 +39,15 @@ def expert_lora_files(path: str) -> dict[str, str]:
     return {"transformer": high, **({"transformer_2": low} if os.path.isfile(low) else {})}
 
 
-def load_rcm_lora(pipe, path: str, adapter_name: str = "rcm", weight: float = 1.0, reuse_for_both: bool = False) -> dict[str, str]:
+def load_rcm_lora(pipe, path: str, adapter_name: str = "rcm", weight: float = 1.0, reuse_for_both: bool = False,
+                  scheduler: bool = True) -> dict[str, str]:
     """Load the student LoRA of ``path`` (see :func:`expert_lora_files`) into ``pipe`` under ``adapter_name`` at
     strength ``weight``: a two-expert pair goes to ``transformer`` and ``transformer_2``; a one-network LoRA goes
     to ``transformer``, and on a two-expert pipeline only with ``reuse_for_both=True`` (then into both experts,
-    the "one LoRA for both" approach). Returns ``{component: file}`` of what was loaded."""
+    the "one LoRA for both" approach). With ``scheduler=True`` (default) also set ``pipe.scheduler`` to the
+    sampler the student was trained for, ``RCMScheduler.from_lora(path, pipe.scheduler.config)`` (the run's
+    ``scheduler/``; without one, ``from_config`` defaults and a warning); ``scheduler=False`` leaves it alone.
+    Returns ``{component: file}`` of the LoRA files loaded."""
     files = expert_lora_files(path)
     two_expert_pipe = getattr(pipe, "transformer_2", None) is not None
     if "transformer_2" in files and not two_expert_pipe:
@@ -59,6 +64,11 @@ def load_rcm_lora(pipe, path: str, adapter_name: str = "rcm", weight: float = 1.
                                **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
     if weight != 1.0:
         pipe.set_adapters([adapter_name], [weight])
+    if scheduler:
+        from ..schedulers import RCMScheduler
+
+        current = getattr(pipe, "scheduler", None)
+        pipe.scheduler = RCMScheduler.from_lora(path, None if current is None else current.config)
     return files
 
 
