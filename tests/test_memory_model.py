@@ -173,8 +173,8 @@ def test_context_parallel_memory_per_rank_within_10_percent(tmp_path):
     at ``context_parallel=2`` (a rank holds tokens / 2 of the video tokens, text and modulation whole): the saved
     activations without checkpointing (``activation_bytes``) and what the ``full`` / ``selective`` checkpoints hold
     (``checkpoint_held``), within 10 % on each rank. The unsplit rule (all tokens on every rank) over-predicts by
-    1.4-1.9 here and fails. Before the shards were copies, a rank held the full token embedding (through the first
-    block's checkpoint) and the full RoPE tables: ``full`` measured 1.33-1.40 times the prediction (ratio 0.72-0.75)."""
+    1.43-1.86 here and fails. Shards taken as views or inside the first block (the full token embedding then held by
+    that block's checkpoint, the full RoPE tables by the views) give ``full`` ratios 0.72-0.75 and fail too."""
     import json
     import os
     import time
