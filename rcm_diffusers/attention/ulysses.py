@@ -136,7 +136,7 @@ def cp_group_of(model):
 def enable_context_parallel(transformer, group):
     """Run the diffusers ``WanTransformer3DModel`` ``transformer`` (peft-wrapped or a two-expert switch: every expert)
     Ulysses-parallel over ``group``; its attention processors must be ours (``enable_jvp_attention`` first). Hooks
-    shard the RoPE angles and the tokens entering the first block and gather ``proj_out``'s output; the processors
+    shard the RoPE angles and the patch embedding's tokens (as copies) and gather ``proj_out``'s output; the processors
     exchange around self-attention. Refuses (``ValueError``, one line) head counts not divisible by the group size
     and non-Wan models; a token count not divisible is refused at the call. Returns ``transformer``."""
     from .processors import _parts
@@ -171,11 +171,16 @@ def _enable(model, group) -> None:
     for p in procs.values():
         p.cp_group, p.cp_exchange = group, all_to_all
 
+    # The shards are copies: a view would keep the full tensor's storage alive on every rank (the RoPE tables through
+    # the blocks that use them; the token embedding through the first block's checkpoint, which holds its argument),
+    # and a rank would hold all tokens of those two instead of tokens / P (measured: tests/test_memory_model.py).
     def rope_out(_m, _args, out):
-        return tuple(_shard(f, group, 1) for f in out)
+        return tuple(_shard(f, group, 1).clone() for f in out)
 
-    def first_block_in(_m, args):
-        return (_shard(args[0], group, 1), *args[1:])
+    def patch_out(_m, _args, out):
+        # [B, C, F, H, W] -> this rank's token block as [B, C, S / P, 1, 1]: the forward's flatten(2).transpose(1, 2)
+        # then gives [B, S / P, C], sharded before the blocks (and their checkpoints) see it
+        return _shard(out.flatten(2), group, 2).clone()[..., None, None]
 
     def proj_out(_m, _args, out):
         return gather_seq(out, group, 1)
@@ -185,7 +190,7 @@ def _enable(model, group) -> None:
         if t is not None and t.dim() == 2:
             raise ValueError("context parallelism: per-token timesteps (Wan 2.2 TI2V) are not supported")
 
-    handles = [model.rope.register_forward_hook(rope_out), model.blocks[0].register_forward_pre_hook(first_block_in),
+    handles = [model.rope.register_forward_hook(rope_out), model.patch_embedding.register_forward_hook(patch_out),
                model.proj_out.register_forward_hook(proj_out),
                model.register_forward_pre_hook(per_token_time, with_kwargs=True)]
     model._rcm_cp = {"group": group, "handles": handles}

@@ -24,7 +24,8 @@
 Context parallelism divides the video tokens of a sample over ``P`` ranks: every per-token term above (the saved
 activations, the checkpointed block inputs, the JVP working set) counts ``tokens / P``; attention after the
 all-to-all holds all tokens of ``H / P`` heads, the same bytes. The text tokens (cross-attention keys/values) and the
-per-block modulation stay whole on every rank. Gradient accumulation (``gradient_accumulation_steps``) keeps one
+per-block modulation stay whole on every rank (counted per rank on a CP group of 2 gloo processes:
+tests/test_memory_model.py, docs/benchmarks.md). Gradient accumulation (``gradient_accumulation_steps``) keeps one
 micro-batch of ``batch`` samples in flight: activations are those of ``batch``; gradients accumulate in place.
 ``per_rank`` gives the bytes per process with the frozen base sharded over the processes (FSDP2).
 
