@@ -138,10 +138,12 @@ def evaluate(runs, a) -> list[dict]:
         for variant, sub in (("live", ""), ("ema", "ema")):
             model, emb = two_expert_student(teacher_dir, os.path.join(r["dir"], sub), reuse=r["method"] == "one-lora-both")
             for k in steps:
-                x = D.sample_student(model, emb, labels, k, seed=1234, time_input=r["config"]["time_input"])
+                c = r["config"]
+                x = D.sample_student(model, emb, labels, k, seed=1234, sigma_max=c["sigma_max"], mid_t=c["mid_t"] or None,
+                                     time_input=c["time_input"])
                 m = ev.evaluate(x, labels)
                 rows.append({"method": r["method"], "weights": variant, "seed": r["seed"], "steps": k, **m,
-                             "fd_ratio": m["fd"] / teacher["fd"]})
+                             "fd_ratio": m["fd"] / teacher["fd"], "fd_pixel_ratio": m["fd_pixel"] / teacher["fd_pixel"]})
                 if r["seed"] == runs[0]["seed"] and variant == "ema":
                     grid.append((f"{r['method']} {k}", x[:10]))
     D.save_grid(os.path.join(a.out, "samples.png"), grid)
@@ -153,14 +155,16 @@ def report(a, teacher, rows, times) -> str:
         return f"{statistics.mean(v):.{d}f} ± {statistics.stdev(v):.{d}f}" if len(v) > 1 else f"{v[0]:.{d}f}"
 
     lines = [f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})", "",
-             f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, accuracy {teacher['accuracy']:.3f}. "
-             f"{a.samples} samples per row; mean ± sd over training seeds {a.seeds}.", "",
-             "| method | weights | steps | FD ↓ | FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, pixel FD {teacher['fd_pixel']:.3f}, "
+             f"accuracy {teacher['accuracy']:.3f}. {a.samples} samples per row; mean ± sd over training seeds {a.seeds}. "
+             "Pixel FD = Fréchet distance in raw pixels (a second feature space, not the classifier's).", "",
+             "| method | weights | steps | FD ↓ | FD / teacher ↓ | pixel FD ↓ | pixel FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({(r["method"], r["weights"], r["steps"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
     for method, w, k in keys:
         sel = [r for r in rows if (r["method"], r["weights"], r["steps"]) == (method, w, k)]
         lines.append(f"| {method} | {w} | {k} | {ms([r['fd'] for r in sel])} | {ms([r['fd_ratio'] for r in sel])} | "
+                     f"{ms([r['fd_pixel'] for r in sel], 3)} | {ms([r['fd_pixel_ratio'] for r in sel])} | "
                      f"{ms([r['accuracy'] for r in sel], 3)} | {ms([r['diversity'] for r in sel])} | {len(sel)} |")
     text = "\n".join(lines) + "\n"
     D.atomic_write_text(os.path.join(a.out, "report.md"), text)
