@@ -154,3 +154,17 @@ def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
     text = E.report(a, teacher, rows, {})
     assert "pixel FD 0.500" in text and "| two-experts | ema | 1 | 6.50 ± 0.71 | 1.30 ± 0.14 | 0.600 ± 0.000 | 1.20 ± 0.00 |" in text
     assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["fd_pixel"] == 0.6
+
+
+def test_experts_demo_caches_the_teacher_reference(tmp_path, monkeypatch):
+    import torch
+
+    import demo_experts_digits as E
+
+    labels = torch.arange(10) % 10
+    x = E.teacher_reference(D.TEACHER2_DIR, labels, 1, str(tmp_path))
+    assert len(list(tmp_path.glob("teacher_ref_*.pt"))) == 1
+    monkeypatch.setattr(D, "sample_teacher", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    assert torch.equal(E.teacher_reference(D.TEACHER2_DIR, labels, 1, str(tmp_path)), x)
+    with pytest.raises(AssertionError, match="recomputed"):  # another protocol is another file
+        E.teacher_reference(D.TEACHER2_DIR, labels, 2, str(tmp_path))

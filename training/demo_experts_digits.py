@@ -122,14 +122,34 @@ def two_expert_student(teacher_dir: str, lora_dir: str, reuse: bool):
     return WanExpertSwitch(pipe.transformer, pipe.transformer_2, sw.boundary_ratio).eval(), emb
 
 
+def teacher_reference(teacher_dir: str, labels: torch.Tensor, steps: int, out: str, seed: int = 1234) -> torch.Tensor:
+    """The two-expert teacher's ``steps``-step Euler samples (noise ``seed``), cached in ``out``: on 2 cores they cost
+    about as much as evaluating all the students of a seed. The cache is keyed by the teacher's files (content
+    hash), the steps, the seed and the labels, so a retrained teacher or another protocol recomputes it."""
+    import hashlib
+
+    h = hashlib.sha256(f"{steps} {seed} {labels.tolist()}".encode())
+    for root, _, files in sorted(os.walk(teacher_dir)):
+        for f in sorted(files):
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(os.path.relpath(os.path.join(root, f), teacher_dir).encode() + fh.read())
+    path = os.path.join(out, f"teacher_ref_{h.hexdigest()[:16]}.pt")
+    if os.path.exists(path):
+        return torch.load(path)
+    sw, emb = D.load_teacher(teacher_dir)
+    x = D.sample_teacher(sw, emb, labels, steps=steps, solver="euler", seed=seed)
+    torch.save(x, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return x
+
+
 def evaluate(runs, a) -> list[dict]:
     torch.set_num_threads(1)
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
     teacher_dir = runs[0]["config"]["pretrained"]
     teacher_dir = teacher_dir if os.path.isabs(teacher_dir) else os.path.join(REPO, teacher_dir)
-    sw, emb = D.load_teacher(teacher_dir)
-    x_t = D.sample_teacher(sw, emb, labels, steps=a.ref_steps, solver="euler", seed=1234)
+    x_t = teacher_reference(teacher_dir, labels, a.ref_steps, a.out)
     teacher = ev.evaluate(x_t, labels)
     print(f"[demo-experts] two-expert teacher, {a.ref_steps} Euler steps: {teacher}", flush=True)
     rows, grid = [], [(f"teacher {a.ref_steps}", x_t[:10])]
