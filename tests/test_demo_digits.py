@@ -41,6 +41,7 @@ def test_run_state_and_config_mismatch(tmp_path):
     assert D.run_state(str(run), cfg) == "partial"  # final.json precedes the export: not done yet
     (run / "pytorch_lora_weights.safetensors").write_bytes(b"")
     assert D.run_state(str(run), cfg) == "finished"  # output_dir / progress do not change the training
+    assert D.run_state(str(run), {**cfg, "sigma_max": 5000.0, "mid_t": [1.0]}) == "finished"  # nor does the sampler
     with pytest.raises(ValueError, match=r"max_steps: 10 -> 11.*--force"):
         D.run_state(str(run), {**cfg, "max_steps": 11})
 
