@@ -47,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(REPO, "outputs", "digits_experts"), help="folder of the runs and the report")
     p.add_argument("--config", default=CONFIG, help="trainer YAML (default: training/configs/digits-experts.yaml)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--jobs", type=int, default=2, help="training runs at the same time (each one thread)")
     p.add_argument("--samples", type=int, default=1000, help="evaluation samples per row (classes cycle 0..9)")
     p.add_argument("--ref_steps", type=int, default=50, help="Euler steps of the two-expert teacher reference")
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     a, rest = p.parse_known_args(argv)
     if a.jobs < 1 or a.samples < 10:
         p.error("--jobs must be >= 1 and --samples >= 10")
+    if not a.methods or any(m not in METHODS for m in a.methods.split(",")):
+        p.error(f"--methods: a comma-separated subset of {', '.join(METHODS)}")
     if any(o.split("=")[0] in ("--output_dir", "--resume", "--seed") for o in rest):
         p.error("set run folders with --out and seeds with --seeds; resuming is automatic")
     return a, rest
@@ -64,6 +67,8 @@ def plan(a, overrides) -> list[dict]:
     runs = []
     for seed in [int(s) for s in a.seeds.split(",") if s.strip()]:
         for method, extra in METHODS.items():
+            if method not in a.methods.split(","):
+                continue
             d = os.path.join(a.out, f"{method}-s{seed}")
             args = ["--config", a.config, *overrides, *extra, "--seed", str(seed), "--output_dir", d]
             try:
