@@ -2,6 +2,7 @@
 
     python training/demo_experts_digits.py                  # 3 seeds x 2 methods, then the table
     python training/demo_experts_digits.py --seeds 0 --max_steps 30   # a quick try
+    python training/demo_experts_digits.py --seeds 1,2 --methods two-experts   # one method's runs only
 
 Teacher: the shipped two-expert digits teacher (``rcm_diffusers/digits/assets/digits_teacher_2expert``, Wan2.2-T2V-A14B
 layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed two students, same config
@@ -15,7 +16,9 @@ layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed
 Every student samples through the two-expert model with ``RCMScheduler`` (the pipeline's expert rule per step)
 at ``--student_steps``; the reference is the two-expert teacher at ``--ref_steps`` Euler steps. Writes
 ``OUT/report.md`` (mean ± sd over seeds of FD, FD / teacher FD and accuracy), ``OUT/results.json`` and
-``OUT/samples.png``. Finished runs are reused, interrupted ones resume. Other ``--key value`` pairs go to every
+``OUT/samples.png``; FD is reported in the evaluator classifier's features and in raw pixels. Finished runs are
+reused (also under another student sampler: ``sigma_max`` / ``mid_t`` do not change training), interrupted ones
+resume; the teacher reference is cached in ``OUT``. Other ``--key value`` pairs go to every
 training run (``training/rcm.py --help``).
 """
 
