@@ -41,6 +41,7 @@ def test_run_state_and_config_mismatch(tmp_path):
     assert D.run_state(str(run), cfg) == "partial"  # final.json precedes the export: not done yet
     (run / "pytorch_lora_weights.safetensors").write_bytes(b"")
     assert D.run_state(str(run), cfg) == "finished"  # output_dir / progress do not change the training
+    assert D.run_state(str(run), {**cfg, "sigma_max": 5000.0, "mid_t": [1.0]}) == "finished"  # nor does the sampler
     with pytest.raises(ValueError, match=r"max_steps: 10 -> 11.*--force"):
         D.run_state(str(run), {**cfg, "max_steps": 11})
 
@@ -133,3 +134,40 @@ def test_demo_with_ablations_end_to_end(tmp_path):
         demo_digits.main(["--out", str(out), "--skip_eval", "--processes", "2", *TINY, "--max_steps", "5"])
     with pytest.raises(SystemExit, match=r"trained by 2 process\(es\), this demo asks for 1.*--force"):
         demo_digits.main(["--out", str(out), "--skip_eval", "--processes", "1", *TINY, "--batch_size", "2"])
+
+
+def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
+    """training/demo_experts_digits.py: the students are sampled with the config's sampler (sigma_max, mid_t), whose
+    first step is the high-noise expert's and every later one the low-noise expert's; the report carries the
+    raw-pixel FD beside the classifier-feature FD."""
+    import math
+
+    import demo_experts_digits as E
+    from rcm_diffusers.distill.experts import boundary_sigma
+
+    a, rest = E.parse_args(["--out", str(tmp_path), "--seeds", "0,1"])
+    runs = E.plan(a, rest)
+    assert [(r["method"], r["seed"]) for r in runs] == [("two-experts", 0), ("one-lora-both", 0), ("two-experts", 1), ("one-lora-both", 1)]
+    c = runs[0]["config"]
+    t_b = math.atan(boundary_sigma(0.875))
+    assert math.atan(c["sigma_max"]) > t_b > max(c["mid_t"])
+    teacher = {"fd": 5.0, "fd_pixel": 0.5, "accuracy": 0.97, "diversity": 1.0}
+    rows = [{"method": r["method"], "weights": "ema", "seed": r["seed"], "steps": 1, "fd": 6.0 + r["seed"], "fd_ratio": (6.0 + r["seed"]) / 5,
+             "fd_pixel": 0.6, "fd_pixel_ratio": 1.2, "accuracy": 0.9, "diversity": 0.8} for r in runs]
+    text = E.report(a, teacher, rows, {})
+    assert "pixel FD 0.500" in text and "| two-experts | ema | 1 | 6.50 ± 0.71 | 1.30 ± 0.14 | 0.600 ± 0.000 | 1.20 ± 0.00 |" in text
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][0]["fd_pixel"] == 0.6
+
+
+def test_experts_demo_caches_the_teacher_reference(tmp_path, monkeypatch):
+    import torch
+
+    import demo_experts_digits as E
+
+    labels = torch.arange(10) % 10
+    x = E.teacher_reference(D.TEACHER2_DIR, labels, 1, str(tmp_path))
+    assert len(list(tmp_path.glob("teacher_ref_*.pt"))) == 1
+    monkeypatch.setattr(D, "sample_teacher", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    assert torch.equal(E.teacher_reference(D.TEACHER2_DIR, labels, 1, str(tmp_path)), x)
+    with pytest.raises(AssertionError, match="recomputed"):  # another protocol is another file
+        E.teacher_reference(D.TEACHER2_DIR, labels, 2, str(tmp_path))

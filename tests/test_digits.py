@@ -53,8 +53,13 @@ def test_evaluator_real_vs_noise(split, ev):
     assert ev.accuracy(split["x_test"], split["y_test"]) >= 0.90
     real = ev.evaluate(split["x_test"], split["y_test"])
     assert abs(real["fd"]) < 1e-6 and real["diversity"] == pytest.approx(1.0) and real["accuracy"] >= 0.90
+    assert abs(real["fd_pixel"]) < 1e-6
+    # raw-pixel FD: the held-out set against the train split is far below noise, as in the classifier's features
+    floor = D.frechet_distance(ev.pixels(split["x_train"]), ev.p_ref)
+    assert 0 < floor and ev.p_ref.shape == (450, 64)
     noise = ev.evaluate(torch.rand(450, 1, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1, split["y_test"])
     assert noise["fd"] > 50 * max(ev.fd_to(split["x_train"]), 1.0) and noise["accuracy"] < 0.3
+    assert noise["fd_pixel"] > 10 * floor
     # mode collapse: one image per class -> zero within-class diversity
     first = torch.stack([split["x_test"][split["y_test"] == c][0] for c in range(10)])
     y = torch.arange(10).repeat(5)

@@ -2,6 +2,7 @@
 
     python training/demo_experts_digits.py                  # 3 seeds x 2 methods, then the table
     python training/demo_experts_digits.py --seeds 0 --max_steps 30   # a quick try
+    python training/demo_experts_digits.py --seeds 1,2 --methods two-experts   # one method's runs only
 
 Teacher: the shipped two-expert digits teacher (``rcm_diffusers/digits/assets/digits_teacher_2expert``, Wan2.2-T2V-A14B
 layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed two students, same config
@@ -15,7 +16,9 @@ layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed
 Every student samples through the two-expert model with ``RCMScheduler`` (the pipeline's expert rule per step)
 at ``--student_steps``; the reference is the two-expert teacher at ``--ref_steps`` Euler steps. Writes
 ``OUT/report.md`` (mean ± sd over seeds of FD, FD / teacher FD and accuracy), ``OUT/results.json`` and
-``OUT/samples.png``. Finished runs are reused, interrupted ones resume. Other ``--key value`` pairs go to every
+``OUT/samples.png``; FD is reported in the evaluator classifier's features and in raw pixels. Finished runs are
+reused (also under another student sampler: ``sigma_max`` / ``mid_t`` do not change training), interrupted ones
+resume; the teacher reference is cached in ``OUT``. Other ``--key value`` pairs go to every
 training run (``training/rcm.py --help``).
 """
 
@@ -47,6 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(REPO, "outputs", "digits_experts"), help="folder of the runs and the report")
     p.add_argument("--config", default=CONFIG, help="trainer YAML (default: training/configs/digits-experts.yaml)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--jobs", type=int, default=2, help="training runs at the same time (each one thread)")
     p.add_argument("--samples", type=int, default=1000, help="evaluation samples per row (classes cycle 0..9)")
     p.add_argument("--ref_steps", type=int, default=50, help="Euler steps of the two-expert teacher reference")
@@ -55,6 +59,8 @@ def parse_args(argv=None):
     a, rest = p.parse_known_args(argv)
     if a.jobs < 1 or a.samples < 10:
         p.error("--jobs must be >= 1 and --samples >= 10")
+    if not a.methods or any(m not in METHODS for m in a.methods.split(",")):
+        p.error(f"--methods: a comma-separated subset of {', '.join(METHODS)}")
     if any(o.split("=")[0] in ("--output_dir", "--resume", "--seed") for o in rest):
         p.error("set run folders with --out and seeds with --seeds; resuming is automatic")
     return a, rest
@@ -64,6 +70,8 @@ def plan(a, overrides) -> list[dict]:
     runs = []
     for seed in [int(s) for s in a.seeds.split(",") if s.strip()]:
         for method, extra in METHODS.items():
+            if method not in a.methods.split(","):
+                continue
             d = os.path.join(a.out, f"{method}-s{seed}")
             args = ["--config", a.config, *overrides, *extra, "--seed", str(seed), "--output_dir", d]
             try:
@@ -122,14 +130,34 @@ def two_expert_student(teacher_dir: str, lora_dir: str, reuse: bool):
     return WanExpertSwitch(pipe.transformer, pipe.transformer_2, sw.boundary_ratio).eval(), emb
 
 
+def teacher_reference(teacher_dir: str, labels: torch.Tensor, steps: int, out: str, seed: int = 1234) -> torch.Tensor:
+    """The two-expert teacher's ``steps``-step Euler samples (noise ``seed``), cached in ``out``: on 2 cores they cost
+    about as much as evaluating all the students of a seed. The cache is keyed by the teacher's files (content
+    hash), the steps, the seed and the labels, so a retrained teacher or another protocol recomputes it."""
+    import hashlib
+
+    h = hashlib.sha256(f"{steps} {seed} {labels.tolist()}".encode())
+    for root, _, files in sorted(os.walk(teacher_dir)):
+        for f in sorted(files):
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(os.path.relpath(os.path.join(root, f), teacher_dir).encode() + fh.read())
+    path = os.path.join(out, f"teacher_ref_{h.hexdigest()[:16]}.pt")
+    if os.path.exists(path):
+        return torch.load(path)
+    sw, emb = D.load_teacher(teacher_dir)
+    x = D.sample_teacher(sw, emb, labels, steps=steps, solver="euler", seed=seed)
+    torch.save(x, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return x
+
+
 def evaluate(runs, a) -> list[dict]:
     torch.set_num_threads(1)
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
     teacher_dir = runs[0]["config"]["pretrained"]
     teacher_dir = teacher_dir if os.path.isabs(teacher_dir) else os.path.join(REPO, teacher_dir)
-    sw, emb = D.load_teacher(teacher_dir)
-    x_t = D.sample_teacher(sw, emb, labels, steps=a.ref_steps, solver="euler", seed=1234)
+    x_t = teacher_reference(teacher_dir, labels, a.ref_steps, a.out)
     teacher = ev.evaluate(x_t, labels)
     print(f"[demo-experts] two-expert teacher, {a.ref_steps} Euler steps: {teacher}", flush=True)
     rows, grid = [], [(f"teacher {a.ref_steps}", x_t[:10])]
@@ -138,10 +166,12 @@ def evaluate(runs, a) -> list[dict]:
         for variant, sub in (("live", ""), ("ema", "ema")):
             model, emb = two_expert_student(teacher_dir, os.path.join(r["dir"], sub), reuse=r["method"] == "one-lora-both")
             for k in steps:
-                x = D.sample_student(model, emb, labels, k, seed=1234, time_input=r["config"]["time_input"])
+                c = r["config"]
+                x = D.sample_student(model, emb, labels, k, seed=1234, sigma_max=c["sigma_max"], mid_t=c["mid_t"] or None,
+                                     time_input=c["time_input"])
                 m = ev.evaluate(x, labels)
                 rows.append({"method": r["method"], "weights": variant, "seed": r["seed"], "steps": k, **m,
-                             "fd_ratio": m["fd"] / teacher["fd"]})
+                             "fd_ratio": m["fd"] / teacher["fd"], "fd_pixel_ratio": m["fd_pixel"] / teacher["fd_pixel"]})
                 if r["seed"] == runs[0]["seed"] and variant == "ema":
                     grid.append((f"{r['method']} {k}", x[:10]))
     D.save_grid(os.path.join(a.out, "samples.png"), grid)
@@ -153,14 +183,16 @@ def report(a, teacher, rows, times) -> str:
         return f"{statistics.mean(v):.{d}f} ± {statistics.stdev(v):.{d}f}" if len(v) > 1 else f"{v[0]:.{d}f}"
 
     lines = [f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})", "",
-             f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, accuracy {teacher['accuracy']:.3f}. "
-             f"{a.samples} samples per row; mean ± sd over training seeds {a.seeds}.", "",
-             "| method | weights | steps | FD ↓ | FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, pixel FD {teacher['fd_pixel']:.3f}, "
+             f"accuracy {teacher['accuracy']:.3f}. {a.samples} samples per row; mean ± sd over training seeds {a.seeds}. "
+             "Pixel FD = Fréchet distance in raw pixels (a second feature space, not the classifier's).", "",
+             "| method | weights | steps | FD ↓ | FD / teacher ↓ | pixel FD ↓ | pixel FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({(r["method"], r["weights"], r["steps"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
     for method, w, k in keys:
         sel = [r for r in rows if (r["method"], r["weights"], r["steps"]) == (method, w, k)]
         lines.append(f"| {method} | {w} | {k} | {ms([r['fd'] for r in sel])} | {ms([r['fd_ratio'] for r in sel])} | "
+                     f"{ms([r['fd_pixel'] for r in sel], 3)} | {ms([r['fd_pixel_ratio'] for r in sel])} | "
                      f"{ms([r['accuracy'] for r in sel], 3)} | {ms([r['diversity'] for r in sel])} | {len(sel)} |")
     text = "\n".join(lines) + "\n"
     D.atomic_write_text(os.path.join(a.out, "report.md"), text)

@@ -75,9 +75,11 @@ def write_report(path: str, rows: list[Row], header: str = "") -> str:
 # iterations would be empty student steps (no loss, yet they consume the lr warm-up and the EMA schedule).
 ABLATIONS = {"scm-only": {"use_dmd": False}, "dmd-only": {"scm_weight": 0.0, "tangent_warmup": 0}}
 
-# config keys that do not change what a run trains (a finished run that differs only in these is reused)
+# config keys that do not change what a run trains (a finished run that differs only in these is reused); sigma_max
+# and mid_t are the student sampler's: the rCM trainer uses them only for preview samples and the scheduler config it
+# exports, and the demos sample every student with the sampler of their current config
 _RUN_NEUTRAL = {"output_dir", "resume", "progress", "log_every", "checkpoint_every", "checkpoints_total_limit",
-                "report_to", "exit_after_step", "sample_every", "sample_steps"}
+                "report_to", "exit_after_step", "sample_every", "sample_steps", "sigma_max", "mid_t"}
 
 
 def run_overrides(variant: str) -> list[str]:
