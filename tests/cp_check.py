@@ -28,18 +28,27 @@ from train_helpers import TEXT_DIM, tiny_wan_transformer  # noqa: E402
 world = int(os.environ.get("WORLD_SIZE", "1"))
 if world > 1:
     dist.init_process_group("gloo")
-model = tiny_wan_transformer()
-torch.manual_seed(1)
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj"]
-model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=LORA_TARGETS))
-model.requires_grad_(False)
-lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
-for p in lora.values():
-    p.requires_grad_(True)
-enable_jvp_attention(model)
-if world > 1:
-    _, _, group = context_parallel_groups(world)
-    enable_context_parallel(model, group)
+group = context_parallel_groups(world)[2] if world > 1 else None
+
+
+def with_lora(m, seed, targets):
+    """``m`` frozen with a random LoRA (``targets``) as its only trainable parameters, JVP attention and, on several
+    processes, context parallelism; returns the LoRA parameters by name."""
+    torch.manual_seed(seed)
+    m.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=targets))
+    m.requires_grad_(False)
+    lora = {n: p for n, p in m.named_parameters() if "lora_" in n}
+    for p in lora.values():
+        p.requires_grad_(True)
+    enable_jvp_attention(m)
+    if group is not None:
+        enable_context_parallel(m, group)
+    return lora
+
+
+model = tiny_wan_transformer()
+lora = with_lora(model, 1, LORA_TARGETS)
 seen = {"tokens": [], "i2v_tokens": [], "exchanges": 0}  # evidence that the model really ran split
 model.blocks[1].register_forward_pre_hook(lambda m, a: seen["tokens"].append(a[0].shape[1]))
 a2a = U._a2a
@@ -88,15 +97,7 @@ out = measure(model, (4, 2, 4, 8), torch.tensor([0.4, 1.1], dtype=torch.float64)
 # Wan I2V with image tokens, as two experts (the Wan 2.2 A14B switch): the condition channels concatenated to the
 # latents, 3 image tokens and 512 text tokens that every rank keeps whole, a batch straddling the boundary
 i2v = WanExpertSwitch(*[tiny_wan_transformer(seed=s, in_channels=12, image_dim=8) for s in (1, 2)], boundary_ratio=0.9)
-torch.manual_seed(2)
-i2v.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=LORA_TARGETS + ["add_k_proj", "add_v_proj"]))
-i2v.requires_grad_(False)
-lora_i2v = {n: p for n, p in i2v.named_parameters() if "lora_" in n}
-for p in lora_i2v.values():
-    p.requires_grad_(True)
-enable_jvp_attention(i2v)
-if world > 1:
-    enable_context_parallel(i2v, group)
+lora_i2v = with_lora(i2v, 2, LORA_TARGETS + ["add_k_proj", "add_v_proj"])
 cond_i2v = {"encoder_hidden_states": torch.randn(2, 512, TEXT_DIM, generator=g0), "condition": torch.randn(2, 8, 2, 4, 8, generator=g0),
             "encoder_hidden_states_image": torch.randn(2, 3, 8, generator=g0)}
 i2v.calls = []

@@ -80,6 +80,15 @@ def _save(run, out, step=None):
     return run.ck.save(str(out), run.state.step if step is None else step, {"lr": 1e-2}, total_limit=0)
 
 
+def _two_checkpoints(out):
+    """``(run, first, newest)``: a ``Run`` with its checkpoints at steps 2 and 4 in ``out``."""
+    run = Run()
+    run.train(2)
+    first = _save(run, out)
+    run.train(2)
+    return run, first, _save(run, out)
+
+
 def _rewrite_manifest(path):
     """Make the manifest match whatever the files now hold (an attacker controls the whole folder)."""
     man = json.load(open(os.path.join(path, "manifest.json")))
@@ -471,11 +480,7 @@ def test_only_regular_files_listed_in_the_manifest_are_read(tmp_path):
     import signal
 
     out = tmp_path / "run"
-    run = Run()
-    run.train(2)
-    first = _save(run, out)
-    run.train(2)
-    newest = _save(run, out)
+    run, first, newest = _two_checkpoints(out)
     man = os.path.join(newest, "manifest.json")
     os.remove(man)
     os.mkfifo(man)  # opening it for reading blocks until a writer comes: --resume used to hang holding the lock
@@ -549,11 +554,7 @@ BAD_STATE = {"deeply nested JSON": (_nested, "cannot read .*state.json.*recursio
 def test_bad_values_in_a_checkpoint_fall_back_like_damage(tmp_path, kind):
     change, match = BAD_STATE[kind]
     out = tmp_path / "run"
-    run = Run()
-    run.train(2)
-    first = _save(run, out)
-    run.train(2)
-    newest = _save(run, out)
+    run, first, newest = _two_checkpoints(out)
     change(newest)
     _rewrite_manifest(newest)  # the checksums pass: only the checks of the values protect
     with pytest.raises(C.CheckpointError, match=match):
@@ -567,11 +568,7 @@ def test_bad_values_in_a_checkpoint_fall_back_like_damage(tmp_path, kind):
 
 def test_an_unreadable_file_in_the_newest_checkpoint_falls_back(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    run = Run()
-    run.train(2)
-    first = _save(run, out)
-    run.train(2)
-    newest = _save(run, out)
+    run, first, newest = _two_checkpoints(out)
     bad = os.path.join(newest, "trainable.safetensors")
     if os.geteuid() != 0:
         os.chmod(bad, 0)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .checkpoints import CheckpointError, checkpoint_step, find_resumable, list_checkpoints, verify_checkpoint
+from .checkpoints import CheckpointError, _sha256, checkpoint_step, find_resumable, list_checkpoints, verify_checkpoint
 
 __all__ = ["RunLock", "choose_start", "resume_changes", "FIXED_ON_RESUME", "BOOKKEEPING", "note_skip",
            "param_checksum", "check_learned", "model_index", "load_config_or_exit", "run_main", "remove_run_files",
@@ -387,16 +387,6 @@ def check_inputs(cfg) -> dict:
 
 
 # ----------------------------------------------------------------------------- integrity of the exports
-
-
-def _sha256(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _export_paths(output_dir: str) -> list[str]:
