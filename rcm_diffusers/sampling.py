@@ -8,7 +8,8 @@ An RF time ``r`` is ComfyUI's CONST-model ``sigma`` and diffusers' flow-matching
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from numbers import Integral
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -17,6 +18,10 @@ __all__ = [
     "rcm_angles",
     "rcm_rf_times",
     "parse_mid_t",
+    "mid_t_for_steps",
+    "validate_mid_t",
+    "mid_t_as_config",
+    "format_mid_t",
     "rcm_config_for_rf_times",
     "validate_rf_times",
     "shift_family",
@@ -38,20 +43,153 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def parse_mid_t(mid_t) -> list[float]:
-    """``mid_t`` as a list of floats: a sequence of numbers, or a comma-separated string such as ``"1.5,1.4,1.0"``."""
-    if isinstance(mid_t, str):
-        parts = [p.strip() for p in mid_t.split(",") if p.strip()]
+_MID_T_EXAMPLE = "e.g. mid_t=[1.5, 1.4, 1.0], \"1.5,1.4,1.0\", {2: [1.0], 4: [1.5, 1.4, 0.8]} or \"2: 1.0; 4: 1.5, 1.4, 0.8\""
+
+
+def _angle_list(value, what: str = "mid_t") -> list[float]:
+    """A flat list of angles: a number, a sequence of numbers, or a comma-separated string."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
         try:
             return [float(p) for p in parts]
         except ValueError:
+            shown = f"{what}={value!r}" if what == "mid_t" else f"{what}: {value!r}"
             raise ValueError(
-                f"mid_t={mid_t!r} is not a comma-separated list of angles; write e.g. mid_t=[1.5, 1.4, 1.0] or \"1.5,1.4,1.0\"."
+                f"{shown} is not a comma-separated list of angles; {_MID_T_EXAMPLE}."
             ) from None
     try:
-        return [float(m) for m in np.asarray(mid_t, dtype=np.float64).reshape(-1)]
+        return [float(m) for m in np.asarray(value, dtype=np.float64).reshape(-1)]
     except (TypeError, ValueError):
-        raise ValueError(f"mid_t must be a list of TrigFlow angles (radians), e.g. [1.5, 1.4, 1.0], got {mid_t!r}.") from None
+        raise ValueError(f"{what} must be a list of TrigFlow angles (radians), got {value!r}; {_MID_T_EXAMPLE}.") from None
+
+
+def _steps_key(key) -> int:
+    """A per-step-count key: an integer or a string of digits (as JSON gives keys back), >= 2."""
+    if isinstance(key, str) and key.strip().isdigit():
+        k = int(key.strip())
+    elif isinstance(key, Integral) and not isinstance(key, bool):
+        k = int(key)
+    else:
+        k = None
+    if k is None or k < 2:
+        raise ValueError(
+            f"mid_t key {key!r} is not a step count: keys are whole numbers >= 2 (n steps use n - 1 angles, 1 step "
+            f"none), e.g. {{2: [1.0], 4: [1.5, 1.4, 0.8]}}."
+        )
+    return k
+
+
+def _per_step_items(text: str) -> list[tuple[str, str]]:
+    """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` -> ``[("2", "1.0"), ("4", "1.5, 1.4, 0.8")]``."""
+    items = []
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry:
+            continue
+        key, sep, angles = entry.partition(":")
+        if not sep:
+            raise ValueError(
+                f"mid_t={text!r}: entry {entry!r} has no step count; write \"steps: angles\" entries separated by "
+                f"semicolons, e.g. \"2: 1.0; 4: 1.5, 1.4, 0.8\"."
+            )
+        items.append((key, angles))
+    return items
+
+
+def _per_step_table(items) -> dict[int, list[float]]:
+    """Checked ``{steps: angles}``: int keys >= 2 in ascending order, each with at least ``steps - 1`` finite angles."""
+    table: dict[int, list[float]] = {}
+    for key, value in items:
+        k = _steps_key(key)
+        if k in table:
+            raise ValueError(f"mid_t gives angles for {k} steps twice; keep one entry per step count.")
+        angles = _angle_list(value, what=f"mid_t entry for {k} steps")
+        bad = [a for a in angles if not math.isfinite(a)]
+        if bad:
+            raise ValueError(f"mid_t entry for {k} steps holds {bad}; angles must be finite numbers.")
+        if len(angles) < k - 1:
+            raise ValueError(
+                f"mid_t entry for {k} steps has {len(angles)} angle(s) {angles}; {k} steps need at least {k - 1}."
+            )
+        table[k] = angles
+    if not table:
+        raise ValueError(f"mid_t is an empty mapping; give angles for at least one step count, {_MID_T_EXAMPLE}.")
+    return dict(sorted(table.items()))
+
+
+def parse_mid_t(mid_t) -> list[float] | dict[int, list[float]]:
+    """``mid_t`` read: a flat form (a sequence of numbers, or a comma-separated string such as ``"1.5,1.4,1.0"``) gives
+    a list of floats; a per-step-count form (a mapping ``{2: [1.0], 4: [1.5, 1.4, 0.8]}`` with int or digit-string
+    keys, or a string ``"2: 1.0; 4: 1.5, 1.4, 0.8"``) gives ``{steps: [angles]}`` with int keys in ascending order.
+    Checks the mapping's shape (keys >= 2, at least ``key - 1`` finite angles each); the angles' range and order are
+    checked by :func:`rcm_angles` and :func:`validate_mid_t`."""
+    if isinstance(mid_t, Mapping):
+        return _per_step_table(mid_t.items())
+    if isinstance(mid_t, str) and ":" in mid_t:
+        return _per_step_table(_per_step_items(mid_t))
+    return _angle_list(mid_t)
+
+
+def _resolve(mid_t, num_steps) -> tuple[list[float], int | None]:
+    """The ``num_steps - 1`` angles of an ``n``-step run and the mapping key they came from (None for a flat list)."""
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (Integral, float)) or int(num_steps) != num_steps:
+        raise ValueError(f"num_inference_steps must be an integer, got {num_steps!r}.")
+    n = int(num_steps)
+    if isinstance(mid_t, dict):
+        keys = [k for k in mid_t if k >= n]
+        if n < 1 or not keys:
+            more = f", or add an entry for {n} steps to mid_t" if n > 1 else ""
+            raise ValueError(
+                f"num_inference_steps={n} is out of range for the rCM sampler with mid_t={mid_t}: it has angles for "
+                f"{', '.join(str(k) for k in mid_t)} steps (each entry also serves fewer steps), so pass "
+                f"1..{max(mid_t)} steps{more}."
+            )
+        return mid_t[keys[0]][: n - 1], keys[0]
+    max_steps = len(mid_t) + 1
+    if not 1 <= n <= max_steps:
+        raise ValueError(
+            f"num_inference_steps={n} is out of range for the rCM sampler with mid_t={list(mid_t)}: "
+            f"pass 1..{max_steps} steps (e.g. num_inference_steps=4), or give more intermediate angles in mid_t."
+        )
+    return list(mid_t[: n - 1]), None
+
+
+def mid_t_for_steps(mid_t, num_steps: int) -> list[float]:
+    """The ``n - 1`` intermediate angles an ``n``-step rCM run uses (docs/math.md §2.1).
+
+    Flat list ``L``: ``L[:n-1]`` (``n <= len(L) + 1``). Mapping ``{steps: angles}``: the entry keyed ``n``, else the one
+    with the smallest key above ``n``, cut to its first ``n - 1`` angles; a flat ``L`` equals ``{len(L) + 1: L}``.
+    ``n = 1`` needs none. ``ValueError`` (naming the step counts available) when no entry serves ``n``."""
+    return _resolve(parse_mid_t(mid_t), num_steps)[0]
+
+
+def validate_mid_t(mid_t, sigma_max: float = 80.0) -> list[float] | dict[int, list[float]]:
+    """:func:`parse_mid_t` plus a check of every angle of every entry: finite, strictly decreasing, inside
+    ``(0, pi/2)`` and below ``arctan(sigma_max)``. Returns the parsed form."""
+    parsed = parse_mid_t(mid_t)
+    if isinstance(parsed, dict):
+        sigma_max = _check_sigma_max(sigma_max)
+        for k, angles in parsed.items():
+            _angle_grid(sigma_max, angles, angles, k)
+    else:
+        rcm_angles(len(parsed) + 1, sigma_max, parsed)
+    return parsed
+
+
+def mid_t_as_config(mid_t) -> list[float] | dict[str, list[float]]:
+    """``mid_t`` in its JSON-friendly normal form (what ``RCMScheduler`` registers in its config): a list of floats,
+    or ``{"2": [...], "4": [...]}`` with string keys in ascending step order."""
+    parsed = parse_mid_t(mid_t)
+    if isinstance(parsed, dict):
+        return {str(k): list(v) for k, v in parsed.items()}
+    return list(parsed)
+
+
+def format_mid_t(mid_t) -> str:
+    """``mid_t`` as text that :func:`parse_mid_t` reads back: ``"1.5, 1.4, 1.0"`` or ``"2: 1.0; 4: 1.5, 1.4, 0.8"``."""
+    parsed = parse_mid_t(mid_t)
+    if isinstance(parsed, dict):
+        return "; ".join(f"{k}: " + ", ".join(repr(a) for a in v) for k, v in parsed.items())
+    return ", ".join(repr(a) for a in parsed)
 
 
 def rcm_config_for_rf_times(rf_times: Sequence[float]) -> dict:
@@ -66,35 +204,42 @@ def rcm_config_for_rf_times(rf_times: Sequence[float]) -> dict:
     return {"sigma_max": float(r[0] / (1.0 - r[0])), "mid_t": [float(math.atan2(x, 1.0 - x)) for x in r[1:]]}
 
 
-def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
-    """TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` of an ``n``-step rCM sampler (docs/math.md §2.1)."""
+def _check_sigma_max(sigma_max) -> float:
     sigma_max = _finite("sigma_max", sigma_max)
     if sigma_max <= 0:
         raise ValueError(f"sigma_max must be > 0 (80 for Wan T2V, 200 for Wan I2V), got {sigma_max}.")
-    mid_t = [_finite("mid_t entry", m) for m in parse_mid_t(mid_t)]
-    if isinstance(num_steps, bool) or int(num_steps) != num_steps:
-        raise ValueError(f"num_inference_steps must be an integer, got {num_steps!r}.")
-    num_steps = int(num_steps)
-    max_steps = len(mid_t) + 1
-    if not 1 <= num_steps <= max_steps:
-        raise ValueError(
-            f"num_inference_steps={num_steps} is out of range for the rCM sampler with mid_t={list(mid_t)}: "
-            f"pass 1..{max_steps} steps (e.g. num_inference_steps=4), or give more intermediate angles in mid_t."
-        )
-    t = np.array([math.atan(sigma_max), *mid_t[: num_steps - 1], 0.0], dtype=np.float64)
+    return sigma_max
+
+
+def _angle_grid(sigma_max: float, angles: list[float], shown, key: int | None) -> np.ndarray:
+    """``[arctan(sigma_max), *angles, 0]`` after the range and order checks; ``shown``/``key`` name the source."""
+    where = "" if key is None else f" in the mid_t entry for {key} steps"
+    t = np.array([math.atan(sigma_max), *angles, 0.0], dtype=np.float64)
     if np.any(t[1:-1] <= 0) or np.any(t[1:-1] >= math.pi / 2):
-        raise ValueError(f"mid_t angles must lie strictly inside (0, pi/2), got {list(mid_t)}.")
+        raise ValueError(f"mid_t angles must lie strictly inside (0, pi/2), got {list(shown)}{where}.")
     if np.any(np.diff(t) >= 0):
         raise ValueError(
-            f"rCM angles must be strictly decreasing, got {t.tolist()} "
+            f"rCM angles must be strictly decreasing, got {t.tolist()}{where} "
             f"(arctan(sigma_max={sigma_max}) = {t[0]:.5f} must exceed mid_t[0]); "
             "pass a strictly decreasing mid_t below arctan(sigma_max)."
         )
     return t
 
 
-def rcm_rf_times(num_steps: int, sigma_max: float = 80.0, mid_t: Sequence[float] = DEFAULT_MID_T) -> np.ndarray:
-    """RF times ``r = sin t / (sin t + cos t)`` of the rCM angles, ``n + 1`` values ending at 0 (docs/math.md §2.1)."""
+def rcm_angles(num_steps: int, sigma_max: float = 80.0, mid_t=DEFAULT_MID_T) -> np.ndarray:
+    """TrigFlow angles ``[arctan(sigma_max), *mid_t_for_steps(mid_t, n), 0]`` of an ``n``-step rCM sampler
+    (docs/math.md §2.1); ``mid_t`` is a flat list (``n`` steps use its first ``n - 1``) or a per-step-count mapping."""
+    sigma_max = _check_sigma_max(sigma_max)
+    parsed = parse_mid_t(mid_t)
+    if not isinstance(parsed, dict):
+        parsed = [_finite("mid_t entry", m) for m in parsed]
+    angles, key = _resolve(parsed, num_steps)
+    return _angle_grid(sigma_max, angles, parsed if key is None else parsed[key], key)
+
+
+def rcm_rf_times(num_steps: int, sigma_max: float = 80.0, mid_t=DEFAULT_MID_T) -> np.ndarray:
+    """RF times ``r = sin t / (sin t + cos t)`` of :func:`rcm_angles`, ``n + 1`` values ending at 0 (docs/math.md §2.1);
+    ``mid_t`` in any form :func:`parse_mid_t` reads."""
     t = rcm_angles(num_steps, sigma_max, mid_t)
     r = np.sin(t) / (np.sin(t) + np.cos(t))
     r[-1] = 0.0

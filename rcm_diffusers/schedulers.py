@@ -38,7 +38,8 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from .models import TIME_INPUTS
-from .sampling import DEFAULT_MID_T, SPACINGS, parse_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
+from .sampling import (DEFAULT_MID_T, SPACINGS, mid_t_as_config, parse_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid,
+                       validate_mid_t, validate_rf_times)
 
 __all__ = ["RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler", "RCMSchedulerOutput"]
 
@@ -240,7 +241,7 @@ def _seed_from(sample: torch.Tensor) -> int:
 class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
     """Few-step consistency sampler of an rCM student (docs/math.md §2.1).
 
-    Step times: TrigFlow angles ``[arctan(sigma_max), *mid_t[:n-1], 0]`` mapped to RF times
+    Step times: TrigFlow angles ``[arctan(sigma_max), *mid_t_for_steps(mid_t, n), 0]`` mapped to RF times
     ``r = sin/(sin+cos)``; each step takes ``x0 = x - r_cur v`` and moves to ``r_next`` by fresh
     noise (``stochastic=True``, default) or the deterministic Euler "ode" update.
 
@@ -260,9 +261,12 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         num_train_timesteps: the transformer's timestep scale (``timesteps = r * num_train_timesteps``).
         rcm_sigma_max (argument also ``sigma_max``): EDM sigma of the first step (80 T2V, 200 Wan I2V;
             120 seen for 14B 720p).
-        mid_t: intermediate TrigFlow angles, strictly decreasing inside (0, pi/2) (a list, or a
-            comma-separated string such as ``"1.5,1.4,1.0"``); ``n`` steps use the first ``n-1``, so
-            ``len(mid_t) + 1`` steps at most.
+        mid_t: intermediate TrigFlow angles, strictly decreasing inside (0, pi/2) and below
+            ``arctan(sigma_max)``. A list (or a comma-separated string such as ``"1.5,1.4,1.0"``): ``n`` steps
+            use its first ``n-1``, so ``len(mid_t) + 1`` steps at most. Or per step count, a mapping
+            ``{2: [1.0], 4: [1.5, 1.4, 0.8]}`` (or the string ``"2: 1.0; 4: 1.5, 1.4, 0.8"``): ``n`` steps use
+            the entry keyed ``n``, else the one with the next larger key, cut to ``n-1`` angles
+            (:func:`rcm_diffusers.sampling.mid_t_for_steps`). The config holds the JSON form (string keys).
         stochastic: fresh-noise update (True) or deterministic "ode" update (False).
         time_input: the time the network sees, ``timesteps``: ``"bf16"`` (default) = ``r *
             num_train_timesteps`` rounded to bfloat16 as the official rCM sampler and trainer feed it;
@@ -280,7 +284,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         self,
         num_train_timesteps: int = 1000,
         rcm_sigma_max: float = 80.0,
-        mid_t: list[float] = list(DEFAULT_MID_T),
+        mid_t: list[float] | dict[str, list[float]] = list(DEFAULT_MID_T),
         stochastic: bool = True,
         time_input: str = "bf16",
         sigma_max: float | None = None,
@@ -294,10 +298,9 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
             raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
         if time_input not in TIME_INPUTS:
             raise ValueError(f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}.")
-        parsed = parse_mid_t(mid_t)
-        if list(parsed) != list(mid_t) or not isinstance(mid_t, list):
-            self.register_to_config(mid_t=list(parsed))
-        rcm_rf_times(len(parsed) + 1, rcm_sigma_max, parsed)  # validates mid_t against sigma_max
+        normal = mid_t_as_config(validate_mid_t(mid_t, rcm_sigma_max))  # every angle, against sigma_max too
+        if type(mid_t) is not type(normal) or mid_t != normal:
+            self.register_to_config(mid_t=normal)
         self.timesteps = None
         self.sigmas = None
         self.num_inference_steps = None
@@ -358,7 +361,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
 
     def _settings(self) -> str:
         c = self.config
-        return f"sigma_max {c.rcm_sigma_max:g}, mid_t {list(c.mid_t)}, time_input {c.time_input}"
+        return f"sigma_max {c.rcm_sigma_max:g}, mid_t {parse_mid_t(c.mid_t)}, time_input {c.time_input}"
 
     @property
     def sigma_max(self) -> float:
