@@ -51,7 +51,8 @@ RCM_SIGMAS = Node(
     display_name="rCM Sigmas",
     category=f"{CATEGORY}/schedulers",
     description="SIGMAS (RF times) of the rCM few-step sampler: arctan(sigma_max), mid_t..., 0 as RF times. "
-                "1-4 steps with the distilled angles 1.5, 1.4, 1.0; more steps need more angles in mid_t.",
+                "1-4 steps with the distilled angles 1.5, 1.4, 1.0; more steps need more angles in mid_t, "
+                "which may also give other angles per step count.",
     inputs=[
         Input("INT", "steps", default=4, min=1, max=8,
               tooltip="1 to 4 with the default mid_t (the angles rCM was distilled at); n steps need n-1 angles."),
@@ -59,7 +60,10 @@ RCM_SIGMAS = Node(
               tooltip=f"Start noise on the EDM scale, at least {SIGMA_MAX_MIN}: 80 for Wan T2V, 200 for Wan I2V; "
                       "arctan(sigma_max) must exceed the first mid_t angle."),
         Input("STRING", "mid_t", default=rcm.DEFAULT_MID_T_TEXT,
-              tooltip="Intermediate TrigFlow angles, strictly decreasing, inside (0, pi/2)."),
+              tooltip="Intermediate TrigFlow angles, strictly decreasing, inside (0, pi/2): one list for every step "
+                      "count (n steps take the first n-1), or per step count as 'steps: angles' entries separated "
+                      f"by semicolons, e.g. '{rcm.PER_STEP_MID_T_EXAMPLE}' (n steps take the entry for n, else the "
+                      "one for the next larger count, cut to n-1 angles)."),
         Input("MODEL", "model", optional=True, tooltip="Optional: checks that the model is a flow model (Wan, Flux)."),
     ],
     outputs=[Output("SIGMAS", tooltip="steps + 1 RF times from arctan(sigma_max) down to 0, for a SamplerCustom "

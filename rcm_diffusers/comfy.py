@@ -15,16 +15,18 @@ import math
 import os
 import re
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .models import TIME_INPUTS, network_timestep
-from .sampling import DEFAULT_MID_T, SPACINGS, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
+from .sampling import DEFAULT_MID_T, SPACINGS, format_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
+from .sampling import parse_mid_t as _parse_sampling_mid_t
 
 __all__ = [
     "DEFAULT_MID_T_TEXT",
+    "PER_STEP_MID_T_EXAMPLE",
     "WAN22_BOUNDARY",
     "parse_mid_t",
     "rcm_sigmas",
@@ -47,6 +49,8 @@ __all__ = [
 ]
 
 DEFAULT_MID_T_TEXT = ", ".join(str(m) for m in DEFAULT_MID_T)
+#: the per-step-count form of the mid_t widget: n steps take the entry for n (else the next larger), cut to n - 1 angles
+PER_STEP_MID_T_EXAMPLE = "2: 1.0; 4: 1.5, 1.4, 0.8"
 #: Wan 2.2 A14B switches from the high-noise to the low-noise expert at this RF time (I2V; T2V uses 0.875).
 WAN22_BOUNDARY = 0.9
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -55,36 +59,69 @@ _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 # ----------------------------------------------------------------------------- sigmas
 
 
-def parse_mid_t(text: str | Sequence[float]) -> tuple[float, ...]:
-    """Intermediate TrigFlow angles from a widget string such as ``"1.5, 1.4, 1.0"`` (docs/math.md §2.1).
+def parse_mid_t(text: str | Sequence[float] | Mapping) -> tuple[float, ...] | dict[int, tuple[float, ...]]:
+    """Intermediate TrigFlow angles from a widget string (docs/math.md §2.1).
 
-    Commas, spaces or brackets separate the numbers; an empty string means no intermediate
-    angle (1 step only). Every angle must lie in (0, pi/2) and the list must strictly decrease.
+    One list for every step count, ``"1.5, 1.4, 1.0"``: commas, spaces or brackets separate the numbers; an
+    empty string means no intermediate angle (1 step only). Or per step count, ``"2: 1.0; 4: 1.5, 1.4, 0.8"``
+    (``steps: angles`` entries separated by semicolons; a mapping ``{2: [1.0], ...}`` also works): ``n`` steps take
+    the entry for ``n``, else the one for the next larger count, cut to ``n - 1`` angles
+    (:func:`rcm_diffusers.sampling.mid_t_for_steps`); returned as ``{steps: angles}``. Every angle must lie in
+    (0, pi/2) and each list must strictly decrease.
     """
+    if isinstance(text, Mapping) or (isinstance(text, str) and ":" in text):
+        return _parse_per_step(text)
+    values = _read_angles(text, text)
+    _check_angles(values, "")
+    return values
+
+
+def _read_angles(part, text) -> tuple[float, ...]:
+    if not isinstance(part, str):
+        return tuple(float(v) for v in part)
+    tokens = [t for t in re.split(r"[\s,;\[\]()]+", part.strip()) if t]
+    bad = [t for t in tokens if not _NUMBER.match(t)]
+    if bad:
+        raise ValueError(
+            f"mid_t: cannot read {bad} as numbers in {text!r}; write the intermediate TrigFlow angles "
+            f"as decreasing numbers separated by commas, e.g. '{DEFAULT_MID_T_TEXT}' (or per step count, "
+            f"'{PER_STEP_MID_T_EXAMPLE}')."
+        )
+    return tuple(float(t) for t in tokens)
+
+
+def _parse_per_step(text) -> dict[int, tuple[float, ...]]:
+    """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` (or a mapping) -> ``{2: (1.0,), 4: (1.5, 1.4, 0.8)}``, every entry checked."""
     if isinstance(text, str):
-        tokens = [t for t in re.split(r"[\s,;\[\]()]+", text.strip()) if t]
-        bad = [t for t in tokens if not _NUMBER.match(t)]
-        if bad:
-            raise ValueError(
-                f"mid_t: cannot read {bad} as numbers in {text!r}; write the intermediate TrigFlow angles "
-                f"as decreasing numbers separated by commas, e.g. '{DEFAULT_MID_T_TEXT}'."
-            )
-        values = tuple(float(t) for t in tokens)
-    else:
-        values = tuple(float(v) for v in text)
+        entries = []
+        for entry in (e.strip() for e in text.split(";")):
+            if not entry:
+                continue
+            key, sep, part = entry.partition(":")
+            if not sep:
+                raise ValueError(f"mid_t: entry {entry!r} of {text!r} has no step count; write 'steps: angles' entries "
+                                 f"separated by semicolons, e.g. '{PER_STEP_MID_T_EXAMPLE}'.")
+            entries.append(f"{key.strip()}: " + ", ".join(repr(a) for a in _read_angles(part, text)))
+        text = "; ".join(entries)
+    table = {k: tuple(v) for k, v in _parse_sampling_mid_t(text).items()}  # keys, lengths, duplicates, finiteness
+    for k, values in table.items():
+        _check_angles(values, f" (the entry for {k} steps)")
+    return table
+
+
+def _check_angles(values: tuple[float, ...], where: str) -> None:
     if any(not math.isfinite(v) for v in values):
-        raise ValueError(f"mid_t: angles must be finite numbers, got {list(values)}.")
+        raise ValueError(f"mid_t: angles must be finite numbers, got {list(values)}{where}.")
     outside = [v for v in values if not 0.0 < v < math.pi / 2]
     if outside:
         raise ValueError(
-            f"mid_t: angles {outside} are outside (0, {math.pi / 2:.5f}); TrigFlow angles lie strictly between "
+            f"mid_t: angles {outside}{where} are outside (0, {math.pi / 2:.5f}); TrigFlow angles lie strictly between "
             f"0 (clean) and pi/2 (pure noise), e.g. '{DEFAULT_MID_T_TEXT}'."
         )
     if any(b >= a for a, b in zip(values, values[1:])):
         raise ValueError(
-            f"mid_t: angles must strictly decrease (noisy to clean), got {list(values)}; e.g. '{DEFAULT_MID_T_TEXT}'."
+            f"mid_t: angles must strictly decrease (noisy to clean), got {list(values)}{where}; e.g. '{DEFAULT_MID_T_TEXT}'."
         )
-    return values
 
 
 def _as_sigmas(r: np.ndarray) -> torch.Tensor:
@@ -97,11 +134,20 @@ def rcm_sigmas(steps: int, sigma_max: float = 80.0, mid_t: str | Sequence[float]
     """SIGMAS of the ``steps``-step rCM sampler: docs/math.md §2.1's RF times, ``steps + 1`` values ending at 0.
 
     ``sigma_max`` is the EDM-scale start (80 for Wan T2V, 200 for Wan I2V); ``mid_t`` the
-    intermediate TrigFlow angles (text or numbers). Steps beyond ``len(mid_t) + 1`` need more angles.
+    intermediate TrigFlow angles (text or numbers; one list, or per step count as :func:`parse_mid_t` reads).
+    Steps beyond ``len(mid_t) + 1`` (per step count: beyond the largest count) need more angles.
     """
     angles = parse_mid_t(mid_t)
     steps = _whole_steps(steps)
-    if not 1 <= steps <= len(angles) + 1:
+    if isinstance(angles, dict):
+        if not 1 <= steps <= max(angles):
+            fix = f"lower steps or add an entry for {steps} steps to mid_t" if steps > 1 else "use at least 1 step"
+            raise ValueError(
+                f"steps={steps} is out of range: with mid_t='{format_mid_t(angles)}' the rCM sampler takes "
+                f"1..{max(angles)} steps (angles for {', '.join(str(k) for k in angles)} steps; each entry also serves "
+                f"fewer steps); {fix}."
+            )
+    elif not 1 <= steps <= len(angles) + 1:
         raise ValueError(
             f"steps={steps} is out of range: with mid_t={list(angles)} the rCM sampler takes 1..{len(angles) + 1} "
             f"steps (4 is the usual); lower steps or add intermediate angles to mid_t."

@@ -42,6 +42,53 @@ def test_rcm_sigmas_i2v_sigma_max_and_custom_mid_t():
     np.testing.assert_allclose(comfy.rcm_sigmas(1, mid_t="").numpy(), [80 / 81, 0.0], atol=1e-7)
 
 
+PER_STEP = "2: 1.0; 4: 1.5, 1.4, 0.8"
+
+
+def test_rcm_sigmas_per_step_count_mid_t():
+    """``"2: 1.0; 4: 1.5, 1.4, 0.8"``: n steps take the entry for n, else the next larger one cut to n - 1 angles.
+    The 2-step grid must use 1.0 (not the 4-step entry's 1.5); expected angles written out by hand."""
+    expected = {1: [math.atan(80.0)], 2: [math.atan(80.0), 1.0], 3: [math.atan(80.0), 1.5, 1.4],
+                4: [math.atan(80.0), 1.5, 1.4, 0.8]}
+    for steps, angles in expected.items():
+        ref = [math.sin(t) / (math.sin(t) + math.cos(t)) for t in angles] + [0.0]
+        np.testing.assert_allclose(comfy.rcm_sigmas(steps, 80.0, PER_STEP).numpy(), ref, atol=1e-7, rtol=0)
+    assert not np.allclose(comfy.rcm_sigmas(2, 80.0, PER_STEP).numpy(), comfy.rcm_sigmas(2, 80.0, "1.5, 1.4, 0.8").numpy())
+    # spaces as separators inside an entry (as in the flat form), a trailing semicolon, a mapping
+    assert comfy.parse_mid_t("2: 1.0; 4: 1.5 1.4 0.8;") == {2: (1.0,), 4: (1.5, 1.4, 0.8)}
+    assert comfy.parse_mid_t({"4": [1.5, 1.4, 0.8], 2: [1.0]}) == {2: (1.0,), 4: (1.5, 1.4, 0.8)}
+    assert comfy.check_rcm_sigmas_widgets(4, 80.0, PER_STEP) is None
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("2: 1.0; 4: 1.5, abc, 0.8", r"^mid_t: cannot read \['abc'\] as numbers"),
+        ("2: 1.0; 4: 1.4, 1.5, 0.8", r"^mid_t: angles must strictly decrease .*\(the entry for 4 steps\)"),
+        ("2: 2.0", r"^mid_t: angles \[2.0\] \(the entry for 2 steps\) are outside"),
+        ("2: 1.0; 1.4", r"^mid_t: entry '1.4' of '2: 1.0; 1.4' has no step count"),
+        ("1: 1.0", r"^mid_t key '1' is not a step count"),
+        ("x: 1.0", r"^mid_t key 'x' is not a step count"),
+        ("4: 1.5, 1.4", r"^mid_t entry for 4 steps has 2 angle\(s\) \[1.5, 1.4\]; 4 steps need at least 3"),
+        ("2: 1.0; 2: 0.9", r"^mid_t gives angles for 2 steps twice"),
+    ],
+)
+def test_per_step_mid_t_errors_are_one_line(text, match):
+    with pytest.raises(ValueError, match=match) as e:
+        comfy.parse_mid_t(text)
+    assert "\n" not in str(e.value)
+    assert comfy.check_rcm_sigmas_widgets(2, 80.0, text) == str(e.value)
+
+
+def test_rcm_sigmas_per_step_out_of_range_names_the_step_counts():
+    with pytest.raises(ValueError, match=r"^steps=5 is out of range: with mid_t='2: 1.0; 4: 1.5, 1.4, 0.8' the rCM "
+                                         r"sampler takes 1..4 steps \(angles for 2, 4 steps.*add an entry for 5 steps"):
+        comfy.rcm_sigmas(5, 80.0, PER_STEP)
+    with pytest.raises(ValueError, match=r"in the mid_t entry for 4 steps \(arctan\(sigma_max=10.0\)"):
+        comfy.rcm_sigmas(4, 10.0, PER_STEP)
+    comfy.rcm_sigmas(2, 10.0, PER_STEP)  # arctan(10) = 1.471 is above the 2-step entry's 1.0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -678,7 +725,15 @@ def test_a_bad_rcm_sigmas_value_is_one_error_naming_it():
     assert RCM_SIGMAS.validate(None, mid_t=None) is True
     assert RCM_SIGMAS.validate(None, mid_t="1.5, x") == (
         "rCM Sigmas: mid_t: cannot read ['x'] as numbers in '1.5, x'; write the intermediate TrigFlow angles as "
-        "decreasing numbers separated by commas, e.g. '1.5, 1.4, 1.0'.")
+        "decreasing numbers separated by commas, e.g. '1.5, 1.4, 1.0' (or per step count, '2: 1.0; 4: 1.5, 1.4, 0.8').")
+    # the per-step-count form: read when queued, a bad entry is one line naming it
+    assert RCM_SIGMAS.validate(None, mid_t="2: 1.0; 4: 1.5, 1.4, 0.8") is True
+    bad = RCM_SIGMAS.validate(None, mid_t="2: 1.0; 4: 1.4, 1.5, 0.8")
+    assert bad.startswith("rCM Sigmas: mid_t: angles must strictly decrease") and "entry for 4 steps" in bad
+    assert "\n" not in bad
+    with pytest.raises(ValueError, match=r"^rCM Sigmas: steps=5 is out of range: with mid_t='2: 1.0; 4: 1.5, 1.4, 0.8' "
+                                         r"the rCM sampler takes 1..4 steps \(angles for 2, 4 steps"):
+        RCM_SIGMAS.execute(steps=5, sigma_max=80.0, mid_t="2: 1.0; 4: 1.5, 1.4, 0.8")
     with pytest.raises(ValueError, match=r"^rCM Sigmas: steps=6 is out of range: with mid_t=\[1.5, 1.4, 1.0\]"):
         RCM_SIGMAS.execute(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0")
     with pytest.raises(ValueError, match=r"^rCM Sigmas: .*arctan\(sigma_max=2.0\)"):
