@@ -35,6 +35,7 @@ sys.path.insert(0, REPO)
 from rcm_diffusers import digits as D  # noqa: E402
 from rcm_diffusers.distill import runs as R  # noqa: E402
 from rcm_diffusers.distill.config import load_config  # noqa: E402
+from rcm_diffusers.sampling import format_mid_t  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
 QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; buys 2 and 4 steps ~0.5 FD, not 1 step (docs/benchmarks.md)
@@ -206,7 +207,7 @@ def evaluate(runs: list[dict], a):
             "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.eval_threads or a.threads * a.processes), "--title", title,
             "--time_input", runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
             "--sigma_max", str(runs[0]["config"].get("sigma_max", 80.0)),  # and with the sampler their config names
-            "--mid_t", ",".join(str(m) for m in runs[0]["config"].get("mid_t") or []),
+            "--mid_t", format_mid_t(runs[0]["config"].get("mid_t") or []),
             # the rCM student to use (its EMA) as a diffusers user loads it: load_rcm_lora, and without the run's scheduler
             "--user_rows", runs[0]["name"] + ("-ema" if runs[0]["config"]["ema_rate"] > 0 else "")]
     print(f"[demo] evaluating: python training/eval_digits.py {' '.join(argv)}", flush=True)

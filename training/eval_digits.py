@@ -28,6 +28,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from rcm_diffusers import RCMScheduler  # noqa: E402
 from rcm_diffusers import digits as D  # noqa: E402
+from rcm_diffusers.sampling import parse_mid_t  # noqa: E402
 
 
 def _ints(s: str) -> list[int]:
@@ -46,7 +47,7 @@ def _user_rows_note(models) -> str:
     return ('"user call" rows: the stock WanPipeline after load_rcm_lora(pipe, DIR) (the LoRA and the scheduler/ the run '
             "wrote), sampled by pipe(...) itself (unscaled initial noise, the scheduler's per-sample re-noising); "
             '"from_config defaults": the same with RCMScheduler.from_config(pipe.scheduler.config) (sigma_max '
-            f"{dflt[0].rcm_sigma_max:g}, mid_t {list(dflt[0].mid_t)}, time input {dflt[0].time_input}), what the LoRA "
+            f"{dflt[0].rcm_sigma_max:g}, mid_t {parse_mid_t(dflt[0].mid_t)}, time input {dflt[0].time_input}), what the LoRA "
             "gives without the scheduler the run wrote. ")
 
 
@@ -63,7 +64,8 @@ def main(argv=None):
     p.add_argument("--ref_steps", type=int, default=50, help="steps of the reference teacher rows")
     p.add_argument("--shift", type=float, default=1.0, help="flow shift of the teacher grid")
     p.add_argument("--sigma_max", type=float, default=80.0, help="student sampler sigma_max")
-    p.add_argument("--mid_t", default="", help="student intermediate TrigFlow angles, e.g. 1.5,1.4,1.0 (default docs/math.md §2.1)")
+    p.add_argument("--mid_t", default="", help="student intermediate TrigFlow angles, e.g. 1.5,1.4,1.0, or per step count "
+                   "'2: 1.0; 4: 1.5, 1.4, 0.8' (default docs/math.md §2.1)")
     p.add_argument("--time_input", default="bf16", choices=["bf16", "float"],
                    help="time the student network sees; use the time_input it was trained with (RCMConfig.time_input)")
     p.add_argument("--user_rows", default="all",
@@ -76,7 +78,10 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     os.makedirs(a.out, exist_ok=True)
-    mid_t = [float(v) for v in a.mid_t.split(",")] if a.mid_t else None
+    try:
+        mid_t = parse_mid_t(a.mid_t) if a.mid_t.strip() else None
+    except ValueError as e:
+        p.error(f"--mid_t: {e}")
 
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES

@@ -60,7 +60,8 @@ def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: i
                    mid_t=None, guidance_scale: float = 1.0, batch_size: int = 500, time_input: str = "bf16") -> torch.Tensor:
     """Few-step rCM samples with ``RCMScheduler`` (docs/math.md §2.1): ``x = r_0 noise``, then ``steps`` x0-and-renoise moves
     with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG). ``time_input``: the time the student
-    saw in training (``RCMConfig.time_input``)."""
+    saw in training (``RCMConfig.time_input``). ``mid_t``: None = the default angles, else any form ``RCMScheduler``
+    takes (a list, or per step count)."""
     from ..sampling import DEFAULT_MID_T
     from ..schedulers import RCMScheduler
 
@@ -68,7 +69,7 @@ def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: i
     noise = torch.randn(len(labels), 1, 1, 8, 8, generator=g)
     outs = []
     for i in range(0, len(labels), batch_size):
-        sch = RCMScheduler(sigma_max=sigma_max, mid_t=list(mid_t or DEFAULT_MID_T), time_input=time_input)
+        sch = RCMScheduler(sigma_max=sigma_max, mid_t=mid_t or DEFAULT_MID_T, time_input=time_input)
         sch.set_timesteps(steps)
         sch.set_generator(g)
         x = sch.scale_initial_noise(noise[i:i + batch_size])

@@ -127,13 +127,19 @@ class RCMConfig:
     sample_steps: list = opt([1, 2, 4], "RCMScheduler step counts of the sample grid")
     sigma_max: float = opt(80.0, "sigma_max of the student sampler (80 T2V, 200 Wan I2V)")
     mid_t: list = opt([], "intermediate TrigFlow angles of the student sampler, strictly decreasing below "
-                      "arctan(sigma_max); n steps use the first n - 1 (empty = the default of docs/math.md §2.1)")
+                      "arctan(sigma_max); n steps use the first n - 1 (empty = the default of docs/math.md §2.1). "
+                      "Or per step count: a mapping {2: [1.0], 4: [1.5, 1.4, 0.8]} (YAML), or on the command line "
+                      "'2: 1.0; 4: 1.5, 1.4, 0.8'; n steps use the entry for n, else the next larger one, cut to "
+                      "n - 1 angles. Written into the run's scheduler/ config")
     spike_factor: float = opt(5.0, "grad-norm spike: norm > factor x running median ...")
     spike_patience: int = opt(3, "... for this many consecutive steps of one network dumps spikes.jsonl")
     skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (reported, counted in metrics and final.json)")
     max_skipped_fraction: float = opt(0.05, "fail the run once more than this fraction of max_steps was skipped (non-finite gradients)")
     exit_after_step: int = opt(-1, "testing: hard-exit (os._exit) right after this iteration, as if killed")
     progress: bool = opt(True, "tqdm progress bar on the main process")
+
+    def __post_init__(self):
+        self.mid_t = _normal_mid_t(self.mid_t)
 
     def validate(self) -> "RCMConfig":
         """Raise ``ValueError`` with the offending option on an invalid setting."""
@@ -166,14 +172,7 @@ class RCMConfig:
             bad("high_noise_share", "must lie strictly between 0 and 1 (each expert needs samples)")
         if self.loss_reduction not in ("mean", "sum"):
             bad("loss_reduction", "use 'mean' or 'sum'")
-        if self.mid_t:
-            from ..sampling import rcm_angles
-
-            try:
-                for n in {len(self.mid_t) + 1, *self.sample_steps}:
-                    rcm_angles(n, self.sigma_max, self.mid_t)
-            except (TypeError, ValueError) as e:
-                bad("mid_t", str(e))
+        _validate_mid_t(self, bad, self.sample_steps, "sample_steps")
         if self.weight_dtype not in ("float32", "bfloat16", "float16"):
             bad("weight_dtype", "use float32, bfloat16 or float16")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -267,7 +266,8 @@ class QADConfig:
     shift: float = opt(3.0, "flow shift s of r = s u / (1 + (s - 1) u) (r_source shifted)")
     rcm_steps: int = opt(4, "number of RCMScheduler steps whose times r is drawn from (r_source rcm)")
     sigma_max: float = opt(80.0, "RCMScheduler sigma_max of those times (r_source rcm)")
-    mid_t: list = opt([], "RCMScheduler intermediate TrigFlow angles ([] = docs/math.md §2.1 default; r_source rcm)")
+    mid_t: list = opt([], "RCMScheduler intermediate TrigFlow angles ([] = docs/math.md §2.1 default; r_source rcm); "
+                      "a list, or per step count as RCMConfig's mid_t")
     time_input: str = opt("bf16", "time the teacher and student see: 'bf16' = rounded to bfloat16 as the official rCM code; 'float' = exact")
     # block-wise warm start (docs/math.md §7)
     warm_start_batches: int = opt(0, "batches of block-wise warm start before end-to-end QAD (0 = off)")
@@ -303,6 +303,9 @@ class QADConfig:
     max_skipped_fraction: float = opt(0.05, "fail the run once more than this fraction of max_steps was skipped (non-finite gradients)")
     exit_after_step: int = opt(-1, "testing: hard-exit (os._exit) right after this iteration, as if killed")
     progress: bool = opt(True, "tqdm progress bar on the main process")
+
+    def __post_init__(self):
+        self.mid_t = _normal_mid_t(self.mid_t)
 
     def guidance_knots(self) -> list:
         """``guidance`` as ``[(r, s), ...]`` knots (a bare number or ``[s]`` = constant ``s``)."""
@@ -396,6 +399,7 @@ class QADConfig:
         if not 0 <= self.ema_rate < 1:
             bad("ema_rate", "must lie in [0, 1)")
         _validate_accumulation(self, bad)
+        _validate_mid_t(self, bad, [self.rcm_steps] if self.r_source == "rcm" else [], "rcm_steps")
         return self
 
     def resolved_target(self, arch: str) -> str:
@@ -408,6 +412,35 @@ class QADConfig:
         layout = self.export_layout if self.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")
         ok = self.format in COMFY_ACT and not self.per_channel and self.act_format in ("", self.format)
         return "comfyui" if layout == "comfyui" and ok else "fake"
+
+def _normal_mid_t(value):
+    """``mid_t`` in the JSON form ``RCMScheduler`` registers (a list of floats, or ``{"2": [...], ...}``), so that it
+    compares equal to the one read back from a checkpoint; as given when it does not read (``validate`` says why)."""
+    from ..sampling import mid_t_as_config
+
+    try:
+        return mid_t_as_config(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _validate_mid_t(cfg, bad, steps, steps_key: str) -> None:
+    """Every angle of ``cfg.mid_t`` (flat or per step count) against ``cfg.sigma_max``, and each step count the run
+    samples (``steps``, named ``steps_key``) served by it (docs/math.md §2.1). Empty ``mid_t`` = the default angles."""
+    if not cfg.mid_t:
+        return
+    from ..sampling import rcm_angles, validate_mid_t
+
+    try:
+        validate_mid_t(cfg.mid_t, cfg.sigma_max)
+    except (TypeError, ValueError) as e:
+        bad("mid_t", str(e))
+    for n in steps:
+        try:
+            rcm_angles(n, cfg.sigma_max, cfg.mid_t)
+        except (TypeError, ValueError) as e:
+            bad("mid_t", f"{steps_key} {n}: {e}")
+
 
 def _validate_accumulation(cfg, bad) -> None:
     """Checks of ``gradient_accumulation_steps`` and ``noise_seeding`` (both configs)."""
@@ -439,6 +472,10 @@ def _fields(config_cls=None):
 def _coerce(name: str, value: Any, config_cls=None):
     f = _fields(config_cls)[name]
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if name == "mid_t":  # a list or {steps: angles}: YAML flow text, or the forms "1.5,1.4,1.0" / "2: 1.0; 4: 1.5, 1.4, 0.8"
+        if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+            value = yaml.safe_load(value)
+        return value  # normalised by the config's __post_init__, checked by validate()
     if isinstance(value, str) and not isinstance(default, str):
         value = yaml.safe_load(value)
     if isinstance(default, bool):

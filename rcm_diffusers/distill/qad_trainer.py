@@ -85,7 +85,7 @@ def training_times(cfg) -> list[float] | None:
     from ..sampling import DEFAULT_MID_T
     from ..schedulers import RCMScheduler
 
-    sch = RCMScheduler(sigma_max=cfg.sigma_max, mid_t=list(cfg.mid_t or DEFAULT_MID_T))
+    sch = RCMScheduler(sigma_max=cfg.sigma_max, mid_t=cfg.mid_t or DEFAULT_MID_T)
     sch.set_timesteps(cfg.rcm_steps)
     return [float(r) for r in sch.rf_times if r > 0]
 

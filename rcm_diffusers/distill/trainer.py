@@ -378,7 +378,7 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
     from .experts import HIGH, LOW, expert_lora_weights, switch_of
     from ..schedulers import RCMScheduler
 
-    sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": list(cfg.mid_t)} if cfg.mid_t else {}))
+    sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": cfg.mid_t} if cfg.mid_t else {}))
     for d in [cfg.output_dir] + ([os.path.join(cfg.output_dir, "ema")] if ema is not None else []):
         sched.save_pretrained(os.path.join(d, "scheduler"))
 
@@ -431,14 +431,14 @@ def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weig
 @torch.no_grad()
 def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student",
                    mid_t=None):
-    """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1; ``mid_t`` empty = its default angles),
-    model-layout float32 latents; the network sees its time as in training (``nets.time_input``), the update runs
-    on the exact RF times."""
+    """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1; ``mid_t`` empty = its default angles, else
+    a list or per step count), model-layout float32 latents; the network sees its time as in training
+    (``nets.time_input``), the update runs on the exact RF times."""
     from ..models import velocity_fn
     from ..sampling import DEFAULT_MID_T
     from ..schedulers import RCMScheduler
 
-    sch = RCMScheduler(sigma_max=sigma_max, mid_t=list(mid_t or DEFAULT_MID_T), time_input=nets.time_input)
+    sch = RCMScheduler(sigma_max=sigma_max, mid_t=mid_t or DEFAULT_MID_T, time_input=nets.time_input)
     sch.set_timesteps(steps)
     x = sch.scale_initial_noise(torch.randn(shape, generator=generator, dtype=torch.float32).to(device))
     with nets.role(role):
