@@ -134,6 +134,12 @@ class _FlowTimesMixin:
             )
         return r
 
+    def _register_alias(self, **values) -> None:
+        """Register config keys given through an alias argument (``sigma_max=``), and take them off diffusers'
+        ``_use_default_values``, else ``from_config(self.config)`` would replace them by their defaults."""
+        defaulted = [k for k in self.config.get("_use_default_values", []) if k not in values]
+        self.register_to_config(**values, _use_default_values=defaulted)
+
     def _check_pending(self, explicit: bool) -> None:
         """Refuse a step-count grid that silently replaces explicit times nobody stepped through yet (a pipeline's
         own ``set_timesteps(n)`` after the user's ``set_timesteps(sigmas=...)``)."""
@@ -291,7 +297,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
     ):
         if sigma_max is not None:
             rcm_sigma_max = sigma_max
-            self.register_to_config(rcm_sigma_max=sigma_max)
+            self._register_alias(rcm_sigma_max=sigma_max)
         _check_finite_positive("sigma_max", rcm_sigma_max)
         _check_finite_positive("num_train_timesteps", num_train_timesteps)
         if not isinstance(stochastic, bool):
@@ -461,9 +467,9 @@ class _TeacherGridMixin(_FlowTimesMixin):
 
     def _apply_aliases(self, sigma_max, sigma_min) -> None:
         if sigma_max is not None:
-            self.register_to_config(teacher_sigma_max=sigma_max)
+            self._register_alias(teacher_sigma_max=sigma_max)
         if sigma_min is not None:
-            self.register_to_config(teacher_sigma_min=sigma_min)
+            self._register_alias(teacher_sigma_min=sigma_min)
 
     @property
     def sigma_max(self) -> float:

@@ -186,6 +186,18 @@ def test_from_config_keeps_wan_and_flux_keys(tmp_path):
     assert np.array_equal(loaded.rf_times, custom.rf_times)
 
 
+def test_sigma_max_argument_survives_from_config():
+    """``RCMScheduler(sigma_max=...)`` (and the teachers' ``sigma_max=`` / ``sigma_min=``) registered the value but listed ``rcm_sigma_max`` among diffusers' defaulted
+    keys, so ``from_config(s.config)`` fell back to 80."""
+    s = RCMScheduler(sigma_max=200.0)
+    assert RCMScheduler.from_config(s.config).sigma_max == 200.0
+    assert RCMScheduler.from_config(RCMScheduler(rcm_sigma_max=120.0).config).sigma_max == 120.0
+    assert RCMScheduler.from_config(RCMScheduler().config).sigma_max == 80.0
+    for cls in (TrigFlowEulerScheduler, TrigFlowUniPCScheduler):
+        t = cls.from_config(cls(sigma_max=300.0, sigma_min=0.01).config)
+        assert (t.sigma_max, t.config.teacher_sigma_min) == (300.0, 0.01), cls
+
+
 @pytest.mark.parametrize("cls", [TrigFlowEulerScheduler, TrigFlowUniPCScheduler])
 def test_teacher_config_round_trip(cls, tmp_path):
     s = cls.from_config(wan_scheduler_config(), spacing="karras", rho=5.0)
@@ -441,6 +453,131 @@ def test_mid_t_as_comma_separated_string():
             RCMScheduler(mid_t=bad)
     with pytest.raises(ValueError, match="time_input"):
         RCMScheduler(time_input="fp16")
+
+
+# ----------------------------------------------------------------------------- mid_t per step count
+
+PER_STEP = {2: [1.0], 4: [1.5, 1.4, 0.8]}
+PER_STEP_TEXT = "2: 1.0; 4: 1.5, 1.4, 0.8"
+#: the angles each step count must use with PER_STEP, written out by hand (3 steps: the 4-step entry cut to 2)
+PER_STEP_ANGLES = {1: [], 2: [1.0], 3: [1.5, 1.4], 4: [1.5, 1.4, 0.8]}
+
+
+def _rf64(angles, sigma_max=80.0):
+    t = np.array([math.atan(sigma_max), *angles, 0.0], dtype=np.float64)
+    r = np.sin(t) / (np.sin(t) + np.cos(t))
+    r[-1] = 0.0
+    return r
+
+
+def test_mid_t_for_steps_resolution():
+    from rcm_diffusers.sampling import mid_t_for_steps, rcm_angles
+
+    for n, angles in PER_STEP_ANGLES.items():
+        assert mid_t_for_steps(PER_STEP, n) == angles, n
+        assert mid_t_for_steps(PER_STEP_TEXT, n) == angles, n
+        assert mid_t_for_steps({"4": [1.5, 1.4, 0.8], "2": [1.0]}, n) == angles, n  # JSON keys, any order
+        assert np.array_equal(rcm_angles(n, 80.0, PER_STEP), [math.atan(80.0), *angles, 0.0]), n
+    # no entry for n: the next larger key, cut to n - 1 angles; an entry longer than its key needs
+    assert [mid_t_for_steps({5: [1.5, 1.3, 1.1, 0.9]}, n) for n in (1, 2, 3, 5)] == [[], [1.5], [1.5, 1.3], [1.5, 1.3, 1.1, 0.9]]
+    assert mid_t_for_steps({2: [1.2, 0.6]}, 2) == [1.2]
+    # a flat list L is {len(L) + 1: L}
+    flat = [1.5, 1.4, 1.0]
+    for n in range(1, 5):
+        assert mid_t_for_steps(flat, n) == mid_t_for_steps({4: flat}, n) == flat[: n - 1]
+        assert np.array_equal(rcm_angles(n, 80.0, flat), rcm_angles(n, 80.0, {4: flat}))
+
+
+@pytest.mark.parametrize("mid_t", [PER_STEP, PER_STEP_TEXT, {"2": [1.0], "4": [1.5, 1.4, 0.8]}, {4: (1.5, 1.4, 0.8), 2: 1.0}])
+def test_per_step_mid_t_scheduler_rf_times(mid_t):
+    """The RF times of a per-step RCMScheduler are exactly sin t / (sin t + cos t) of the hand-written angles; the
+    config holds the JSON form (string keys, float lists) whatever form was passed."""
+    s = RCMScheduler(mid_t=mid_t)
+    assert s.config.mid_t == {"2": [1.0], "4": [1.5, 1.4, 0.8]}
+    for n, angles in PER_STEP_ANGLES.items():
+        s.set_timesteps(n)
+        assert np.array_equal(s.rf_times, _rf64(angles)), n
+
+
+def test_per_step_entry_is_used():
+    """2 steps take the 2-step entry (1.0), not the 4-step list's first angle (1.5) as a flat mid_t would."""
+    per_step, flat = RCMScheduler(mid_t=PER_STEP), RCMScheduler(mid_t=[1.5, 1.4, 0.8])
+    per_step.set_timesteps(2)
+    flat.set_timesteps(2)
+    assert per_step.rf_times[1] == _rf(1.0) and flat.rf_times[1] == _rf(1.5)
+    per_step.set_timesteps(4)
+    flat.set_timesteps(4)
+    assert np.array_equal(per_step.rf_times, flat.rf_times)
+
+
+def test_per_step_mid_t_save_load_and_from_config_round_trip(tmp_path):
+    s = RCMScheduler(sigma_max=200.0, mid_t=PER_STEP_TEXT, time_input="float")
+    s.save_pretrained(tmp_path)
+    loaded = RCMScheduler.from_pretrained(tmp_path)
+    again = RCMScheduler.from_config(s.config)
+    for other in (loaded, again):
+        assert other.config.mid_t == {"2": [1.0], "4": [1.5, 1.4, 0.8]}
+        assert {k: v for k, v in other.config.items() if k != "_use_default_values"} == \
+               {k: v for k, v in s.config.items() if k != "_use_default_values"}
+        for n, angles in PER_STEP_ANGLES.items():
+            other.set_timesteps(n)
+            assert np.array_equal(other.rf_times, _rf64(angles, 200.0)), n
+    # saved again from the loaded one: the same file
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "scheduler_config.json").read_text() == (tmp_path / "scheduler_config.json").read_text()
+    # over a stock config: its keys kept, the mapping taken
+    wan = RCMScheduler.from_config(wan_scheduler_config(), mid_t=PER_STEP)
+    assert wan.config.flow_shift == 3.0 and wan.config.mid_t == {"2": [1.0], "4": [1.5, 1.4, 0.8]}
+    # a flat list stays a flat list
+    assert RCMScheduler.from_config(RCMScheduler(mid_t="1.5,1.4").config).config.mid_t == [1.5, 1.4]
+
+
+def test_mid_t_text_forms():
+    from rcm_diffusers.sampling import format_mid_t, mid_t_as_config, parse_mid_t
+
+    assert parse_mid_t(PER_STEP_TEXT) == PER_STEP == parse_mid_t(" 4 : 1.5,1.4,0.8 ; 2:1.0 ; ")
+    assert parse_mid_t("1.5,1.4,1.0") == [1.5, 1.4, 1.0]  # the flat string form as before
+    assert format_mid_t(PER_STEP) == PER_STEP_TEXT and parse_mid_t(format_mid_t(PER_STEP)) == PER_STEP
+    assert format_mid_t([1.5, 1.4, 1.0]) == "1.5, 1.4, 1.0" and parse_mid_t(format_mid_t([0.8, 0.5])) == [0.8, 0.5]
+    assert mid_t_as_config(PER_STEP_TEXT) == {"2": [1.0], "4": [1.5, 1.4, 0.8]}
+    assert list(mid_t_as_config({10: [1.5] * 9, 3: "1.2, 0.6"})) == ["3", "10"]  # ascending step counts
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(mid_t={1: [1.0]}), r"^mid_t key 1 is not a step count: keys are whole numbers >= 2"),
+        (dict(mid_t={"x": [1.0]}), r"^mid_t key 'x' is not a step count"),
+        (dict(mid_t={2.5: [1.0]}), r"^mid_t key 2.5 is not a step count"),
+        (dict(mid_t={True: [1.0]}), r"^mid_t key True is not a step count"),
+        (dict(mid_t={4: [1.5, 1.4]}), r"^mid_t entry for 4 steps has 2 angle\(s\) \[1.5, 1.4\]; 4 steps need at least 3"),
+        (dict(mid_t="2: 1.0; 2: 0.9"), r"^mid_t gives angles for 2 steps twice"),
+        (dict(mid_t={}), r"^mid_t is an empty mapping"),
+        (dict(mid_t="2: 1.0; 1.4"), r"^mid_t='2: 1.0; 1.4': entry '1.4' has no step count"),
+        (dict(mid_t="2: 1.0; 4: 1.5, x, 0.8"), r"^mid_t entry for 4 steps: ' 1.5, x, 0.8' is not a comma-separated list"),
+        (dict(mid_t={2: [float("nan")]}), r"^mid_t entry for 2 steps holds \[nan\]; angles must be finite"),
+        (dict(mid_t={2: [1.0], 4: [1.4, 1.5, 0.8]}), r"^rCM angles must be strictly decreasing.* in the mid_t entry for 4 steps"),
+        (dict(mid_t={2: [1.0], 4: [1.6, 1.4, 0.8]}), r"^mid_t angles must lie strictly inside \(0, pi/2\), got \[1.6, 1.4, 0.8\] in the mid_t entry for 4 steps"),
+        # every entry is checked against sigma_max, also one a 2-step run would not use
+        (dict(sigma_max=10.0, mid_t=PER_STEP), r"^rCM angles .* in the mid_t entry for 4 steps \(arctan\(sigma_max=10.0\)"),
+        (dict(mid_t={2: [1.0], 3: [1.2, 0.5, 1.3]}), r"in the mid_t entry for 3 steps"),  # its unused third angle too
+    ],
+)
+def test_per_step_mid_t_errors_are_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as e:
+        RCMScheduler(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_per_step_mid_t_too_many_steps_names_the_step_counts():
+    s = RCMScheduler(mid_t=PER_STEP)
+    with pytest.raises(ValueError, match=r"^num_inference_steps=5 is out of range for the rCM sampler with mid_t="
+                                         r"\{2: \[1.0\], 4: \[1.5, 1.4, 0.8\]\}: it has angles for 2, 4 steps .*"
+                                         r"pass 1..4 steps, or add an entry for 5 steps to mid_t.$") as e:
+        s.set_timesteps(5)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^num_inference_steps=0 is out of range.*pass 1..4 steps.$"):
+        s.set_timesteps(0)
 
 
 def test_explicit_times_replaced_before_use_are_refused():
