@@ -115,3 +115,37 @@ def test_without_a_scheduler_folder_it_falls_back_with_a_message(run_dir, tmp_pa
     # explicit keyword arguments still win over the exported config
     assert RCMScheduler.from_lora(str(run_dir), stochastic=False).config.stochastic is False
     assert RCMScheduler.from_lora(str(run_dir), sigma_max=200.0).sigma_max == 200.0
+
+
+def test_per_step_mid_t_of_the_trainer_config_reaches_the_user(tmp_path):
+    """A run configured with ``mid_t`` per step count (the command-line string) writes ``OUT/scheduler`` and
+    ``OUT/ema/scheduler`` holding the mapping; ``load_rcm_lora(pipe, OUT)`` gives a scheduler whose 2- and 4-step
+    grids use their own entries (2 steps: 1.0, not the 4-step list's 1.5)."""
+    import math
+
+    import numpy as np
+    from diffusers import WanPipeline
+
+    from rcm_diffusers.distill.adapters import add_rcm_adapters, lora_parameters
+    from rcm_diffusers.distill.config import load_config
+    from rcm_diffusers.distill.trainer import export_student
+
+    out = tmp_path / "run"
+    cfg = load_config(["--pretrained", "p", "--data_dir", "d", "--output_dir", str(out), "--sigma_max", "200",
+                       "--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8"])
+    tr = tiny_wan_transformer()
+    add_rcm_adapters(tr, rank=4, alpha=None, with_fake=False)
+    export_student(WanPipeline, cfg, tr, SimpleNamespace(shadow={n: p.detach() for n, p in lora_parameters(tr, "student").items()}))
+
+    def rf(angles):
+        t = np.array([math.atan(200.0), *angles, 0.0])
+        return np.append((np.sin(t) / (np.sin(t) + np.cos(t)))[:-1], 0.0)
+
+    for d in (out, out / "ema"):
+        pipe = tiny_wan_pipeline()
+        load_rcm_lora(pipe, str(d))
+        s = pipe.scheduler
+        assert s.config.mid_t == {"2": [1.0], "4": [1.5, 1.4, 0.8]} and s.sigma_max == 200.0, d
+        for steps, angles in {2: [1.0], 3: [1.5, 1.4], 4: [1.5, 1.4, 0.8]}.items():
+            s.set_timesteps(steps)
+            assert np.array_equal(s.rf_times, rf(angles)), (d, steps)

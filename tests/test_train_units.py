@@ -38,6 +38,47 @@ def test_config_overrides_help_and_errors(tmp_path):
             load_config(["--config", str(y), "--mid_t", bad])
 
 
+def test_config_mid_t_per_step_count(tmp_path):
+    """``mid_t`` per step count: a YAML mapping, YAML flow text or the ``"2: 1.0; 4: ..."`` string on the command line,
+    all kept in the scheduler's JSON form (so the checkpoint's config compares equal on resume); every sample_steps
+    entry must be served, every angle checked."""
+    import dataclasses
+    import json
+
+    from rcm_diffusers.distill.config import QADConfig
+
+    want = {"2": [1.0], "4": [1.5, 1.4, 0.8]}
+    y = tmp_path / "c.yaml"
+    y.write_text("pretrained: p\ndata_dir: d\nmid_t: {2: [1.0], 4: [1.5, 1.4, 0.8]}\n")
+    assert load_config(["--config", str(y)]).mid_t == want
+    base = ["--pretrained", "p", "--data_dir", "d"]
+    for text in ("2: 1.0; 4: 1.5, 1.4, 0.8", "{2: [1.0], 4: [1.5, 1.4, 0.8]}", "{'4': [1.5, 1.4, 0.8], '2': 1.0}"):
+        cfg = load_config(base + ["--mid_t", text])
+        assert cfg.mid_t == want, text
+        assert json.loads(json.dumps(dataclasses.asdict(cfg)))["mid_t"] == cfg.mid_t
+    assert RCMConfig(mid_t={4: (1.5, 1.4, 0.8), 2: 1}).mid_t == want  # built in Python: the same form
+    assert load_config(base + ["--mid_t", "1.5,1.4,1.0"]).mid_t == [1.5, 1.4, 1.0]  # the flat string form
+    assert load_config(base + ["--mid_t", "2: 1.0", "--sample_steps", "[1, 2]"]).mid_t == {"2": [1.0]}
+    for bad, msg in [("2: 1.0", r"sample_steps 4: num_inference_steps=4 is out of range .* angles for 2 steps"),
+                     ("2: 1.0; 4: 1.5, 1.4", r"entry for 4 steps has 2 angle\(s\)"),
+                     ("1: 1.0; 4: 1.5, 1.4, 0.8", "key '1' is not a step count"),
+                     ("2: 1.0; 4: 1.4, 1.5, 0.8", "strictly decreasing.* entry for 4 steps")]:
+        with pytest.raises(ValueError, match=f"^config option mid_t = .*{msg}") as e:
+            load_config(base + ["--mid_t", bad])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"mid_t.*arctan\(sigma_max=10.0\)"):  # the 4-step entry, though 2 steps fit
+        load_config(base + ["--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8", "--sigma_max", "10"])
+    # QAD: the rCM times it trains at (r_source rcm, rcm_steps)
+    qad = load_config(base + ["--r_source", "rcm", "--rcm_steps", "2", "--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8"], config_cls=QADConfig)
+    assert qad.mid_t == want
+    from rcm_diffusers.distill.qad_trainer import training_times
+
+    r1 = math.sin(1.0) / (math.sin(1.0) + math.cos(1.0))
+    assert training_times(qad) == pytest.approx([80 / 81, r1], abs=1e-12)
+    with pytest.raises(ValueError, match="rcm_steps 4: num_inference_steps=4 is out of range"):
+        load_config(base + ["--r_source", "rcm", "--mid_t", "2: 1.0"], config_cls=QADConfig)
+
+
 def test_latent_format_roundtrip_and_tables(tmp_path):
     lat = torch.randn(5, 4, 1, 2, 2)
     emb = torch.randn(3, 2, 8)
