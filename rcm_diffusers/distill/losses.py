@@ -147,10 +147,16 @@ def scm_loss(
     A sample whose ``g`` or ``F_theta`` holds a NaN/inf contributes exactly 0 to the loss.
     """
     r = tangent_warmup_ratio(step, tangent_warmup)
-    # fd_type 2 needs F(x_t, t) itself: take it from the gradient-enabled call (one student forward fewer per step;
-    # the same values, the network being deterministic on a fixed input)
-    F_theta = F_student(x_t, t)
-    F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h, F_minus=F_theta)
+    if fd_type == 2:
+        # fd_type 2 needs F(x_t, t) itself: take it from the gradient-enabled call (one student forward fewer per step;
+        # the same values, the network being deterministic on a fixed input)
+        F_theta = F_student(x_t, t)
+        F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h, F_minus=F_theta)
+    else:
+        # the JVP pass first: its working set is freed before the gradient-enabled forward saves its activations,
+        # so a step holds the larger of the two, not their sum (docs/benchmarks.md "Memory model")
+        F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h)
+        F_theta = F_student(x_t, t)
     g = scm_g(x_t, t, F_minus, F_T, dF, r)
     ok = torch.isfinite(g.reshape(g.shape[0], -1)).all(1) & torch.isfinite(F_theta.detach().reshape(g.shape[0], -1)).all(1)
     g_norm = torch.linalg.vector_norm(torch.where(_bcast(ok, g), g, 0.0).reshape(g.shape[0], -1), dim=1)
