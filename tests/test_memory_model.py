@@ -124,7 +124,32 @@ def test_context_parallel_and_accumulation():
         per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, context_parallel=3, **kw), 8)
     gib = {cp: per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=21 * 45 * 80, context_parallel=cp, **kw), 8)["total_gib"]
            for cp in (1, 2, 8)}
-    assert gib[1] > 72 > gib[2] > gib[8]
+    assert gib[1] > gib[2] > gib[8]
+    both = {cp: per_rank(TrainSetup.from_arch("wan2.2-i2v-a14b", tokens=21 * 45 * 80, context_parallel=cp, experts=2, **kw), 8)
+            ["total_gib"] for cp in (1, 2)}
+    assert both[1] > 72 > both[2]  # both A14B experts at 720p x 81 need CP 2 on 8 x 80 GB
+
+
+def test_step_peak_is_the_largest_phase():
+    """The JVP pass runs before the sCM term's grad-enabled forward (``losses.scm_loss``), so a step holds the larger
+    of the JVP working set and the activations (+ backward), not their sum; fd_type 2 has no JVP term."""
+    from rcm_diffusers.distill.memory import WORKING_SETS, held_bytes
+
+    kw = dict(tokens=32760, text_tokens=512, lora_rank=64)
+    for policy in ("full", "selective"):
+        for gc in (True, False):
+            s = TrainSetup.from_arch("wan2.1-t2v-14b", gradient_checkpointing=gc, checkpointing_policy=policy, **kw)
+            p = predict_training(s)
+            c = WORKING_SETS["bfloat16"]["backward"]
+            assert p["backward"] == 32760 * 2 * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim)
+            assert p["jvp"] == max(6 * s.dim**2 * 2, 2 * p["nograd"] + s.ffn_dim * s.dim * 2)
+            phases = [p["activations"] + p["backward"], held_bytes(s) + p["nograd"], p["jvp"]]
+            assert p["step_peak"] == max(phases) < p["activations"] + p["jvp"] + p["backward"]
+            static = sum(p[k] for k in ("weights", "trainable", "grads", "optimizer", "ema", "overhead"))
+            assert p["total"] == static + p["step_peak"]
+    s.fd_type = 2
+    p = predict_training(s)
+    assert p["jvp"] == 0 and p["step_peak"] == max(p["activations"] + p["backward"], held_bytes(s) + p["nograd"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -197,3 +222,35 @@ def test_context_parallel_memory_per_rank_within_10_percent(tmp_path):
             assert row["rank_tokens"] == [row["tokens"] // 2], row  # the blocks really ran on half the tokens
             assert 0.9 <= ratio <= 1.1, (r, row)
             assert unsplit > 1.3, (r, row)  # the test tells the split rule from the unsplit one
+
+
+def test_scm_step_holds_the_jvp_or_the_activations_not_both():
+    """``losses.scm_loss`` with the exact JVP: the no-grad JVP pass runs before the grad-enabled forward, so the sCM
+    term's peak (traced with ``allocation_trace``) stays near the larger of the two alone, far below their sum (what
+    it held when the JVP ran while the activations were saved)."""
+    from rcm_diffusers.attention import enable_jvp_attention
+    from rcm_diffusers.distill import losses as L
+    from rcm_diffusers.distill.memory import allocation_trace
+
+    m = build_transformer("wan2.1-t2v-1.3b", num_layers=2, num_attention_heads=2, attention_head_dim=128, ffn_dim=1024)
+    nets, _ = Networks.build(m, "shared", with_fake=False, lora_rank=4)
+    enable_jvp_attention(m)
+    g = torch.Generator().manual_seed(0)
+    x_t = torch.randn(1, 16, 4, 16, 16, generator=g, dtype=torch.float64)  # 256 video tokens
+    cond = {"encoder_hidden_states": torch.randn(1, 16, m.config.text_dim, generator=g)}
+    t, F_T = torch.tensor([0.9], dtype=torch.float64), torch.randn(x_t.shape, generator=g, dtype=torch.float64)
+    F = nets.F_fn("student", cond)
+    with allocation_trace() as tr:
+        tr.mark("a")
+        L.scm_dF(F, x_t, t, F_T, fd_type=0)
+        tr.mark("b")
+        out = F(x_t, t)
+        tr.mark("c")
+        del out
+        tr.mark("d")
+        loss, _ = L.scm_loss(F, x_t, t, F_T, step=10, tangent_warmup=0, fd_type=0)
+        loss.sum().backward()
+        tr.mark("e")
+    jvp, saved, step = tr.peak("a", "b"), tr.live("b", "c"), tr.peak("d", "e")
+    assert saved > 0.5 * jvp > 0, (jvp, saved)
+    assert step < 1.25 * max(jvp, saved) < 0.85 * (jvp + saved), (jvp, saved, step)

@@ -1,6 +1,7 @@
 """Memory model of rCM training (docs/math.md §4, §6): how many bytes a configuration needs, part by part.
 
-``predict_training(TrainSetup(...))`` returns, in bytes and GiB:
+``predict_training(TrainSetup(...))`` returns, in bytes and GiB (``total`` = weights + trainable + grads + optimizer +
+ema + step_peak + overhead):
 
 * ``weights``: the frozen base (teacher; also the shared base of student and fake in LoRA mode),
   ``n_params x bytes(weight_dtype)``;
@@ -15,10 +16,15 @@
   ``rcm_diffusers.distill.checkpointing``) also every block's matrix-product and attention outputs, the recompute
   working set of one block then being the rest of that block (``checkpoint_held`` gives what is held between the
   forward and the backward);
-* ``jvp``: the extra working set of the no-grad ``torch.func.jvp`` pass (fd_type 0/1): primal and
-  tangent of one block's live tensors (not saved across blocks: the JVP runs without grad);
+* ``backward`` / ``nograd`` / ``jvp``: working sets on top of what a phase holds (``WORKING_SETS``, measured): a
+  block's backward beyond its recompute, a no-grad forward (teacher, fake score), and the no-grad ``torch.func.jvp``
+  pass (fd_type 0/1; primal and tangent of one block's live tensors, not saved across blocks);
 * ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the all-to-all send and receive
   buffers of one self-attention's ``q, k, v`` (and their tangents in the JVP pass);
+* ``step_peak``: the largest phase of a step on top of the grads: ``activations + backward`` (a grad-enabled
+  forward and its backward), the held part of the activations + ``nograd`` (the DMD term's no-grad calls while the
+  student's DMD forward is saved), or ``jvp + cp_exchange`` (the JVP pass runs before the sCM term's grad-enabled
+  forward, so the two do not add up);
 * ``overhead``: runtime (CUDA context or the CPU process with torch + diffusers imported).
 
 Context parallelism divides the video tokens of a sample over ``P`` ranks: every per-token term above (the saved
@@ -38,13 +44,15 @@ Parameter counts are exact (the architecture built on the meta device, adapters 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import time
 
 import torch
 
 __all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "checkpoint_held", "checkpoint_held_bytes",
-           "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS"]
+           "held_bytes", "working_set", "allocation_trace", "AllocationTrace", "WORKING_SETS", "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS"]
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -70,6 +78,17 @@ ACT_COEFFS = {
 #: their ``lora_A``). Counted from the ops the policy keeps; checked against the cached tensors
 #: (``checkpoint_held_bytes``) in tests/test_memory_model.py.
 SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, "lse_per_head": 2 * 4}
+
+#: working sets on top of what a phase holds, bytes per video token (Flux: per token of either stream) in units of
+#: the activation bytes ``b`` (4 float32, 2 under bf16 autocast) times ``per_F * F + per_D * D``: a no-grad forward
+#: (teacher, fake score) and a block's backward beyond its recompute. The JVP pass holds primal and tangent of the
+#: no-grad working set plus the weight copy forward-mode AD makes of the linear it runs, and at least that copy of
+#: the time projection (``6 D x D``): ``max(6 D^2 b, 2 nograd + F D b)``. Fitted on peaks traced with
+#: ``allocation_trace`` (``benchmarks/memory_peaks.py``) at the Wan2.1-1.3B width (2 blocks, 1600 video tokens) and the
+#: 14B width (1 block, 576 tokens) in float32, the bf16 no-grad set scaled by the one bf16 point (1.3B width, 784
+#: tokens: bf16 autocast keeps norms and modulation in float32); checked on other token counts (docs/benchmarks.md).
+WORKING_SETS = {"float32": {"nograd": {"per_F": 2.93, "per_D": 5.19}, "backward": {"per_F": 1.98, "per_D": 0.23}},
+                "bfloat16": {"nograd": {"per_F": 4.07, "per_D": 7.21}, "backward": {"per_F": 1.98, "per_D": 0.23}}}
 
 #: device name -> usable bytes
 DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "48 GB (L40S / RTX 6000 Ada)": 48e9, "24 GB (RTX 4090)": 24e9}
@@ -171,6 +190,12 @@ def _selective_block_bytes(s: TrainSetup) -> float:
                       + s.text_tokens * b * (c["txt_D"] * s.dim + c["txt_r"] * s.lora_rank))
 
 
+def _head_bytes(s: TrainSetup) -> float:
+    """What the output head (final norm and projection, outside the blocks) saves: ``D`` values per token."""
+    n_tok = _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
+    return float(s.batch * n_tok * s.dim * DTYPE_BYTES[s.weight_dtype])
+
+
 def checkpoint_held(s: TrainSetup) -> float:
     """Bytes the checkpointed blocks hold between the grad-enabled forward and its backward (gradient checkpointing
     on): every block's input hidden states, the block arguments shared by all blocks (Wan: text states, float32 RoPE
@@ -203,11 +228,26 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
     sizes = [_block_bytes(c, s, t, tt) for c, t, tt in blocks]
     one = max(sizes) if sizes else 0.0
     if not s.gradient_checkpointing:
-        return float(sum(sizes)), one
-    held = checkpoint_held(s)
+        return float(sum(sizes) + _head_bytes(s)), one
+    held = checkpoint_held(s) + _head_bytes(s)
     if s.checkpointing_policy == "selective":  # the recompute re-uses the kept outputs of the block it runs
         return held + max(one - _selective_block_bytes(s), 0.0), one
     return held + one, one
+
+
+def working_set(s: TrainSetup, name: str) -> float:
+    """``WORKING_SETS[name]`` of setup ``s``: ``tokens b (per_F F + per_D D)`` with the rank's tokens (Flux: image and
+    text tokens) and the activation bytes ``b``."""
+    dt = "float32" if s.weight_dtype == "float32" else "bfloat16"
+    c, b = WORKING_SETS[dt][name], 4 if dt == "float32" else 2
+    n = s.batch * (_rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0))
+    return float(n * b * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim))
+
+
+def held_bytes(s: TrainSetup) -> float:
+    """Bytes a grad-enabled forward leaves for its backward: all saved activations without checkpointing; with it,
+    ``checkpoint_held`` and the output head's saved input (the recompute comes in the backward)."""
+    return checkpoint_held(s) + _head_bytes(s) if s.gradient_checkpointing else activation_bytes(s)[0]
 
 
 def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
@@ -227,15 +267,27 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["ema"] = 4 * stu if s.ema else 0
     saved, one = activation_bytes(s)
     out["activations"] = saved
-    out["jvp"] = 2 * one if s.fd_type in (0, 1) else 0.0
+    out["backward"] = working_set(s, "backward")
+    out["nograd"] = working_set(s, "nograd")
+    b = 4 if s.weight_dtype == "float32" else 2
+    out["jvp"] = max(6 * s.dim**2 * b, 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
     # q, k, v sent and received (x2), primal and, in the JVP pass, tangent (x2), at the activation dtype
-    out["cp_exchange"] = (3 * 2 * (2 if s.fd_type in (0, 1) else 1) * s.batch * _rank_tokens(s) * s.dim
-                          * DTYPE_BYTES[s.weight_dtype]) if s.context_parallel > 1 else 0.0
+    exchange = 3 * 2 * s.batch * _rank_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype] if s.context_parallel > 1 else 0.0
+    out["cp_exchange"] = exchange * (2 if s.fd_type in (0, 1) else 1)
     out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
-    total = sum(out.values())
-    res = {k: float(v) for k, v in out.items()}
-    res["total"] = float(total)
-    res["total_gib"] = total / GiB
+    held = held_bytes(s)
+    # the phases of a step, each on top of the grads: a grad-enabled forward's saved tensors and its backward; a
+    # no-grad forward while a grad-enabled one is saved (the DMD term's fake-score and teacher calls, fd_type 2's
+    # second student call); the JVP pass, which runs before the sCM term's grad-enabled forward (losses.scm_loss)
+    out["step_peak"] = max(saved + out["backward"] + exchange, held + out["nograd"] + exchange, out["jvp"] + out["cp_exchange"])
+    return _with_total(out)
+
+
+def _with_total(out: dict) -> dict:
+    """``out`` plus ``total`` (static parts + grads + the largest phase + overhead) and ``total_gib``."""
+    res = {k: float(v) for k, v in out.items() if k not in ("total", "total_gib")}
+    res["total"] = sum(res[k] for k in ("weights", "trainable", "grads", "optimizer", "ema", "step_peak", "overhead"))
+    res["total_gib"] = res["total"] / GiB
     return res
 
 
@@ -250,9 +302,7 @@ def per_rank(s: TrainSetup, world: int, device: str = "cuda") -> dict:
     blocks = s.num_layers + s.num_single_layers
     full = out["weights"]
     out["weights"] = full / world + (2 * full / (blocks * s.experts) if world > 1 else 0.0)  # one expert runs at a time
-    out["total"] = float(sum(v for k, v in out.items() if k not in ("total", "total_gib")))
-    out["total_gib"] = out["total"] / GiB
-    return out
+    return _with_total(out)
 
 
 def fits(total_bytes: float, margin: float = 0.9) -> dict[str, bool]:
@@ -299,3 +349,53 @@ def checkpoint_held_bytes(fn, exclude=()) -> int:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return int(sum(seen.values()))
+
+
+class AllocationTrace:
+    """Every allocation and free of torch's allocator inside an ``allocation_trace()`` block, in time order
+    (``events``: ``(time_ns, bytes)``, negative for a free), and named instants (``mark``), both on
+    ``time.time_ns()``'s clock. ``live(t)`` = bytes allocated in the block and still live at ``t``."""
+
+    def __init__(self):
+        self.events: list[tuple[int, int]] = []
+        self.marks: dict[str, int] = {}
+
+    def mark(self, name: str) -> None:
+        """Record the instant ``name`` (``time.time_ns()``)."""
+        self.marks[name] = time.time_ns()
+
+    def live(self, start: str, end: str) -> int:
+        """Bytes allocated between the marks ``start`` and ``end`` and still live at ``end``."""
+        t0, t1 = self.marks[start], self.marks[end]
+        return int(sum(b for t, b in self.events if t0 <= t <= t1))
+
+    def peak(self, start: str | None = None, end: str | None = None) -> int:
+        """Highest live bytes between the marks ``start`` and ``end`` (the whole block by default), counted from the
+        live bytes at ``start``: the peak a phase adds on top of what was allocated when it began."""
+        t0 = self.marks[start] if start else -1
+        t1 = self.marks[end] if end else 1 << 62
+        live = base = top = 0
+        for t, b in self.events:
+            if t > t1:
+                break
+            live += b
+            if t < t0:
+                base = top = live
+            else:
+                top = max(top, live)
+        return int(top - base)
+
+
+@contextlib.contextmanager
+def allocation_trace():
+    """Trace torch's allocator inside the block (``torch.profiler`` with ``profile_memory``, whose ``[memory]``
+    events carry each allocation's size and time; the CPU allocator has no peak counter such as
+    ``torch.cuda.max_memory_allocated``, and process RSS counts the C allocator's slack). Yields an
+    ``AllocationTrace``, filled when the block ends. Allocations outside torch (e.g. gloo's own buffers) are not seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trace = AllocationTrace()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield trace
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    trace.events = sorted((e.start_ns(), e.nbytes()) for e in events)

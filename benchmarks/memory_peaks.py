@@ -1,0 +1,212 @@
+"""Measured peak memory of the training phases at a real Wan width, against the memory model.
+
+Builds the real Wan architecture (``rcm_diffusers/arch_configs``, random weights) at full width cut to a few blocks,
+sets up the trainer's networks (shared frozen base, LoRA student and fake score, JVP attention, the checkpointing
+policy, Ulysses context parallelism when launched on several processes) and traces torch's allocator
+(``rcm_diffusers.distill.memory.allocation_trace``) through each phase of a training step:
+
+* ``jvp``: the sCM tangent, ``torch.func.jvp`` of the student (fd_type 0, no grad), against the model's ``jvp``
+  (+ ``cp_exchange`` under context parallelism);
+* ``nograd``: a no-grad student forward, against ``nograd``;
+* ``grad``: one grad-enabled student forward and its backward, against ``activations + backward + grads``; split
+  into ``saved`` (what the forward leaves for the backward: the held part of the activations) and ``backward`` (what
+  the backward adds on top: the recompute, ``backward`` and the grads);
+* ``step``: the trainer's own ``student_step`` (DMD, then sCM with the exact JVP) and ``fake_step`` with their AdamW
+  steps, against ``grads + step_peak``.
+
+Each value is the peak a phase adds on top of what was allocated when it began (weights, adapters, optimizer
+state), so allocator slack and the runtime do not enter. Prints a markdown table; ``--out`` writes JSON.
+
+    python benchmarks/memory_peaks.py --policies off,full,selective
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/memory_peaks.py --policies off,full   # CP 2, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rcm_diffusers.arch import build_transformer  # noqa: E402
+from rcm_diffusers.distill import losses as L  # noqa: E402
+from rcm_diffusers.distill import trainer as T  # noqa: E402
+from rcm_diffusers.distill.memory import GiB, TrainSetup, allocation_trace, held_bytes, predict_training  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="wan2.1-t2v-1.3b", help="architecture of rcm_diffusers/arch_configs (Wan)")
+    p.add_argument("--num_layers", type=int, default=2, help="blocks kept (full width)")
+    p.add_argument("--frames", type=int, default=4, help="latent frames")
+    p.add_argument("--hw", type=int, default=40, help="latent height = width (tokens = frames * hw^2 / 4)")
+    p.add_argument("--text_tokens", type=int, default=512, help="text tokens (WanPipeline pads prompts to 512)")
+    p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights; bfloat16 runs under bf16 autocast with float32 adapters, as the shipped configs")
+    p.add_argument("--policies", default="off,full,selective", help="checkpointing policies to measure (off = none)")
+    p.add_argument("--phases", default="jvp,nograd,grad,step", help="phases to measure")
+    p.add_argument("--jvp_chunk", type=int, default=0,
+                   help="query rows per chunk of the CPU attention JVP (0: its default, 1024); the score matrices it holds "
+                        "scale with it, which separates them from the rest of the JVP working set")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
+    return p.parse_args(argv)
+
+
+def setup_networks(a, policy: str, group):
+    from rcm_diffusers.attention import enable_jvp_attention
+    from rcm_diffusers.attention.ulysses import enable_context_parallel
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.checkpointing import enable_checkpointing
+
+    dtype = getattr(torch, a.dtype)
+    m = build_transformer(a.arch, dtype=dtype, num_layers=a.num_layers)
+    m.rope.float()  # as from_pretrained keeps it
+    nets, trainable = Networks.build(m, "shared", with_fake=True, lora_rank=a.lora_rank, time_input="float")
+    enable_jvp_attention(m)
+    if group is not None:
+        enable_context_parallel(m, group)
+    if policy != "off":
+        enable_checkpointing(m, policy, a.lora_rank)
+    return m, nets
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.jvp_chunk:
+        import functools
+
+        from rcm_diffusers.attention import function as attention_function
+
+        attention_function.jvp_attention_torch = functools.partial(attention_function.jvp_attention_torch, chunk=a.jvp_chunk)
+    P, rank, group = 1, 0, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        from rcm_diffusers.attention.ulysses import context_parallel_groups
+
+        dist.init_process_group("gloo")
+        P, rank = dist.get_world_size(), dist.get_rank()
+        _, _, group = context_parallel_groups(P)
+    dtype = getattr(torch, a.dtype)
+    tokens = a.frames * a.hw * a.hw // 4
+    rows = []
+    for policy in a.policies.split(","):
+        m, nets = setup_networks(a, policy, group)
+        cfg = m.config
+        s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=a.text_tokens, lora_rank=a.lora_rank,
+                                   weight_dtype=a.dtype, gradient_checkpointing=policy != "off",
+                                   checkpointing_policy="full" if policy == "off" else policy, context_parallel=P)
+        pred = predict_training(s, device="cpu")
+        g = torch.Generator().manual_seed(0)  # one sample for every rank of the CP group
+        x0 = torch.randn(1, cfg.in_channels, a.frames, a.hw, a.hw, generator=g, dtype=torch.float64)
+        cond = {"encoder_hidden_states": torch.randn(1, a.text_tokens, cfg.text_dim, generator=g).to(dtype)}
+        t = torch.tensor([0.9], dtype=torch.float64)
+        x_t = torch.cos(t) * x0 + torch.sin(t) * torch.randn(x0.shape, generator=g, dtype=torch.float64)
+        opt = {r: torch.optim.AdamW(list(nets.trainable_parameters(r).values()), lr=1e-5) for r in ("student", "fake")}
+        ema = {k: p.detach().float().clone() for k, p in nets.trainable_parameters("student").items()}
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+        def backward(loss, last, role="student"):
+            loss.backward()
+
+        scfg = SimpleNamespace(dmd_weight=1.0, scm_weight=1.0, p_D_shift=5.0, guidance_scale=1.0, loss_reduction="mean",
+                               tangent_warmup=0, fd_type=0, fd_h=1e-4, P_mean=-0.8, P_std=1.6, cm_type="scm",
+                               max_simulation_steps=2)
+        from rcm_diffusers.distill.alternation import StepPlan
+
+        def train_step(i):
+            for role, step in (("student", True), ("fake", False)):
+                opt[role].zero_grad(set_to_none=True)
+                plan = StepPlan(i=i, student=step, student_eff=10, fake_eff=10, dmd=True, n_sim=2)
+                with autocast:
+                    if step:
+                        T.student_step(nets, x0, cond, None, plan, scfg, torch.Generator().manual_seed(i), backward)
+                    else:
+                        T.fake_step(nets, x0.shape, cond, plan, scfg, torch.Generator().manual_seed(i), backward, "cpu")
+                opt[role].step()
+                opt[role].zero_grad(set_to_none=True)
+            for k, p in nets.trainable_parameters("student").items():
+                ema[k].lerp_(p.detach().float(), 0.1)
+
+        t0 = time.time()
+        train_step(0)  # AdamW state exists from here on, as in every step but the first
+        measured = {}
+        with allocation_trace() as tr:
+            if "jvp" in a.phases:
+                F_T = T.teacher_F(nets, x_t, t, cond, None, 1.0).detach()
+                tr.mark("jvp0")
+                with autocast:
+                    L.scm_dF(nets.F_fn("student", cond), x_t, t, F_T, fd_type=0)
+                tr.mark("jvp1")
+                del F_T
+            if "nograd" in a.phases:
+                tr.mark("nograd0")
+                with torch.no_grad(), autocast:
+                    F = nets.F("student", x_t, t, cond)
+                tr.mark("nograd1")
+                del F
+            if "grad" in a.phases:
+                opt["student"].zero_grad(set_to_none=True)
+                tr.mark("grad0")
+                with autocast:
+                    F = nets.F("student", x_t, t, cond)
+                loss = (F.float() ** 2).mean()
+                tr.mark("backward0")
+                loss.backward()
+                tr.mark("grad1")
+                del F, loss
+                opt["student"].zero_grad(set_to_none=True)
+            if "step" in a.phases:
+                tr.mark("step0")
+                train_step(1)
+                tr.mark("step1")
+        for ph in ("jvp", "nograd", "grad", "step"):
+            if ph in a.phases:
+                measured[ph] = tr.peak(ph + "0", ph + "1")
+        if "grad" in a.phases:  # what the forward leaves for the backward, and what the backward adds on top
+            measured["saved"] = tr.live("grad0", "backward0")
+            measured["backward"] = tr.peak("backward0", "grad1")
+        held = held_bytes(s)
+        exchange = pred["cp_exchange"] / 2  # the primal q, k, v of one attention (the JVP pass also sends tangents)
+        predicted = {"jvp": pred["jvp"] + pred["cp_exchange"], "nograd": pred["nograd"] + exchange, "saved": held,
+                     "backward": pred["activations"] - held + pred["backward"] + pred["grads"],
+                     "grad": pred["activations"] + pred["backward"] + pred["grads"] + exchange,
+                     "step": pred["grads"] + pred["step_peak"]}
+        for ph, v in measured.items():
+            pr = predicted.get(ph, float("nan"))
+            rows.append(dict(policy=policy, phase=ph, measured=v, predicted=pr, ratio=v / pr,
+                             tokens=tokens, rank_tokens=-(-tokens // P), cp=P, rank=rank, dtype=a.dtype, arch=a.arch,
+                             text_tokens=a.text_tokens, lora_rank=a.lora_rank,
+                             num_layers=a.num_layers, jvp_chunk=a.jvp_chunk, seconds=time.time() - t0))
+        m = nets = opt = ema = None  # free this policy's model before the next one is built
+    if group is not None:  # every rank's rows, printed and written by rank 0
+        import torch.distributed as dist
+
+        gathered = [None] * P
+        dist.all_gather_object(gathered, rows)
+        rows = sum(gathered, [])
+        dist.destroy_process_group()
+    if rank == 0:
+        print(f"\n{a.arch} width, {a.num_layers} blocks, {a.dtype}, {tokens} video tokens (CP {P}: {-(-tokens // P)} per rank), "
+              f"{a.text_tokens} text tokens, LoRA r{a.lora_rank}\n")
+        print("| rank | policy | phase | measured (GiB) | predicted (GiB) | measured / predicted |\n|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} | {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |")
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
