@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep", "velocity_fn", "denoiser"]
+__all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep", "velocity_fn", "denoiser", "compute_dtype"]
 
 #: timestep passed to the transformer = r * TIMESTEP_SCALE[class name]
 TIMESTEP_SCALE = {
@@ -129,9 +129,30 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
     return v_flux
 
 
+def compute_dtype(module) -> torch.dtype:
+    """The dtype a transformer computes in, by diffusers' ``ModelMixin.dtype`` rule: its first floating parameter
+    outside ``_keep_in_fp32_modules``. ``from_pretrained(torch_dtype=torch.bfloat16)`` keeps those modules in float32,
+    and Wan registers one of them (``scale_shift_table``) first, so the first parameter alone says float32. Looks
+    through DDP / accelerate wrappers (``.module``) and defers to a ``dtype`` property where the module has one
+    (diffusers models, the two-expert switch); float32 for a module without floating parameters."""
+    inner = getattr(module, "module", module)
+    if isinstance(getattr(type(inner), "dtype", None), property):
+        return inner.dtype
+    keep = getattr(inner, "_keep_in_fp32_modules", None) or ()
+    last = None
+    for name, p in inner.named_parameters():
+        if not p.is_floating_point():
+            continue
+        last = p.dtype
+        if not any(k in name for k in keep):
+            return p.dtype
+    return last or torch.float32
+
+
 def denoiser(transformer, model_dtype: torch.dtype | None = None, time_input: str = "float"):
-    """``TrigFlowDenoiser`` around a diffusers transformer (docs/math.md §1)."""
+    """``TrigFlowDenoiser`` around a diffusers transformer (docs/math.md §1); inputs are cast to ``model_dtype``
+    (default ``compute_dtype(transformer)``)."""
     from .trigflow import TrigFlowDenoiser
 
-    dtype = model_dtype or next(transformer.parameters()).dtype
+    dtype = model_dtype or compute_dtype(transformer)
     return TrigFlowDenoiser(velocity_fn(transformer, time_input), model_dtype=dtype)

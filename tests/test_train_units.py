@@ -304,3 +304,27 @@ def test_dcm_and_fixed_dmd_options_parse_and_validate(tmp_path):
     assert needs_jvp(RCMConfig(fd_type=0)) and needs_jvp(RCMConfig(fd_type=1)) and not needs_jvp(RCMConfig(fd_type=2))
     assert not needs_jvp(RCMConfig(fd_type=0, cm_type="dcm"))
     assert not needs_jvp(RCMConfig(fd_type=0, scm_weight=0.0, tangent_warmup=0))
+
+
+def test_compute_dtype_of_a_bf16_from_pretrained_wan(tmp_path):
+    """``from_pretrained(torch_dtype=bf16)`` keeps ``scale_shift_table`` (Wan's first parameter) and the norms in
+    float32: the trainer's networks, the denoiser and the two-expert switch must still compute in bf16 (diffusers'
+    ``ModelMixin.dtype``). With the first parameter's dtype the inputs were float32 and the patch embedding refused
+    them outside autocast."""
+    from diffusers import WanTransformer3DModel
+
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.experts import WanExpertSwitch
+    from rcm_diffusers.models import compute_dtype, denoiser
+
+    tiny_wan_transformer().save_pretrained(tmp_path / "t")
+    m = WanTransformer3DModel.from_pretrained(tmp_path / "t", torch_dtype=torch.bfloat16)
+    assert next(m.parameters()).dtype == torch.float32 and compute_dtype(m) == torch.bfloat16
+    assert compute_dtype(torch.nn.Linear(2, 2)) == torch.float32
+    x, t = torch.randn(1, 4, 1, 4, 4, dtype=torch.float64), torch.tensor([0.7], dtype=torch.float64)
+    ehs = torch.randn(1, 3, 16, dtype=torch.bfloat16)
+    assert torch.isfinite(denoiser(m).F(x, t, encoder_hidden_states=ehs)).all()
+    assert WanExpertSwitch(m, m, 0.875).dtype == torch.bfloat16
+    nets, _ = Networks.build(m, "shared", with_fake=False, lora_rank=2)
+    assert nets.model_dtype == torch.bfloat16
+    assert torch.isfinite(nets.F("student", x, t, {"encoder_hidden_states": ehs})).all()

@@ -20,7 +20,7 @@ import copy
 
 import torch
 
-from ..models import _base_model, velocity_fn
+from ..models import _base_model, compute_dtype, velocity_fn
 from ..trigflow import TrigFlowDenoiser
 
 __all__ = ["ROLES", "DEFAULT_LORA_TARGETS", "Networks", "add_rcm_adapters", "lora_parameters"]
@@ -99,7 +99,7 @@ class Networks:
         """Set up the roles on ``transformer`` (the teacher weights). Returns ``(networks, trainable)``
         where ``trainable`` maps ``"student"``/``"fake"`` to the module whose parameters train.
         ``time_input`` is how every role sees its time (``rcm_diffusers.models.network_timestep``)."""
-        dtype = next(transformer.parameters()).dtype
+        dtype = compute_dtype(transformer)
         if mode == "shared":
             add_rcm_adapters(transformer, lora_rank, lora_alpha, lora_target_modules, fake_lora_rank, with_fake)
             mods = {"teacher": transformer, "student": transformer}

@@ -85,7 +85,9 @@ class WanExpertSwitch(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        from ..models import compute_dtype
+
+        return compute_dtype(self.transformer)
 
     @property
     def experts(self) -> dict[str, nn.Module]:

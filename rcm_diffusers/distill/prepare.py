@@ -397,9 +397,9 @@ def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: 
     ``TrigFlowUniPCScheduler`` (shift ``shift``, ``steps`` steps).
     """
     from .data import model_inputs
-    from ..models import velocity_fn
+    from ..models import compute_dtype, velocity_fn
 
-    dtype = next(transformer.parameters()).dtype
+    dtype = compute_dtype(transformer)
     noise = torch.stack([torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
     _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
     x = (pack_flux_latents(noise) if family == "flux" else noise).to(device)

@@ -14,7 +14,7 @@ import os
 import torch
 
 from .data import batch_indices, model_inputs
-from ..models import _base_model, velocity_fn
+from ..models import _base_model, compute_dtype, velocity_fn
 from ..quant.modules import DEFAULT_EXCLUDE, calibration, quant_layers, quantize_transformer
 from .qad import GuidanceSchedule, qad_loss
 
@@ -108,7 +108,7 @@ def calibrate(student, batches, times, cfg, accelerator=None) -> None:
         for k, (x0, cond, _) in enumerate(batches):
             g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 7 * k)
             qad_loss(v, v, x0, cond, None, alpha=1.0, guidance=GuidanceSchedule(1.0), generator=g, shift=cfg.shift,
-                     times=times, model_dtype=next(student.parameters()).dtype)
+                     times=times, model_dtype=compute_dtype(student))
     if accelerator is not None and accelerator.num_processes > 1:
         import torch.distributed as dist
 
@@ -120,7 +120,7 @@ def calibrate(student, batches, times, cfg, accelerator=None) -> None:
 def distill_probe(student, teacher, batches, times, cfg) -> float:
     """Mean ``||v_S - v_T^g||^2`` over fixed batches with fixed noise and times (the distillation term, alpha = 0)."""
     v_S, v_T = velocity_fn(student, cfg.time_input), velocity_fn(teacher, cfg.time_input)
-    dtype = next(teacher.parameters()).dtype
+    dtype = compute_dtype(teacher)
     total = 0.0
     for k, (x0, cond, uncond) in enumerate(batches):
         g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 31 * k + 5)
