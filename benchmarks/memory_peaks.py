@@ -1,6 +1,7 @@
 """Measured peak memory of the training phases at a real Wan width, against the memory model.
 
-Builds the real Wan architecture (``rcm_diffusers/arch_configs``, random weights) at full width cut to a few blocks,
+Builds the real Wan architecture (``rcm_diffusers/arch_configs``, random weights; in bf16 the modules ``from_pretrained``
+keeps in float32 stay float32) at full width cut to a few blocks,
 sets up the trainer's networks (shared frozen base, LoRA student and fake score, JVP attention, the checkpointing
 policy, Ulysses context parallelism when launched on several processes) and traces torch's allocator
 (``rcm_diffusers.distill.memory.allocation_trace``) through each phase of a training step:
@@ -69,7 +70,10 @@ def setup_networks(a, policy: str, group):
 
     dtype = getattr(torch, a.dtype)
     m = build_transformer(a.arch, dtype=dtype, num_layers=a.num_layers)
-    m.rope.float()  # as from_pretrained keeps it
+    keep = set(getattr(m, "_keep_in_fp32_modules", None) or ())  # float32 under from_pretrained(torch_dtype=bf16)
+    for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+        if any(k in name for k in keep):
+            t.data = t.data.float()
     nets, trainable = Networks.build(m, "shared", with_fake=True, lora_rank=a.lora_rank, time_input="float")
     enable_jvp_attention(m)
     if group is not None:
