@@ -121,7 +121,7 @@ def main(argv=None):
         ema = {k: p.detach().float().clone() for k, p in nets.trainable_parameters("student").items()}
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
-        def backward(loss, last, role="student"):
+        def backward(loss, last):
             loss.backward()
 
         scfg = SimpleNamespace(dmd_weight=1.0, scm_weight=1.0, p_D_shift=5.0, guidance_scale=1.0, loss_reduction="mean",

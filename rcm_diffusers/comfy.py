@@ -22,7 +22,7 @@ import torch
 
 from .models import TIME_INPUTS, network_timestep
 from .sampling import DEFAULT_MID_T, SPACINGS, format_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
-from .sampling import parse_mid_t as _parse_sampling_mid_t
+from .sampling import _per_step_items, _per_step_table
 
 __all__ = [
     "DEFAULT_MID_T_TEXT",
@@ -91,19 +91,13 @@ def _read_angles(part, text) -> tuple[float, ...]:
 
 
 def _parse_per_step(text) -> dict[int, tuple[float, ...]]:
-    """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` (or a mapping) -> ``{2: (1.0,), 4: (1.5, 1.4, 0.8)}``, every entry checked."""
+    """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` (or a mapping) -> ``{2: (1.0,), 4: (1.5, 1.4, 0.8)}``, every entry checked: the
+    sampler's own splitting and table checks (keys, lengths, duplicates, finiteness), the widget's number reading."""
     if isinstance(text, str):
-        entries = []
-        for entry in (e.strip() for e in text.split(";")):
-            if not entry:
-                continue
-            key, sep, part = entry.partition(":")
-            if not sep:
-                raise ValueError(f"mid_t: entry {entry!r} of {text!r} has no step count; write 'steps: angles' entries "
-                                 f"separated by semicolons, e.g. '{PER_STEP_MID_T_EXAMPLE}'.")
-            entries.append(f"{key.strip()}: " + ", ".join(repr(a) for a in _read_angles(part, text)))
-        text = "; ".join(entries)
-    table = {k: tuple(v) for k, v in _parse_sampling_mid_t(text).items()}  # keys, lengths, duplicates, finiteness
+        items = [(k, _read_angles(part, text)) for k, part in _per_step_items(text, "mid_t: entry {entry!r} of {text!r}")]
+    else:
+        items = text.items()
+    table = {k: tuple(v) for k, v in _per_step_table(items).items()}
     for k, values in table.items():
         _check_angles(values, f" (the entry for {k} steps)")
     return table

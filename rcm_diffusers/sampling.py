@@ -79,8 +79,9 @@ def _steps_key(key) -> int:
     return k
 
 
-def _per_step_items(text: str) -> list[tuple[str, str]]:
-    """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` -> ``[("2", "1.0"), ("4", "1.5, 1.4, 0.8")]``."""
+def _per_step_items(text: str, label: str = "mid_t={text!r}: entry {entry!r}") -> list[tuple[str, str]]:
+    """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` -> ``[("2", "1.0"), ("4", "1.5, 1.4, 0.8")]``; ``label`` (formatted with
+    ``text`` and ``entry``) opens the message for an entry without a step count."""
     items = []
     for entry in (e.strip() for e in text.split(";")):
         if not entry:
@@ -88,8 +89,8 @@ def _per_step_items(text: str) -> list[tuple[str, str]]:
         key, sep, angles = entry.partition(":")
         if not sep:
             raise ValueError(
-                f"mid_t={text!r}: entry {entry!r} has no step count; write \"steps: angles\" entries separated by "
-                f"semicolons, e.g. \"2: 1.0; 4: 1.5, 1.4, 0.8\"."
+                label.format(text=text, entry=entry) + " has no step count; write \"steps: angles\" entries "
+                "separated by semicolons, e.g. \"2: 1.0; 4: 1.5, 1.4, 0.8\"."
             )
         items.append((key, angles))
     return items

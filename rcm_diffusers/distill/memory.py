@@ -171,9 +171,19 @@ def _counts(class_name: str, items: tuple, lora_rank: int) -> tuple[int, int, in
 
 
 def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
-    c = coeffs["float32" if s.weight_dtype == "float32" else "bfloat16"]
+    c = coeffs[_dtype_key(s)]
     return s.batch * (tokens * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim) + text_tokens * c["txt_D"] * s.dim
                       + c.get("layer_D", 0.0) * s.dim)  # layer_D: per-block float32 modulation, independent of tokens
+
+
+def _dtype_key(s: TrainSetup) -> str:
+    """Which coefficient table applies: ``float32``, or ``bfloat16`` for 16-bit weights under autocast."""
+    return "float32" if s.weight_dtype == "float32" else "bfloat16"
+
+
+def _stream_tokens(s: TrainSetup) -> int:
+    """Tokens one rank's blocks carry: its video tokens (Wan), or image and text tokens (Flux's joint stream)."""
+    return _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
 
 
 def _rank_tokens(s: TrainSetup) -> int:
@@ -183,7 +193,7 @@ def _rank_tokens(s: TrainSetup) -> int:
 
 def _selective_block_bytes(s: TrainSetup) -> float:
     """Bytes the ``selective`` policy keeps for one Wan block (``SELECTIVE_COEFFS``)."""
-    c, b = SELECTIVE_COEFFS, 4 if s.weight_dtype == "float32" else 2
+    c, b = SELECTIVE_COEFFS, DTYPE_BYTES[s.weight_dtype]
     heads = s.dim // s.head_dim
     return s.batch * (_rank_tokens(s) * (b * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim + c["per_r"] * s.lora_rank)
                                          + c["lse_per_head"] * heads)
@@ -192,8 +202,7 @@ def _selective_block_bytes(s: TrainSetup) -> float:
 
 def _head_bytes(s: TrainSetup) -> float:
     """What the output head (final norm and projection, outside the blocks) saves: ``D`` values per token."""
-    n_tok = _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
-    return float(s.batch * n_tok * s.dim * DTYPE_BYTES[s.weight_dtype])
+    return float(s.batch * _stream_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype])
 
 
 def checkpoint_held(s: TrainSetup) -> float:
@@ -205,7 +214,7 @@ def checkpoint_held(s: TrainSetup) -> float:
     if s.checkpointing_policy == "selective" and s.family != "wan":
         raise ValueError("the selective checkpointing policy is modelled for Wan only")
     mb = DTYPE_BYTES[s.weight_dtype]
-    n_tok = _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
+    n_tok = _stream_tokens(s)
     blocks = s.num_layers + s.num_single_layers
     held = blocks * s.batch * n_tok * s.dim * mb  # each block's input hidden states
     if s.family == "wan":  # text states, RoPE cos / sin (float32, per token and head dim), modulation (6 D, float32)
@@ -238,10 +247,8 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
 def working_set(s: TrainSetup, name: str) -> float:
     """``WORKING_SETS[name]`` of setup ``s``: ``tokens b (per_F F + per_D D)`` with the rank's tokens (Flux: image and
     text tokens) and the activation bytes ``b``."""
-    dt = "float32" if s.weight_dtype == "float32" else "bfloat16"
-    c, b = WORKING_SETS[dt][name], 4 if dt == "float32" else 2
-    n = s.batch * (_rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0))
-    return float(n * b * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim))
+    c, b = WORKING_SETS[_dtype_key(s)][name], DTYPE_BYTES[s.weight_dtype]
+    return float(s.batch * _stream_tokens(s) * b * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim))
 
 
 def held_bytes(s: TrainSetup) -> float:
@@ -269,7 +276,7 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["activations"] = saved
     out["backward"] = working_set(s, "backward")
     out["nograd"] = working_set(s, "nograd")
-    b = 4 if s.weight_dtype == "float32" else 2
+    b = DTYPE_BYTES[s.weight_dtype]
     out["jvp"] = max(6 * s.dim**2 * b, 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
     # q, k, v sent and received (x2), primal and, in the JVP pass, tangent (x2), at the activation dtype
     exchange = 3 * 2 * s.batch * _rank_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype] if s.context_parallel > 1 else 0.0
