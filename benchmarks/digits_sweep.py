@@ -8,7 +8,7 @@ into ``OUT/NAME`` (skipped when its ``final.json`` exists) with one torch thread
 Evaluation: the EMA and live LoRA, ``RCMScheduler`` at 1 / 2 / 4 steps (``--steps``), 1000 samples, seed 1234, the
 student sampled as its run's ``env.json`` config names: the time input it was trained with (``bf16`` rounds the
 transformer's timestep ``1000 r`` to bfloat16, as training fed it), ``sigma_max`` and ``mid_t``. FD to held-out real digits and its
-ratio to the 50-step Euler teacher's FD (the goals: <= 1.5x at 1 step, <= 1.3x at 2, <= 1.2x at 4); one JSON line
+ratio to the 50-step Euler teacher's FD, class accuracy and diversity (the goals: <= 1.5x at 1 step, <= 1.3x at 2, <= 1.2x at 4); one JSON line
 per run appended to ``OUT/sweep.jsonl`` with the wall clock of training. ``--extra_ema 0.05,0.2`` trains through
 ``benchmarks/train_extra_ema.py`` (no resume) and evaluates each extra power-EMA rate too (``ema-<s>`` rows).
 """
@@ -84,6 +84,7 @@ def main(argv=None):
             rec[f"{which}_fd{n}"] = round(m["fd"], 3)
             rec[f"{which}_ratio{n}"] = round(m["fd"] / ref, 3)
             rec[f"{which}_acc{n}"] = round(m["accuracy"], 3)
+            rec[f"{which}_div{n}"] = round(m["diversity"], 3)
     with open(os.path.join(a.out, "sweep.jsonl"), "a") as f:
         f.write(json.dumps(rec) + "\n")
     print(json.dumps(rec))

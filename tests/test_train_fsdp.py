@@ -194,6 +194,33 @@ def test_switch_run_both_calls_both_experts_with_zero_effect():
     assert any(float(p.grad.abs().max()) > 0 for p in hi.parameters())
 
 
+def test_fsdp2_dcm_with_fixed_angle_dmd_equals_ddp(tmp_path):
+    """The JVP-free recipe (dCM + DMD on fixed angles) scales out as sCM does: on 2 gloo processes DDP keeps the
+    replicas identical through the CM backward (no_sync'd after the DMD one) and the fake-score steps, and FSDP2 with
+    selective checkpointing exports the same student LoRA and EMA. Tolerance as for two experts below: 1e-6 of the
+    largest weight (``--adam_eps 1e-3`` keeps an element with a near-zero gradient from turning round-off into a
+    whole update)."""
+    pipe, data = make_tiny_wan(str(tmp_path / "pipe")), make_dataset(str(tmp_path / "data"), "wan")
+    args = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe, "--data_dir", data,
+            "--max_steps", "6", "--tangent_warmup", "2", "--student_update_freq", "2", "--checkpoint_every", "0",
+            "--cm_type", "dcm", "--dmd_fix_timesteps", "true", "--adam_eps", "1e-3", "--ema_rate", "0.3"]
+    run_trainer([*args, "--output_dir", str(tmp_path / "ddp")], num_processes=2, timeout=300)
+    sums = json.load(open(tmp_path / "ddp" / "final.json"))["student_checksum_per_rank"]
+    assert len(sums) == 2 and sums[0] == sums[1]
+    recs = [json.loads(line) for line in open(tmp_path / "ddp" / "metrics.jsonl")]
+    assert any("loss_dcm" in r and "loss_dmd" in r for r in recs) and any(r["net"] == "fake" for r in recs)
+    assert not any("loss_scm" in r for r in recs)
+    launch_fsdp([*args, "--output_dir", str(tmp_path / "fsdp"), "--gradient_checkpointing", "true",
+                 "--checkpointing_policy", "selective"])
+    for sub in ("", "ema"):
+        a, b = (load_file(str(tmp_path / n / sub / "pytorch_lora_weights.safetensors")) for n in ("fsdp", "ddp"))
+        assert a.keys() == b.keys() and a
+        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+        scale = max(float(v.double().abs().max()) for v in b.values())
+        print(f"fsdp vs ddp, dCM + fixed DMD, {sub or 'live'}: max |dW| {diff:.3g}, max |W| {scale:.3g}")
+        assert scale > 1e-3 and diff <= 1e-6 * scale, (sub, diff, scale)
+
+
 def test_fsdp2_two_experts_equals_ddp(tmp_path):
     """Two experts (Wan 2.2 style, both trained in one run) with FSDP2 on 2 processes export the same two LoRAs and
     EMAs as DDP on 2 processes (same per-rank data and noise), within float32 round-off: 1e-6 of the largest weight
