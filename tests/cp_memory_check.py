@@ -3,8 +3,9 @@ tiny-width Wan transformers, against the memory model (rcm_diffusers/distill/mem
 group size. Per case (``CASES``: held-out widths, depths, token and text counts, LoRA rank 8, float32 and bf16 autocast)
 and checkpointing policy: without checkpointing the bytes autograd saves (``saved_activation_bytes``) against
 ``activation_bytes``; with ``full`` / ``selective`` checkpointing the bytes the checkpoints hold (``checkpoint_held_bytes``)
-against ``checkpoint_held``. Also the unsplit rule's prediction (``context_parallel`` 1). Writes
-``$CP_OUT/memory-rank{r}.json``. Used by tests/test_memory_model.py."""
+against ``checkpoint_held``. Also the unsplit rule's prediction (``context_parallel`` 1). Then the allocator trace
+(``allocation_trace``) of a JVP pass and a grad forward + backward on the first case: its peaks and what it leaves
+allocated. Writes ``$CP_OUT/memory-rank{r}.json``. Used by tests/test_memory_model.py."""
 
 import json
 import os
@@ -21,8 +22,8 @@ from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
 from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel  # noqa: E402
 from rcm_diffusers.distill.adapters import Networks  # noqa: E402
 from rcm_diffusers.distill.checkpointing import enable_checkpointing  # noqa: E402
-from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, checkpoint_held, checkpoint_held_bytes,  # noqa: E402
-                                          saved_activation_bytes)
+from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, allocation_trace, checkpoint_held,  # noqa: E402
+                                          checkpoint_held_bytes, saved_activation_bytes)
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 
 # held out as in tests/test_memory_model.py (D 384 and 128, F 1024 and 4096, 48 and 72 video tokens, 40 and 100 text
@@ -68,7 +69,32 @@ for i, c in enumerate(CASES):
             rows.append(dict(case=i, dtype=str(dtype).split(".")[-1], policy=policy, tokens=tokens, measured=measured,
                              predicted=predicted, unsplit=predict(s), rank_tokens=sorted(set(seen))))
         hook.remove()
+
+# the allocator trace of a CP rank: a JVP pass, then a grad forward and its backward (float32, first case, no checkpointing)
+c = CASES[0]
+m = build_transformer("wan2.1-t2v-1.3b", **c["overrides"])
+nets, _ = Networks.build(m, "shared", with_fake=False, lora_rank=RANK_LORA)
+enable_jvp_attention(m)
+enable_context_parallel(m, group)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(1, m.config.in_channels, c["frames"], c["hw"], c["hw"], generator=g)
+cond = {"encoder_hidden_states": torch.randn(1, c["text"], m.config.text_dim, generator=g)}
+v = velocity_fn(m)
+with nets.role("student"), allocation_trace() as tr:
+    tr.mark("start")
+    with torch.no_grad():
+        out = torch.func.jvp(lambda x_: v(x_, torch.tensor([0.5]), **cond), (x,), (torch.ones_like(x),))
+    del out
+    tr.mark("jvp")
+    v(x, torch.tensor([0.5]), **cond).square().mean().backward()
+    tr.mark("backward")
+    for p in m.parameters():
+        p.grad = None
+    tr.mark("end")
+trace = dict(jvp_peak=tr.peak("start", "jvp"), backward_peak=tr.peak("jvp", "backward"), left=tr.live("start", "end"),
+             allocated=sum(b for _, b in tr.events if b > 0))
+
 os.makedirs(os.environ["CP_OUT"], exist_ok=True)
 with open(os.path.join(os.environ["CP_OUT"], f"memory-rank{rank}.json"), "w") as f:
-    json.dump({"world": P, "rows": rows}, f)
+    json.dump({"world": P, "rows": rows, "trace": trace}, f)
 dist.destroy_process_group()
