@@ -49,9 +49,10 @@ def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Ten
 
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    send = x.clone(memory_format=torch.contiguous_format)  # ours to free (the caller's x may be dropped first)
+    dist.all_gather(parts, send, group=group)
     out = torch.cat(parts, dim=dim)
-    _release(*parts)
+    _release(send, *parts)
     return out
 
 
