@@ -20,6 +20,7 @@ state), so allocator slack and the runtime do not enter. Prints a markdown table
 
     python benchmarks/memory_peaks.py --policies off,full,selective
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/memory_peaks.py --policies off,full   # CP 2, gloo
+    python benchmarks/memory_peaks.py --rescore rows.json   # an earlier --out against the current model
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def parse_args(argv=None):
                         "scale with it, which separates them from the rest of the JVP working set")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
+    p.add_argument("--rescore", default=None, metavar="JSON",
+                   help="measure nothing: recompute the predictions of an earlier --out file with the current model")
     return p.parse_args(argv)
 
 
@@ -83,8 +86,56 @@ def setup_networks(a, policy: str, group):
     return m, nets
 
 
+def row_setup(row: dict) -> TrainSetup:
+    """The memory model's setup of one measured row (``--out`` JSON)."""
+    from rcm_diffusers.arch import arch_config, arch_meta
+
+    cfg = dict(arch_config(row["arch"]), num_layers=row["num_layers"])
+    policy = row["policy"]
+    return TrainSetup.from_config(cfg, arch_meta(row["arch"])["class_name"], tokens=row["tokens"],
+                                  text_tokens=row["text_tokens"], lora_rank=row["lora_rank"], weight_dtype=row["dtype"],
+                                  gradient_checkpointing=policy != "off",
+                                  checkpointing_policy="full" if policy == "off" else policy, context_parallel=row["cp"])
+
+
+def predicted_phases(s: TrainSetup) -> dict:
+    """The model's bytes for each measured phase of setup ``s`` (the module docstring says which terms)."""
+    pred = predict_training(s, device="cpu")
+    held = held_bytes(s)
+    exchange = pred["cp_exchange"]  # one all-to-all's send and receive buffers, freed before the next
+    return {"jvp": pred["jvp"] + exchange, "nograd": pred["nograd"] + exchange, "saved": held,
+            "backward": pred["activations"] - held + pred["backward"] + pred["grads"],
+            "grad": pred["activations"] + pred["backward"] + pred["grads"] + exchange,
+            "step": pred["grads"] + pred["step_peak"]}
+
+
+def print_rows(rows: list) -> None:
+    r0 = rows[0]
+    P = r0["cp"]
+    print(f"\n{r0['arch']} width, {r0['num_layers']} blocks, {r0['dtype']}, {r0['tokens']} video tokens (CP {P}: "
+          f"{-(-r0['tokens'] // P)} per rank), {r0['text_tokens']} text tokens, LoRA r{r0['lora_rank']}\n")
+    print("| rank | policy | phase | measured (GiB) | predicted (GiB) | measured / predicted |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} | {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |")
+
+
+def rescore(path: str, out: str | None) -> None:
+    """Recompute ``predicted`` and ``ratio`` of the rows in ``path`` with the current model (the measured bytes stay)."""
+    with open(path) as f:
+        rows = json.load(f)
+    for r in rows:
+        r["predicted"] = predicted_phases(row_setup(r))[r["phase"]]
+        r["ratio"] = r["measured"] / r["predicted"]
+    print_rows(rows)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main(argv=None):
     a = parse_args(argv)
+    if a.rescore:
+        return rescore(a.rescore, a.out)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.jvp_chunk:
@@ -111,7 +162,6 @@ def main(argv=None):
         s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=a.text_tokens, lora_rank=a.lora_rank,
                                    weight_dtype=a.dtype, gradient_checkpointing=policy != "off",
                                    checkpointing_policy="full" if policy == "off" else policy, context_parallel=P)
-        pred = predict_training(s, device="cpu")
         g = torch.Generator().manual_seed(0)  # one sample for every rank of the CP group
         x0 = torch.randn(1, cfg.in_channels, a.frames, a.hw, a.hw, generator=g, dtype=torch.float64)
         cond = {"encoder_hidden_states": torch.randn(1, a.text_tokens, cfg.text_dim, generator=g).to(dtype)}
@@ -181,12 +231,7 @@ def main(argv=None):
         if "grad" in a.phases:  # what the forward leaves for the backward, and what the backward adds on top
             measured["saved"] = tr.live("grad0", "backward0")
             measured["backward"] = tr.peak("backward0", "grad1")
-        held = held_bytes(s)
-        exchange = pred["cp_exchange"] / 2  # the primal q, k, v of one attention (the JVP pass also sends tangents)
-        predicted = {"jvp": pred["jvp"] + pred["cp_exchange"], "nograd": pred["nograd"] + exchange, "saved": held,
-                     "backward": pred["activations"] - held + pred["backward"] + pred["grads"],
-                     "grad": pred["activations"] + pred["backward"] + pred["grads"] + exchange,
-                     "step": pred["grads"] + pred["step_peak"]}
+        predicted = predicted_phases(s)
         for ph, v in measured.items():
             pr = predicted.get(ph, float("nan"))
             rows.append(dict(policy=policy, phase=ph, measured=v, predicted=pr, ratio=v / pr,
@@ -202,11 +247,7 @@ def main(argv=None):
         rows = sum(gathered, [])
         dist.destroy_process_group()
     if rank == 0:
-        print(f"\n{a.arch} width, {a.num_layers} blocks, {a.dtype}, {tokens} video tokens (CP {P}: {-(-tokens // P)} per rank), "
-              f"{a.text_tokens} text tokens, LoRA r{a.lora_rank}\n")
-        print("| rank | policy | phase | measured (GiB) | predicted (GiB) | measured / predicted |\n|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} | {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |")
+        print_rows(rows)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)

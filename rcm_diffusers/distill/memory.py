@@ -19,8 +19,8 @@ ema + step_peak + overhead):
 * ``backward`` / ``nograd`` / ``jvp``: working sets on top of what a phase holds (``WORKING_SETS``, measured): a
   block's backward beyond its recompute, a no-grad forward (teacher, fake score), and the no-grad ``torch.func.jvp``
   pass (fd_type 0/1; primal and tangent of one block's live tensors, not saved across blocks);
-* ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the all-to-all send and receive
-  buffers of one self-attention's ``q, k, v`` (and their tangents in the JVP pass);
+* ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the send and receive buffers of one
+  all-to-all (the exchanges run one tensor at a time and free their buffers before the next);
 * ``step_peak``: the largest phase of a step on top of the grads: ``activations + backward`` (a grad-enabled
   forward and its backward), the held part of the activations + ``nograd`` (the DMD term's no-grad calls while the
   student's DMD forward is saved), or ``jvp + cp_exchange`` (the JVP pass runs before the sCM term's grad-enabled
@@ -57,14 +57,20 @@ __all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-#: bytes autograd saves per block, per image/video token: ``per_D * D + per_F * F``, plus ``txt_D * D`` per text
-#: token (Wan cross-attention K/V). Keyed by weight dtype; bfloat16 means bf16 weights under bf16 autocast
-#: (``mixed_precision: bf16``, as the shipped configs) with float32 LoRA adapters. Counted on diffusers 0.42
-#: blocks with ``saved_activation_bytes`` at D 128/256/512, F 1024/8960/17920, 32/64 tokens, 16/64 text tokens.
+#: bytes autograd saves per block, per image/video token ``per_D D + per_F F + per_head H + per_r r + per_tok`` (H
+#: heads, r the LoRA rank), per text token ``txt_D D + txt_r r + txt`` (Wan cross-attention K/V), and per block
+#: ``layer_D D + r (layer_rD D + layer_rF F)``. Keyed by weight dtype; bfloat16 means bf16 weights under bf16 autocast
+#: (``mixed_precision: bf16``, as the shipped configs) with float32 LoRA adapters.
 ACT_COEFFS = {
-    # Wan block: self-attn (norm, q/k/v, RMSNorm, RoPE, SDPA), cross-attn, FFN (GELU in and out: 2 F);
-    # norm1/norm3 and the modulation run in float32 (diffusers keeps them in float32)
-    "wan": {"float32": {"per_D": 62.7, "per_F": 8.0, "txt_D": 14.14}, "bfloat16": {"per_D": 33.95, "per_F": 4.5, "txt_D": 12.08, "layer_D": 669.0}},
+    # Wan block, counted with ``saved_activation_bytes`` (diffusers 0.42, peft 0.21, torch 2.13, the JVP attention
+    # processors; norms, modulation and RoPE in float32 as from_pretrained keeps them) at D 512 / 1536 / 3072 / 5120,
+    # F 1024 / 8960 / 13824, r 4 / 32 / 64, as differences of 1- and 2-block models and of token and text counts; the
+    # terms are exact there. per_head: the float32 log-sum-exp of both attentions; layer_D: the float32 modulation;
+    # bf16 layer_r*: autocast's bf16 copies of the float32 LoRA weights, saved for the backward
+    "wan": {"float32": {"per_D": 60.0, "per_F": 8.0, "per_head": 8.0, "per_r": 32.0, "per_tok": 36.0,
+                        "txt_D": 12.0, "txt_r": 8.0, "txt": 4.0, "layer_D": 32.0},
+            "bfloat16": {"per_D": 50.0, "per_F": 4.0, "per_head": 8.0, "per_r": 16.0, "per_tok": 36.0,
+                         "txt_D": 12.0, "txt_r": 4.0, "txt": 4.0, "layer_D": 32.0, "layer_rD": 32.0, "layer_rF": 4.0}},
     # Flux double block (both streams, per token of either) and single block (concatenated tokens), F = 4 D
     "flux_double": {"float32": {"per_D": 74.5, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 56.3, "per_F": 0.0, "txt_D": 0.0}},
     "flux_single": {"float32": {"per_D": 70.9, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 49.8, "per_F": 0.0, "txt_D": 0.0}},
@@ -171,9 +177,13 @@ def _counts(class_name: str, items: tuple, lora_rank: int) -> tuple[int, int, in
 
 
 def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
+    """``ACT_COEFFS`` of one block: what autograd saves for ``tokens`` video/image and ``text_tokens`` text tokens."""
     c = coeffs[_dtype_key(s)]
-    return s.batch * (tokens * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim) + text_tokens * c["txt_D"] * s.dim
-                      + c.get("layer_D", 0.0) * s.dim)  # layer_D: per-block float32 modulation, independent of tokens
+    g = lambda k: c.get(k, 0.0)  # noqa: E731
+    D, F, r, H = s.dim, s.ffn_dim, s.lora_rank, s.dim // s.head_dim
+    per_token = g("per_D") * D + g("per_F") * F + g("per_head") * H + g("per_r") * r + g("per_tok")
+    per_text = g("txt_D") * D + g("txt_r") * r + g("txt")
+    return s.batch * (tokens * per_token + text_tokens * per_text + g("layer_D") * D + r * (g("layer_rD") * D + g("layer_rF") * F))
 
 
 def _dtype_key(s: TrainSetup) -> str:
@@ -236,8 +246,9 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
         blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [(ACT_COEFFS["flux_single"], n, 0)] * s.num_single_layers
     sizes = [_block_bytes(c, s, t, tt) for c, t, tt in blocks]
     one = max(sizes) if sizes else 0.0
-    if not s.gradient_checkpointing:
-        return float(sum(sizes) + _head_bytes(s)), one
+    if not s.gradient_checkpointing:  # Wan: the float32 RoPE cos / sin tables, once for all blocks
+        rope = 2 * s.batch * _rank_tokens(s) * s.head_dim * 4 if s.family == "wan" else 0
+        return float(sum(sizes) + rope + _head_bytes(s)), one
     held = checkpoint_held(s) + _head_bytes(s)
     if s.checkpointing_policy == "selective":  # the recompute re-uses the kept outputs of the block it runs
         return held + max(one - _selective_block_bytes(s), 0.0), one
@@ -278,15 +289,16 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["nograd"] = working_set(s, "nograd")
     b = DTYPE_BYTES[s.weight_dtype]
     out["jvp"] = max(6 * s.dim**2 * b, 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
-    # q, k, v sent and received (x2), primal and, in the JVP pass, tangent (x2), at the activation dtype
-    exchange = 3 * 2 * s.batch * _rank_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype] if s.context_parallel > 1 else 0.0
-    out["cp_exchange"] = exchange * (2 if s.fd_type in (0, 1) else 1)
+    # one all-to-all's send and receive buffers (a rank's q, k, v, attention output or tangent, one at a time: each
+    # call frees its buffers before the next, attention/ulysses.py), at the activation dtype
+    exchange = 2 * s.batch * _rank_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype] if s.context_parallel > 1 else 0.0
+    out["cp_exchange"] = exchange
     out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
     held = held_bytes(s)
     # the phases of a step, each on top of the grads: a grad-enabled forward's saved tensors and its backward; a
     # no-grad forward while a grad-enabled one is saved (the DMD term's fake-score and teacher calls, fd_type 2's
     # second student call); the JVP pass, which runs before the sCM term's grad-enabled forward (losses.scm_loss)
-    out["step_peak"] = max(saved + out["backward"] + exchange, held + out["nograd"] + exchange, out["jvp"] + out["cp_exchange"])
+    out["step_peak"] = max(saved + out["backward"] + exchange, held + out["nograd"] + exchange, out["jvp"] + exchange)
     return _with_total(out)
 
 
