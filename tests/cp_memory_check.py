@@ -26,9 +26,8 @@ from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, allocati
                                           checkpoint_held_bytes, saved_activation_bytes)
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 
-# held out as in tests/test_memory_model.py (D 384 and 128, F 1024 and 4096, 48 and 72 video tokens, 40 and 100 text
-# tokens; ACT_COEFFS were counted at D 128/256/512, F 1024/8960/17920, 32/64 tokens, 16/64 text), with 2 heads so that
-# a group of 2 divides them
+# held-out widths as in tests/test_memory_model.py (D 384 and 128, head dims 192 and 64; the Wan ACT_COEFFS were
+# counted at D 512 / 1536 / 3072 / 5120 with head dim 128), with 2 heads so that a group of 2 divides them
 CASES = [dict(overrides=dict(num_layers=3, num_attention_heads=2, attention_head_dim=192, ffn_dim=1024), frames=3, hw=8, text=40),
          dict(overrides=dict(num_layers=2, num_attention_heads=2, attention_head_dim=64, ffn_dim=4096), frames=2, hw=12, text=100)]
 RANK_LORA = 8

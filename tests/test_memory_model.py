@@ -18,7 +18,7 @@ from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, checkpoi
                                           predict_training, saved_activation_bytes)
 from rcm_diffusers.models import velocity_fn
 
-WAN_CASES = [  # held out: none of these sizes was used to fit ACT_COEFFS (D 256, F 8960/17920, S 32/64, L 16/64)
+WAN_CASES = [  # held-out widths: the Wan ACT_COEFFS were counted at D 512 / 1536 / 3072 / 5120, F 1024 / 8960 / 13824
     dict(overrides=dict(num_layers=3, num_attention_heads=3, ffn_dim=1024), frames=3, hw=8, text=40),
     dict(overrides=dict(num_layers=2, num_attention_heads=1, ffn_dim=4096), frames=2, hw=12, text=100),
 ]
