@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights; bfloat16 runs under bf16 autocast with float32 adapters, as the shipped configs")
     p.add_argument("--policies", default="off,full,selective", help="checkpointing policies to measure (off = none)")
-    p.add_argument("--phases", default="jvp,nograd,grad,step", help="phases to measure")
+    p.add_argument("--phases", default="jvp,nograd,grad,step", help="phases to measure, comma-separated (grad also gives saved and backward)")
     p.add_argument("--jvp_chunk", type=int, default=0,
                    help="query rows per chunk of the CPU attention JVP (0: its default, 1024); the score matrices it holds "
                         "scale with it, which separates them from the rest of the JVP working set")
@@ -136,6 +136,9 @@ def main(argv=None):
     a = parse_args(argv)
     if a.rescore:
         return rescore(a.rescore, a.out)
+    phases = set(a.phases.split(","))
+    if phases - {"jvp", "nograd", "grad", "step"}:
+        raise SystemExit(f"--phases: unknown {sorted(phases - {'jvp', 'nograd', 'grad', 'step'})}; choose from jvp, nograd, grad, step")
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.jvp_chunk:
@@ -197,20 +200,20 @@ def main(argv=None):
         train_step(0)  # AdamW state exists from here on, as in every step but the first
         measured = {}
         with allocation_trace() as tr:
-            if "jvp" in a.phases:
+            if "jvp" in phases:
                 F_T = T.teacher_F(nets, x_t, t, cond, None, 1.0).detach()
                 tr.mark("jvp0")
                 with autocast:
                     L.scm_dF(nets.F_fn("student", cond), x_t, t, F_T, fd_type=0)
                 tr.mark("jvp1")
                 del F_T
-            if "nograd" in a.phases:
+            if "nograd" in phases:
                 tr.mark("nograd0")
                 with torch.no_grad(), autocast:
                     F = nets.F("student", x_t, t, cond)
                 tr.mark("nograd1")
                 del F
-            if "grad" in a.phases:
+            if "grad" in phases:
                 opt["student"].zero_grad(set_to_none=True)
                 tr.mark("grad0")
                 with autocast:
@@ -221,14 +224,14 @@ def main(argv=None):
                 tr.mark("grad1")
                 del F, loss
                 opt["student"].zero_grad(set_to_none=True)
-            if "step" in a.phases:
+            if "step" in phases:
                 tr.mark("step0")
                 train_step(1)
                 tr.mark("step1")
         for ph in ("jvp", "nograd", "grad", "step"):
-            if ph in a.phases:
+            if ph in phases:
                 measured[ph] = tr.peak(ph + "0", ph + "1")
-        if "grad" in a.phases:  # what the forward leaves for the backward, and what the backward adds on top
+        if "grad" in phases:  # what the forward leaves for the backward, and what the backward adds on top
             measured["saved"] = tr.live("grad0", "backward0")
             measured["backward"] = tr.peak("backward0", "grad1")
         predicted = predicted_phases(s)
