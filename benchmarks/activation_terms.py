@@ -1,0 +1,85 @@
+"""What one Wan block saves for its backward, per video token and per text token, at real widths, against the memory
+model's activation terms (``ACT_COEFFS`` in rcm_diffusers/distill/memory.py).
+
+For each width (heads x 128, FFN width F) and dtype it builds the real Wan block (random weights; in bf16 the modules
+``from_pretrained`` keeps in float32 stay float32, under bf16 autocast as the shipped configs), adds the trainer's LoRA
+student and fake score and the JVP attention processors, and counts the bytes autograd saves in one student forward
+(``saved_activation_bytes``). A block's share is the difference between 2-block and 1-block models; per video token
+and per text token are differences over token and text counts, so what lies outside the blocks cancels.
+
+    python benchmarks/activation_terms.py                       # the widths of docs/benchmarks.md
+    python benchmarks/activation_terms.py --widths 40:13824 --dtypes bfloat16 --lora_rank 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rcm_diffusers.arch import build_transformer  # noqa: E402
+from rcm_diffusers.distill.memory import ACT_COEFFS, TrainSetup, _block_bytes, saved_activation_bytes  # noqa: E402
+
+
+def saved(dtype, layers: int, heads: int, ffn: int, frames: int, text: int, rank: int) -> int:
+    """Bytes autograd saves in one student forward of a ``layers``-block Wan (16 x 16 latent, ``frames`` frames)."""
+    from rcm_diffusers.attention import enable_jvp_attention
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.models import velocity_fn
+
+    m = build_transformer("wan2.1-t2v-1.3b", dtype=dtype, num_layers=layers, num_attention_heads=heads, ffn_dim=ffn)
+    keep = set(getattr(m, "_keep_in_fp32_modules", None) or ())
+    for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+        if any(k in name for k in keep):
+            t.data = t.data.float()
+    nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=rank, time_input="float")
+    enable_jvp_attention(m)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, m.config.in_channels, frames, 16, 16, generator=g).to(dtype)
+    cond = {"encoder_hidden_states": torch.randn(1, text, m.config.text_dim, generator=g).to(dtype)}
+    v = velocity_fn(m)
+    with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        return saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", default="4:1024,12:8960,24:8960,40:13824",
+                   help="comma-separated HEADS:FFN pairs (width D = 128 x heads); 12:8960 is Wan2.1-1.3B, 40:13824 the 14B")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="weight dtypes (bfloat16: under bf16 autocast)")
+    p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    warnings.filterwarnings("ignore", message="There are modules in")
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # the float32-kept modules are cast on purpose, as from_pretrained keeps them
+    print("| dtype | D | F | per video token: measured / model | per text token: measured / model |\n|---|---|---|---|---|")
+    for dt in a.dtypes.split(","):
+        dtype = getattr(torch, dt)
+        for pair in a.widths.split(","):
+            heads, ffn = (int(v) for v in pair.split(":"))
+            block = {}
+            for frames, text in ((1, 16), (2, 16), (1, 64)):  # 64 / 128 video tokens, 16 / 64 text tokens
+                block[frames, text] = (saved(dtype, 2, heads, ffn, frames, text, a.lora_rank)
+                                       - saved(dtype, 1, heads, ffn, frames, text, a.lora_rank))
+            per_tok = (block[2, 16] - block[1, 16]) / 64
+            per_txt = (block[1, 64] - block[1, 16]) / 48
+            s = TrainSetup(family="wan", dim=128 * heads, ffn_dim=ffn, num_layers=1, num_single_layers=0, params=0,
+                           lora_params_student=0, lora_params_fake=0, tokens=0, text_tokens=0, weight_dtype=dt,
+                           lora_rank=a.lora_rank)
+            model_tok = _block_bytes(ACT_COEFFS["wan"], s, 1, 0) - _block_bytes(ACT_COEFFS["wan"], s, 0, 0)
+            model_txt = _block_bytes(ACT_COEFFS["wan"], s, 0, 1) - _block_bytes(ACT_COEFFS["wan"], s, 0, 0)
+            print(f"| {dt} | {128 * heads} | {ffn} | {per_tok:.0f} / {model_tok:.0f} ({per_tok / model_tok:.3f}) | "
+                  f"{per_txt:.0f} / {model_txt:.0f} ({per_txt / model_txt:.3f}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
