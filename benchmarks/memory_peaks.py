@@ -103,9 +103,10 @@ def predicted_phases(s: TrainSetup) -> dict:
     pred = predict_training(s, device="cpu")
     held = held_bytes(s)
     exchange = pred["cp_exchange"]  # one all-to-all's send and receive buffers, freed before the next
+    work = max(pred["backward"], pred["forward"])  # the backward's working set or the (re)computed forward's transient
     return {"jvp": pred["jvp"] + exchange, "nograd": pred["nograd"] + exchange, "saved": held,
-            "backward": pred["activations"] - held + pred["backward"] + pred["grads"],
-            "grad": pred["activations"] + pred["backward"] + pred["grads"] + exchange,
+            "backward": pred["activations"] - held + (work if s.gradient_checkpointing else pred["backward"]) + pred["grads"],
+            "grad": pred["activations"] + work + pred["grads"] + exchange,
             "step": pred["grads"] + pred["step_peak"]}
 
 

@@ -132,7 +132,8 @@ def test_context_parallel_and_accumulation():
 
 def test_step_peak_is_the_largest_phase():
     """The JVP pass runs before the sCM term's grad-enabled forward (``losses.scm_loss``), so a step holds the larger
-    of the JVP working set and the activations (+ backward), not their sum; fd_type 2 has no JVP term."""
+    of the JVP working set and the activations (+ the backward's or, in bf16, the forward's transient), not their sum;
+    fd_type 2 has no JVP term."""
     from rcm_diffusers.distill.memory import WORKING_SETS, held_bytes
 
     kw = dict(tokens=32760, text_tokens=512, lora_rank=64)
@@ -143,13 +144,18 @@ def test_step_peak_is_the_largest_phase():
             c = WORKING_SETS["bfloat16"]["backward"]
             assert p["backward"] == 32760 * 2 * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim)
             assert p["jvp"] == max(6 * s.dim**2 * 2, 2 * p["nograd"] + s.ffn_dim * s.dim * 2)
-            phases = [p["activations"] + p["backward"], held_bytes(s) + p["nograd"], p["jvp"]]
+            c = WORKING_SETS["bfloat16"]["forward"]
+            assert p["forward"] == 32760 * 2 * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim) > p["backward"]
+            phases = [p["activations"] + p["forward"], held_bytes(s) + p["nograd"], p["jvp"]]
             assert p["step_peak"] == max(phases) < p["activations"] + p["jvp"] + p["backward"]
             static = sum(p[k] for k in ("weights", "trainable", "grads", "optimizer", "ema", "overhead"))
             assert p["total"] == static + p["step_peak"]
     s.fd_type = 2
     p = predict_training(s)
-    assert p["jvp"] == 0 and p["step_peak"] == max(p["activations"] + p["backward"], held_bytes(s) + p["nograd"])
+    assert p["jvp"] == 0 and p["step_peak"] == max(p["activations"] + p["forward"], held_bytes(s) + p["nograd"])
+    s.weight_dtype = "float32"  # float32: the backward's working set is the larger (no forward term)
+    p = predict_training(s)
+    assert p["forward"] == 0 and p["step_peak"] == max(p["activations"] + p["backward"], held_bytes(s) + p["nograd"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,8 +16,9 @@ ema + step_peak + overhead):
   ``rcm_diffusers.distill.checkpointing``) also every block's matrix-product and attention outputs, the recompute
   working set of one block then being the rest of that block (``checkpoint_held`` gives what is held between the
   forward and the backward);
-* ``backward`` / ``nograd`` / ``jvp``: working sets on top of what a phase holds (``WORKING_SETS``, measured): a
-  block's backward beyond its recompute, a no-grad forward (teacher, fake score), and the no-grad ``torch.func.jvp``
+* ``backward`` / ``forward`` / ``nograd`` / ``jvp``: working sets on top of what a phase holds (``WORKING_SETS``,
+  measured): a block's backward beyond its recompute, a grad-enabled block forward beyond what it saves, a no-grad
+  forward (teacher, fake score), and the no-grad ``torch.func.jvp``
   pass (fd_type 0/1; primal and tangent of one block's live tensors, not saved across blocks);
 * ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the send and receive buffers of one
   all-to-all (the exchanges run one tensor at a time and free their buffers before the next);
@@ -93,8 +94,13 @@ SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, 
 #: ``allocation_trace`` (``benchmarks/memory_peaks.py``) at the Wan2.1-1.3B width (2 blocks, 1600 video tokens) and the
 #: 14B width (1 block, 576 tokens) in float32, the bf16 no-grad set scaled by the one bf16 point (1.3B width, 784
 #: tokens: bf16 autocast keeps norms and modulation in float32); checked on other token counts (docs/benchmarks.md).
-WORKING_SETS = {"float32": {"nograd": {"per_F": 2.93, "per_D": 5.19}, "backward": {"per_F": 1.98, "per_D": 0.23}},
-                "bfloat16": {"nograd": {"per_F": 4.07, "per_D": 7.21}, "backward": {"per_F": 1.98, "per_D": 0.23}}}
+#: ``forward``: what a grad-enabled block forward holds on top of what it saves (the peak of the forward, and of each
+#: block's recompute under checkpointing); in bf16 autocast it exceeds the backward's: 0.74 x the no-grad set at the
+#: 1.3B width (784 and 1600 tokens, one width only); in float32 it stays under the backward in every trace.
+WORKING_SETS = {"float32": {"nograd": {"per_F": 2.93, "per_D": 5.19}, "backward": {"per_F": 1.98, "per_D": 0.23},
+                            "forward": {"per_F": 0.0, "per_D": 0.0}},
+                "bfloat16": {"nograd": {"per_F": 4.07, "per_D": 7.21}, "backward": {"per_F": 1.98, "per_D": 0.23},
+                             "forward": {"per_F": 3.01, "per_D": 5.34}}}
 
 #: device name -> usable bytes
 DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "48 GB (L40S / RTX 6000 Ada)": 48e9, "24 GB (RTX 4090)": 24e9}
@@ -286,6 +292,7 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     saved, one = activation_bytes(s)
     out["activations"] = saved
     out["backward"] = working_set(s, "backward")
+    out["forward"] = working_set(s, "forward")
     out["nograd"] = working_set(s, "nograd")
     b = DTYPE_BYTES[s.weight_dtype]
     out["jvp"] = max(6 * s.dim**2 * b, 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
@@ -295,10 +302,12 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["cp_exchange"] = exchange
     out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
     held = held_bytes(s)
-    # the phases of a step, each on top of the grads: a grad-enabled forward's saved tensors and its backward; a
-    # no-grad forward while a grad-enabled one is saved (the DMD term's fake-score and teacher calls, fd_type 2's
-    # second student call); the JVP pass, which runs before the sCM term's grad-enabled forward (losses.scm_loss)
-    out["step_peak"] = max(saved + out["backward"] + exchange, held + out["nograd"] + exchange, out["jvp"] + exchange)
+    # the phases of a step, each on top of the grads: a grad-enabled forward's saved tensors and its backward (or the
+    # forward's own transient, whichever is larger); a no-grad forward while a grad-enabled one is saved (the DMD
+    # term's fake-score and teacher calls, fd_type 2's second student call); the JVP pass, which runs before the sCM
+    # term's grad-enabled forward (losses.scm_loss)
+    out["step_peak"] = max(saved + max(out["backward"], out["forward"]) + exchange, held + out["nograd"] + exchange,
+                           out["jvp"] + exchange)
     return _with_total(out)
 
 
