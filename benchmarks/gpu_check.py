@@ -11,6 +11,8 @@
    with the CP hooks, all-to-alls and gather installed against the same model without them. With one rank every
    exchange is a copy, so they agree up to the attention kernel's choice on other strides; this checks that the
    collectives and their forward-mode rule run on CUDA (multi-rank CP was tested on CPU processes only).
+4. Gradient checkpointing policies: 3 rCM iterations with ``full`` and with ``selective`` checkpointing on a 480p x 33
+   latent (14 040 tokens), peak CUDA memory next to the memory model's total for each (as far as the budget allows).
 
 ``--smoke`` (and any machine without CUDA): the same code at tiny sizes on CPU (CI runs it).
 """
@@ -37,12 +39,14 @@ from rcm_diffusers.arch import arch_config, save_random_pipeline  # noqa: E402
 from rcm_diffusers.distill.memory import TrainSetup, predict_training  # noqa: E402
 
 
-def train_check(smoke: bool, steps: int, timeout: float, work: str) -> dict:
+def train_check(smoke: bool, steps: int, timeout: float, work: str, frames: int = 21, policy: str = "full") -> dict:
+    """``steps`` rCM iterations through training/rcm.py with gradient checkpointing ``policy`` on a 480p latent of
+    ``frames`` latent frames (smoke: tiny), next to the memory model's prediction for the same setup."""
     arch = "wan2.1-t2v-1.3b"
     if smoke:
         over, shape, text, rank, dtype = dict(num_layers=1, num_attention_heads=2), (16, 2, 8, 8), 16, 4, "float32"
     else:
-        over, shape, text, rank, dtype = {}, (16, 21, 60, 104), 512, 64, "bfloat16"
+        over, shape, text, rank, dtype = {}, (16, frames, 60, 104), 512, 64, "bfloat16"
     cfg = arch_config(arch, **over)
     t0 = time.perf_counter()
     pipe = save_random_pipeline(arch, os.path.join(work, "pipe"), dtype=real_arch.DTYPES[dtype], **over)
@@ -51,14 +55,15 @@ def train_check(smoke: bool, steps: int, timeout: float, work: str) -> dict:
     args = SimpleNamespace(rank=rank, dtype=dtype, steps=steps, family="wan")
     out = os.path.join(work, "run")
     ycfg = os.path.join(work, "train.yaml")
-    real_arch.write_train_config(ycfg, args, pipe, data, out, fd_type=0, gc=True)
+    real_arch.write_train_config(ycfg, args, pipe, data, out, fd_type=0, gc=policy)
     r = real_arch.run_child([sys.executable, os.path.join(REPO, "training", "rcm.py"), "--config", ycfg], os.path.join(work, "train.log"), timeout)
     mpath = os.path.join(out, "metrics.jsonl")
     recs = [json.loads(ln) for ln in open(mpath)] if os.path.exists(mpath) else []
     tokens = shape[1] * shape[2] * shape[3] // 4
     setup = TrainSetup.from_config(cfg, "WanTransformer3DModel", tokens=tokens, text_tokens=text, lora_rank=rank, weight_dtype=dtype,
-                                   gradient_checkpointing=True, fd_type=0)
+                                   gradient_checkpointing=True, checkpointing_policy=policy, fd_type=0)
     res = {"arch": arch, "overrides": over, "latent": [1, *shape], "tokens": tokens, "text_tokens": text, "lora_rank": rank,
+           "checkpointing_policy": policy,
            "dtype": dtype, "setup_s": setup_s, **{k: v for k, v in r.items() if k != "log"},
            "steps": [{k: rec.get(k) for k in ("step", "net", "step_time", "peak_mem_mb", "loss_scm", "loss_dmd", "loss_fake")} for rec in recs],
            "predicted": predict_training(setup, device="cuda" if torch.cuda.is_available() and not smoke else "cpu")}
@@ -159,8 +164,25 @@ def main(argv=None):
     res["train"] = train_check(smoke, 2 if smoke else a.steps, max(left - 50, 30), a.work)
     dump()
     res["context_parallel_1"] = cp_check(smoke)
+    dump()
+    # section 4: memory of the checkpointing policies, 480p x 33 frames (14 040 tokens), 3 iterations each
+    res["checkpointing"] = {}
+    for policy in ("full", "selective"):
+        left = a.budget_s - (time.time() - t0)
+        if left < 60:
+            res["checkpointing"][policy] = {"skipped": f"{left:.0f} s of the budget left"}
+            continue
+        res["checkpointing"][policy] = train_check(smoke, 2 if smoke else 3, left - 20 if policy == "selective" else left / 2,
+                                                   os.path.join(a.work, policy), frames=9, policy=policy)
+        dump()
     res["total_s"] = time.time() - t0
     dump()
+    for policy, r in res["checkpointing"].items():
+        if "rc" in r:
+            print(f"checkpointing {policy}: rc {r['rc']}, peak {max([s['peak_mem_mb'] or 0 for s in r['steps']] or [0]) / 1024:.2f} GiB "
+                  f"measured vs {r['predicted']['total_gib']:.2f} GiB predicted")
+        else:
+            print(f"checkpointing {policy}: {r['skipped']}")
     cp = res["context_parallel_1"]
     print(f"context parallel, one rank: {cp['exchanges']} exchanges, relative differences {cp['err']} (tolerance {cp['tol']:.2g})")
     tr = res["train"]

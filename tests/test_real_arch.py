@@ -180,7 +180,8 @@ def test_bf16_base_trains_float32_adapters():
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     """``benchmarks/gpu_check.sh --smoke``: the GPU check's code (JVP attention rows, rCM iterations through
-    training/rcm.py, memory-model prediction, one-rank context parallelism, JSON) at tiny sizes on CPU, as CI runs it."""
+    training/rcm.py, memory-model prediction, one-rank context parallelism, both checkpointing policies, JSON) at tiny
+    sizes on CPU, as CI runs it."""
     import json
     import shutil
 
@@ -198,3 +199,7 @@ def test_gpu_check_smoke(tmp_path):
     assert tr["predicted"]["total_gib"] > 0 and (tmp_path / "out" / "gpu_check.log").exists()
     cp = res["context_parallel_1"]  # the Ulysses hooks and collectives with a one-rank group change nothing
     assert cp["ok"] and cp["exchanges"] > 0 and all(e <= cp["tol"] for e in cp["err"].values()), cp
+    for policy in ("full", "selective"):  # the checkpointing-policy section trains under each policy
+        ck = res["checkpointing"][policy]
+        assert ck["rc"] == 0 and ck["checkpointing_policy"] == policy and [s["net"] for s in ck["steps"]] == ["student", "fake"]
+        assert ck["predicted"]["total_gib"] > 0
