@@ -1,5 +1,5 @@
-"""What one Wan block saves for its backward, per video token and per text token, at real widths, against the memory
-model's activation terms (``ACT_COEFFS`` in rcm_diffusers/distill/memory.py).
+"""What one Wan (or Flux) block saves for its backward, per video token and per text token, at real widths, against the
+memory model's activation terms (``ACT_COEFFS`` in rcm_diffusers/distill/memory.py).
 
 For each width (heads x 128, FFN width F) and dtype it builds the real Wan block (random weights; in bf16 the modules
 ``from_pretrained`` keeps in float32 stay float32, under bf16 autocast as the shipped configs), adds the trainer's LoRA
@@ -9,6 +9,7 @@ and per text token are differences over token and text counts, so what lies outs
 
     python benchmarks/activation_terms.py                       # the widths of docs/benchmarks.md
     python benchmarks/activation_terms.py --widths 40:13824 --dtypes bfloat16 --lora_rank 64
+    python benchmarks/activation_terms.py --family flux --widths 4,12,24   # Flux double and single blocks (heads)
 """
 
 from __future__ import annotations
@@ -48,10 +49,48 @@ def saved(dtype, layers: int, heads: int, ffn: int, frames: int, text: int, rank
         return saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
 
 
+def saved_flux(dtype, double: int, single: int, heads: int, hw: int, text: int, rank: int) -> int:
+    """Bytes autograd saves in one student forward of a Flux with ``double`` / ``single`` blocks (``hw`` x ``hw`` latent)."""
+    from rcm_diffusers.distill.adapters import Networks
+    from rcm_diffusers.distill.data import _flux_img_ids
+    from rcm_diffusers.models import velocity_fn
+
+    m = build_transformer("flux.1-dev", dtype=dtype, num_layers=double, num_single_layers=single, num_attention_heads=heads)
+    nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=rank)
+    cfg, g = m.config, torch.Generator().manual_seed(0)
+    x = torch.randn(1, hw * hw // 4, cfg.in_channels, generator=g).to(dtype)
+    cond = {"encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g).to(dtype),
+            "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
+            "txt_ids": torch.zeros(text, 3), "img_ids": _flux_img_ids(hw, hw), "guidance": torch.full((1,), 3.5)}
+    v = velocity_fn(m)
+    with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        return saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
+
+
+def flux_rows(a) -> None:
+    """Per token of either stream, one double and one single block (differences of block counts)."""
+    print("| dtype | D | block | per image token: measured / model, bytes | per text token: measured |\n|---|---|---|---|---|")
+    for dt in a.dtypes.split(","):
+        dtype = getattr(torch, dt)
+        for heads in (int(v) for v in a.widths.split(",")):
+            for kind, (one, two) in {"double": ((1, 0), (2, 0)), "single": ((1, 1), (1, 2))}.items():
+                blk = {(hw, text): saved_flux(dtype, *two, heads, hw, text, a.lora_rank) - saved_flux(dtype, *one, heads, hw, text, a.lora_rank)
+                       for hw, text in ((16, 16), (24, 16), (16, 48))}  # 64 / 144 image tokens, 16 / 48 text tokens
+                per_img, per_txt = (blk[24, 16] - blk[16, 16]) / 80, (blk[16, 48] - blk[16, 16]) / 32
+                s = TrainSetup(family="flux", dim=128 * heads, ffn_dim=4 * 128 * heads, num_layers=1, num_single_layers=0,
+                               params=0, lora_params_student=0, lora_params_fake=0, tokens=0, text_tokens=0, weight_dtype=dt,
+                               lora_rank=a.lora_rank)
+                c = ACT_COEFFS["flux_" + kind]
+                model = _block_bytes(c, s, 1, 0) - _block_bytes(c, s, 0, 0)
+                print(f"| {dt} | {128 * heads} | {kind} | {per_img:.0f} / {model:.0f} ({per_img / model:.3f}) | {per_txt:.0f} |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--widths", default="4:1024,12:8960,24:8960,40:13824",
-                   help="comma-separated HEADS:FFN pairs (width D = 128 x heads); 12:8960 is Wan2.1-1.3B, 40:13824 the 14B")
+    p.add_argument("--family", default="wan", choices=["wan", "flux"], help="Wan blocks or Flux double / single blocks")
+    p.add_argument("--widths", default=None,
+                   help="Wan: comma-separated HEADS:FFN pairs (width D = 128 x heads; default 4:1024,12:8960,24:8960,40:13824, "
+                        "12:8960 is Wan2.1-1.3B, 40:13824 the 14B); Flux: comma-separated head counts (default 4,12,24; 24 is FLUX.1-dev)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="weight dtypes (bfloat16: under bf16 autocast)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -61,6 +100,10 @@ def main(argv=None):
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.set_verbosity_error()  # the float32-kept modules are cast on purpose, as from_pretrained keeps them
+    if a.family == "flux":
+        a.widths = a.widths or "4,12,24"
+        return flux_rows(a)
+    a.widths = a.widths or "4:1024,12:8960,24:8960,40:13824"
     print("| dtype | D | F | per video token: measured / model | per text token: measured / model |\n|---|---|---|---|---|")
     for dt in a.dtypes.split(","):
         dtype = getattr(torch, dt)

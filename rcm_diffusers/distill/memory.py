@@ -72,9 +72,13 @@ ACT_COEFFS = {
                         "txt_D": 12.0, "txt_r": 8.0, "txt": 4.0, "layer_D": 32.0},
             "bfloat16": {"per_D": 50.0, "per_F": 4.0, "per_head": 8.0, "per_r": 16.0, "per_tok": 36.0,
                          "txt_D": 12.0, "txt_r": 4.0, "txt": 4.0, "layer_D": 32.0, "layer_rD": 32.0, "layer_rF": 4.0}},
-    # Flux double block (both streams, per token of either) and single block (concatenated tokens), F = 4 D
-    "flux_double": {"float32": {"per_D": 74.5, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 56.3, "per_F": 0.0, "txt_D": 0.0}},
-    "flux_single": {"float32": {"per_D": 70.9, "per_F": 0.0, "txt_D": 0.0}, "bfloat16": {"per_D": 49.8, "per_F": 0.0, "txt_D": 0.0}},
+    # Flux double block (both streams, per token of either) and single block (concatenated tokens), F = 4 D in per_D;
+    # counted the same way at D 512 / 1536 / 3072 (image and text tokens save the same), LoRA r32 (per_tok holds its
+    # rank terms); the per-block constants are not counted
+    "flux_double": {"float32": {"per_D": 72.0, "per_head": 12.0, "per_tok": 784.0},
+                    "bfloat16": {"per_D": 46.0, "per_head": 12.0, "per_tok": 392.0}},
+    "flux_single": {"float32": {"per_D": 68.0, "per_head": 12.0, "per_tok": 648.0},
+                    "bfloat16": {"per_D": 44.0, "per_head": 12.0, "per_tok": 324.0}},
 }
 
 #: bytes the ``selective`` checkpointing policy keeps per Wan block (``rcm_diffusers.distill.checkpointing``), by
