@@ -93,8 +93,8 @@ SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, 
 #: working sets on top of what a phase holds, bytes per video token (Flux: per token of either stream) in units of
 #: the activation bytes ``b`` (4 float32, 2 under bf16 autocast) times ``per_F * F + per_D * D``: a no-grad forward
 #: (teacher, fake score) and a block's backward beyond its recompute. The JVP pass holds primal and tangent of the
-#: no-grad working set plus the weight copy forward-mode AD makes of the linear it runs, and at least that copy of
-#: the time projection (``6 D x D``): ``max(6 D^2 b, 2 nograd + F D b)``. Fitted on peaks traced with
+#: no-grad working set plus the weight copy forward-mode AD makes of the linear it runs, and at least the copies of
+#: the condition embedder's weights (``_jvp_weight_copies``): ``max(copies, 2 nograd + F D b)``. Fitted on peaks traced with
 #: ``allocation_trace`` (``benchmarks/memory_peaks.py``) at the Wan2.1-1.3B width (2 blocks, 1600 video tokens) and the
 #: 14B width (1 block, 576 tokens) in float32, the bf16 no-grad set scaled by the one bf16 point (1.3B width, 784
 #: tokens: bf16 autocast keeps norms and modulation in float32); checked on other token counts (docs/benchmarks.md).
@@ -138,6 +138,7 @@ class TrainSetup:
     checkpointing_policy: str = "full"  # with gradient_checkpointing: "full" | "selective" (Wan)
     lora_rank: int = 64  # LoRA rank (the selective policy keeps the lora_A outputs, rank wide)
     head_dim: int = 128  # attention head dimension (selective: the log-sum-exp per head; Wan RoPE tables)
+    text_dim: int = 4096  # width of the text encoder states the condition embedder projects (Wan: umT5)
 
     @classmethod
     def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
@@ -154,7 +155,8 @@ class TrainSetup:
                    text_tokens=text_tokens, batch=batch, weight_dtype=weight_dtype, gradient_checkpointing=gradient_checkpointing,
                    fd_type=fd_type, mode=mode, ema=ema, experts=experts, context_parallel=context_parallel,
                    gradient_accumulation_steps=gradient_accumulation_steps, checkpointing_policy=checkpointing_policy,
-                   lora_rank=lora_rank if mode == "shared" else 0, head_dim=config["attention_head_dim"])
+                   lora_rank=lora_rank if mode == "shared" else 0, head_dim=config["attention_head_dim"],
+                   text_dim=config.get("text_dim", config.get("joint_attention_dim", 4096)))
 
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
@@ -299,7 +301,7 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["forward"] = working_set(s, "forward")
     out["nograd"] = working_set(s, "nograd")
     b = DTYPE_BYTES[s.weight_dtype]
-    out["jvp"] = max(6 * s.dim**2 * b, 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
+    out["jvp"] = max(_jvp_weight_copies(s), 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
     # one all-to-all's send and receive buffers (a rank's q, k, v, attention output or tangent, one at a time: each
     # call frees its buffers before the next, attention/ulysses.py), at the activation dtype
     exchange = 2 * s.batch * _rank_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype] if s.context_parallel > 1 else 0.0
@@ -313,6 +315,20 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["step_peak"] = max(saved + max(out["backward"], out["forward"]) + exchange, held + out["nograd"] + exchange,
                            out["jvp"] + exchange)
     return _with_total(out)
+
+
+def _jvp_weight_copies(s: TrainSetup) -> float:
+    """Weight copies forward-mode AD makes in the JVP pass, which dominate it at few tokens: the clone of the time
+    projection's ``6 D x D`` weight (float32, ``4 * 6 D^2``). Under bf16 autocast (Wan) the time and text
+    embeddings run in float32, so the forward-mode rule of each bf16 condition-embedder linear first upcasts its
+    weight, then clones it: ``2 * 4 * 6 D^2`` for the time projection plus ``4 (text_dim + D) D`` for the text
+    embedder's (traced at the 14B width, docs/benchmarks.md)."""
+    D = s.dim
+    if _dtype_key(s) == "float32":
+        return 4.0 * 6 * D * D
+    if s.family == "wan":
+        return 2 * 4.0 * 6 * D * D + 4.0 * (s.text_dim + D) * D
+    return 6.0 * D * D * DTYPE_BYTES[s.weight_dtype]  # Flux under bf16: not traced
 
 
 def _with_total(out: dict) -> dict:
