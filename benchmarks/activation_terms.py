@@ -28,43 +28,44 @@ from rcm_diffusers.arch import build_transformer  # noqa: E402
 from rcm_diffusers.distill.memory import ACT_COEFFS, TrainSetup, _block_bytes, saved_activation_bytes  # noqa: E402
 
 
-def saved(dtype, layers: int, heads: int, ffn: int, frames: int, text: int, rank: int) -> int:
-    """Bytes autograd saves in one student forward of a ``layers``-block Wan (16 x 16 latent, ``frames`` frames)."""
-    from rcm_diffusers.attention import enable_jvp_attention
+def student_saved_bytes(m, dtype, x, cond, rank: int) -> int:
+    """Bytes autograd saves in one forward of ``m``'s LoRA student (the trainer's shared-base networks, rank ``rank``;
+    bf16 under bf16 autocast)."""
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.models import velocity_fn
 
-    m = build_transformer("wan2.1-t2v-1.3b", dtype=dtype, num_layers=layers, num_attention_heads=heads, ffn_dim=ffn)
-    keep = set(getattr(m, "_keep_in_fp32_modules", None) or ())
-    for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-        if any(k in name for k in keep):
-            t.data = t.data.float()
     nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=rank, time_input="float")
-    enable_jvp_attention(m)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, m.config.in_channels, frames, 16, 16, generator=g).to(dtype)
-    cond = {"encoder_hidden_states": torch.randn(1, text, m.config.text_dim, generator=g).to(dtype)}
     v = velocity_fn(m)
     with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         return saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
 
 
+def saved(dtype, layers: int, heads: int, ffn: int, frames: int, text: int, rank: int) -> int:
+    """Bytes autograd saves in one student forward of a ``layers``-block Wan (16 x 16 latent, ``frames`` frames), with
+    the JVP attention processors the trainer installs."""
+    from rcm_diffusers.attention import enable_jvp_attention
+
+    m = build_transformer("wan2.1-t2v-1.3b", dtype=dtype, keep_fp32=True, num_layers=layers, num_attention_heads=heads,
+                          ffn_dim=ffn)
+    enable_jvp_attention(m)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, m.config.in_channels, frames, 16, 16, generator=g).to(dtype)
+    cond = {"encoder_hidden_states": torch.randn(1, text, m.config.text_dim, generator=g).to(dtype)}
+    return student_saved_bytes(m, dtype, x, cond, rank)
+
+
 def saved_flux(dtype, double: int, single: int, heads: int, hw: int, text: int, rank: int) -> int:
     """Bytes autograd saves in one student forward of a Flux with ``double`` / ``single`` blocks (``hw`` x ``hw`` latent)."""
-    from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.data import _flux_img_ids
-    from rcm_diffusers.models import velocity_fn
 
-    m = build_transformer("flux.1-dev", dtype=dtype, num_layers=double, num_single_layers=single, num_attention_heads=heads)
-    nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=rank)
+    m = build_transformer("flux.1-dev", dtype=dtype, keep_fp32=True, num_layers=double, num_single_layers=single,
+                          num_attention_heads=heads)
     cfg, g = m.config, torch.Generator().manual_seed(0)
     x = torch.randn(1, hw * hw // 4, cfg.in_channels, generator=g).to(dtype)
     cond = {"encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g).to(dtype),
             "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
             "txt_ids": torch.zeros(text, 3), "img_ids": _flux_img_ids(hw, hw), "guidance": torch.full((1,), 3.5)}
-    v = velocity_fn(m)
-    with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        return saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
+    return student_saved_bytes(m, dtype, x, cond, rank)
 
 
 def flux_rows(a) -> None:

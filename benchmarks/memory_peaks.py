@@ -72,11 +72,7 @@ def setup_networks(a, policy: str, group):
     from rcm_diffusers.distill.checkpointing import enable_checkpointing
 
     dtype = getattr(torch, a.dtype)
-    m = build_transformer(a.arch, dtype=dtype, num_layers=a.num_layers)
-    keep = set(getattr(m, "_keep_in_fp32_modules", None) or ())  # float32 under from_pretrained(torch_dtype=bf16)
-    for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-        if any(k in name for k in keep):
-            t.data = t.data.float()
+    m = build_transformer(a.arch, dtype=dtype, keep_fp32=True, num_layers=a.num_layers)
     nets, trainable = Networks.build(m, "shared", with_fake=True, lora_rank=a.lora_rank, time_input="float")
     enable_jvp_attention(m)
     if group is not None:

@@ -51,16 +51,23 @@ def arch_meta(name: str) -> dict:
             "experts": int(raw.get("_experts", 1))}
 
 
-def build_transformer(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0, **overrides):
+def build_transformer(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                      keep_fp32: bool = False, **overrides):
     """A random-init diffusers transformer of architecture ``name`` in ``dtype`` (``device="meta"``:
-    no memory, for counting). Initialised in float32 then cast, so bf16 weights match the fp32 ones."""
+    no memory, for counting). Initialised in float32 then cast, so bf16 weights match the fp32 ones. ``keep_fp32``:
+    the class's ``_keep_in_fp32_modules`` stay float32, as ``from_pretrained(torch_dtype=dtype)`` loads them."""
     import diffusers
 
     cls = getattr(diffusers, arch_meta(name)["class_name"])
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls(**arch_config(name, **overrides))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) if keep_fp32 else set()
+    for pname, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if keep & set(pname.split(".")):
+            t.data = t.data.float()
+    return model
 
 
 def count_parameters(name: str, **overrides) -> int:

@@ -194,6 +194,16 @@ def test_switch_run_both_calls_both_experts_with_zero_effect():
     assert any(float(p.grad.abs().max()) > 0 for p in hi.parameters())
 
 
+def lora_difference(root, sub: str, label: str) -> tuple[float, float]:
+    """``(max |dW|, max |W|)`` between the LoRA files ``root/fsdp/sub`` and ``root/ddp/sub`` (same keys, not empty)."""
+    a, b = (load_file(str(root / n / sub / "pytorch_lora_weights.safetensors")) for n in ("fsdp", "ddp"))
+    assert a.keys() == b.keys() and a
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    scale = max(float(v.double().abs().max()) for v in b.values())
+    print(f"fsdp vs ddp, {label}: max |dW| {diff:.3g}, max |W| {scale:.3g}")
+    return diff, scale
+
+
 def test_fsdp2_dcm_with_fixed_angle_dmd_equals_ddp(tmp_path):
     """The JVP-free recipe (dCM + DMD on fixed angles) scales out as sCM does: on 2 gloo processes DDP keeps the
     replicas identical through the CM backward (no_sync'd after the DMD one) and the fake-score steps, and FSDP2 with
@@ -213,11 +223,7 @@ def test_fsdp2_dcm_with_fixed_angle_dmd_equals_ddp(tmp_path):
     launch_fsdp([*args, "--output_dir", str(tmp_path / "fsdp"), "--gradient_checkpointing", "true",
                  "--checkpointing_policy", "selective"])
     for sub in ("", "ema"):
-        a, b = (load_file(str(tmp_path / n / sub / "pytorch_lora_weights.safetensors")) for n in ("fsdp", "ddp"))
-        assert a.keys() == b.keys() and a
-        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-        scale = max(float(v.double().abs().max()) for v in b.values())
-        print(f"fsdp vs ddp, dCM + fixed DMD, {sub or 'live'}: max |dW| {diff:.3g}, max |W| {scale:.3g}")
+        diff, scale = lora_difference(tmp_path, sub, f"dCM + fixed DMD, {sub or 'live'}")
         assert scale > 1e-3 and diff <= 1e-6 * scale, (sub, diff, scale)
 
 
@@ -235,9 +241,5 @@ def test_fsdp2_two_experts_equals_ddp(tmp_path):
     run_trainer([*args, "--output_dir", str(tmp_path / "ddp")], num_processes=2, timeout=300)
     assert json.load(open(tmp_path / "fsdp" / "env.json"))["fsdp"]["layer_classes"] == ["WanTransformerBlock"]
     for sub in ("", "ema", "transformer_2", os.path.join("ema", "transformer_2")):
-        a, b = (load_file(str(tmp_path / n / sub / "pytorch_lora_weights.safetensors")) for n in ("fsdp", "ddp"))
-        assert a.keys() == b.keys() and a
-        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-        scale = max(float(v.double().abs().max()) for v in b.values())
-        print(f"fsdp vs ddp, two experts, {sub or 'high'}: max |dW| {diff:.3g}, max |W| {scale:.3g}")
+        diff, scale = lora_difference(tmp_path, sub, f"two experts, {sub or 'high'}")
         assert diff <= 1e-6 * scale, (sub, diff, scale)

@@ -304,7 +304,7 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["jvp"] = max(_jvp_weight_copies(s), 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
     # one all-to-all's send and receive buffers (a rank's q, k, v, attention output or tangent, one at a time: each
     # call frees its buffers before the next, attention/ulysses.py), at the activation dtype
-    exchange = 2 * s.batch * _rank_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype] if s.context_parallel > 1 else 0.0
+    exchange = 2 * s.batch * _rank_tokens(s) * s.dim * b if s.context_parallel > 1 else 0.0
     out["cp_exchange"] = exchange
     out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
     held = held_bytes(s)
