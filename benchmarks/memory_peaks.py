@@ -88,10 +88,12 @@ def row_setup(row: dict) -> TrainSetup:
 
     cfg = dict(arch_config(row["arch"]), num_layers=row["num_layers"])
     policy = row["policy"]
-    return TrainSetup.from_config(cfg, arch_meta(row["arch"])["class_name"], tokens=row["tokens"],
+    s = TrainSetup.from_config(cfg, arch_meta(row["arch"])["class_name"], tokens=row["tokens"],
                                   text_tokens=row["text_tokens"], lora_rank=row["lora_rank"], weight_dtype=row["dtype"],
                                   gradient_checkpointing=policy != "off",
                                   checkpointing_policy="full" if policy == "off" else policy, context_parallel=row["cp"])
+    s.cpu_attention_chunk = row.get("jvp_chunk") or s.cpu_attention_chunk  # 0: the kernel's default
+    return s
 
 
 def predicted_phases(s: TrainSetup) -> dict:
@@ -162,6 +164,7 @@ def main(argv=None):
         s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=a.text_tokens, lora_rank=a.lora_rank,
                                    weight_dtype=a.dtype, gradient_checkpointing=policy != "off",
                                    checkpointing_policy="full" if policy == "off" else policy, context_parallel=P)
+        s.cpu_attention_chunk = a.jvp_chunk or s.cpu_attention_chunk
         g = torch.Generator().manual_seed(0)  # one sample for every rank of the CP group
         x0 = torch.randn(1, cfg.in_channels, a.frames, a.hw, a.hw, generator=g, dtype=torch.float64)
         cond = {"encoder_hidden_states": torch.randn(1, a.text_tokens, cfg.text_dim, generator=g).to(dtype)}

@@ -53,7 +53,8 @@ import time
 import torch
 
 __all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "checkpoint_held", "checkpoint_held_bytes",
-           "held_bytes", "working_set", "allocation_trace", "AllocationTrace", "WORKING_SETS", "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS"]
+           "held_bytes", "working_set", "allocation_trace", "AllocationTrace", "WORKING_SETS", "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS",
+           "JVP_COEFFS", "JVP_CPU_ATTENTION", "jvp_bytes"]
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,19 +93,30 @@ SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, 
 
 #: working sets on top of what a phase holds, bytes per video token (Flux: per token of either stream) in units of
 #: the activation bytes ``b`` (4 float32, 2 under bf16 autocast) times ``per_F * F + per_D * D``: a no-grad forward
-#: (teacher, fake score) and a block's backward beyond its recompute. The JVP pass holds primal and tangent of the
-#: no-grad working set plus the weight copy forward-mode AD makes of the linear it runs, and at least the copies of
-#: the condition embedder's weights (``_jvp_weight_copies``): ``max(copies, 2 nograd + F D b)``. Fitted on peaks traced with
+#: (teacher, fake score) and a block's backward beyond its recompute. Fitted on peaks traced with
 #: ``allocation_trace`` (``benchmarks/memory_peaks.py``) at the Wan2.1-1.3B width (2 blocks, 1600 video tokens) and the
 #: 14B width (1 block, 576 tokens) in float32, the bf16 no-grad set scaled by the one bf16 point (1.3B width, 784
 #: tokens: bf16 autocast keeps norms and modulation in float32); checked on other token counts (docs/benchmarks.md).
-#: ``forward``: what a grad-enabled block forward holds on top of what it saves (the peak of the forward, and of each
-#: block's recompute under checkpointing); in bf16 autocast it exceeds the backward's: 0.74 x the no-grad set at the
-#: 1.3B width (784 and 1600 tokens, one width only); in float32 it stays under the backward in every trace.
 WORKING_SETS = {"float32": {"nograd": {"per_F": 2.93, "per_D": 5.19}, "backward": {"per_F": 1.98, "per_D": 0.23},
                             "forward": {"per_F": 0.0, "per_D": 0.0}},
                 "bfloat16": {"nograd": {"per_F": 4.07, "per_D": 7.21}, "backward": {"per_F": 1.98, "per_D": 0.23},
                              "forward": {"per_F": 3.01, "per_D": 5.34}}}
+
+#: the JVP pass (fd_type 0/1), which holds no activations across blocks: its token-bound peak is a block's primal and
+#: tangent feed-forward, ``b (per_F F + per_D D)`` per video token (Flux: per token of either stream) plus ``txt_D D b``
+#: per Wan text token, fitted in float32 on traces at the 1.3B, 5B and 14B widths (F 8960 / 14336 / 13824, D 1536 /
+#: 3072 / 5120, 784-2304 tokens: within 0.5 % of each; fitted on the first two widths only, 0.98 at the 14B width) with
+#: the CPU attention chunk small enough that no score matrix enters. Under bf16 autocast the same tensors take 2 bytes
+#: (the slope halves exactly at the 1.3B width) and the peak holds ``per_FD F D b`` more, bytes that scale with the
+#: feed-forward's weight (3.05 / 3.23 F D bytes at the 1.3B / 5B widths, fitted, not traced to an op). The pass also holds at
+#: least the weight copies of the condition embedder (``_jvp_weight_copies``); the larger of the two counts.
+JVP_COEFFS = {"float32": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 0.0},
+              "bfloat16": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 1.57}}
+#: the CPU attention JVP (``attention/torch_backend.py``, chunks of ``TrainSetup.cpu_attention_chunk`` query rows) holds ``scores`` score-sized
+#: matrices ``[heads, min(chunk, L), L]`` at once (S, P, tS, P tS and a temporary) beside ``per_D D b`` per token of
+#: inputs, tangents and outputs; a GPU flash kernel holds no such matrix, so only ``device="cpu"`` counts it. Fitted on
+#: the 1.3B width (1156 / 1600 tokens, chunks 1024 / 2048; within 1.4 %).
+JVP_CPU_ATTENTION = {"per_D": 13.97, "scores": 4.83}
 
 #: device name -> usable bytes
 DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "48 GB (L40S / RTX 6000 Ada)": 48e9, "24 GB (RTX 4090)": 24e9}
@@ -139,6 +151,7 @@ class TrainSetup:
     lora_rank: int = 64  # LoRA rank (the selective policy keeps the lora_A outputs, rank wide)
     head_dim: int = 128  # attention head dimension (selective: the log-sum-exp per head; Wan RoPE tables)
     text_dim: int = 4096  # width of the text encoder states the condition embedder projects (Wan: umT5)
+    cpu_attention_chunk: int = 1024  # query rows per chunk of the CPU attention JVP (counted with device="cpu" only)
 
     @classmethod
     def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
@@ -223,8 +236,10 @@ def _selective_block_bytes(s: TrainSetup) -> float:
 
 
 def _head_bytes(s: TrainSetup) -> float:
-    """What the output head (final norm and projection, outside the blocks) saves: ``D`` values per token."""
-    return float(s.batch * _stream_tokens(s) * s.dim * DTYPE_BYTES[s.weight_dtype])
+    """What the output head (final norm and projection, outside the blocks) saves: the float32 copy of the last hidden
+    states its layer norm keeps, ``4 D`` bytes per token in either dtype (Wan's ``norm_out`` is an ``FP32LayerNorm``;
+    autocast runs Flux's layer norm in float32); its projection's weight is frozen, so its input is not saved."""
+    return float(s.batch * _stream_tokens(s) * s.dim * 4)
 
 
 def checkpoint_held(s: TrainSetup) -> float:
@@ -258,9 +273,11 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
         blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [(ACT_COEFFS["flux_single"], n, 0)] * s.num_single_layers
     sizes = [_block_bytes(c, s, t, tt) for c, t, tt in blocks]
     one = max(sizes) if sizes else 0.0
-    if not s.gradient_checkpointing:  # Wan: the float32 RoPE cos / sin tables, once for all blocks
+    if not s.gradient_checkpointing:  # Wan: the float32 RoPE cos / sin tables, once for all blocks; the head's saved
+        # copy of the last hidden states is the last block's share (each block's coefficients count the copy of its
+        # output that its consumer saves: outside the blocks, a Wan forward saves the RoPE tables alone)
         rope = 2 * s.batch * _rank_tokens(s) * s.head_dim * 4 if s.family == "wan" else 0
-        return float(sum(sizes) + rope + _head_bytes(s)), one
+        return float(sum(sizes) + rope), one
     held = checkpoint_held(s) + _head_bytes(s)
     if s.checkpointing_policy == "selective":  # the recompute re-uses the kept outputs of the block it runs
         return held + max(one - _selective_block_bytes(s), 0.0), one
@@ -301,7 +318,7 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["forward"] = working_set(s, "forward")
     out["nograd"] = working_set(s, "nograd")
     b = DTYPE_BYTES[s.weight_dtype]
-    out["jvp"] = max(_jvp_weight_copies(s), 2 * out["nograd"] + s.ffn_dim * s.dim * b) if s.fd_type in (0, 1) else 0.0
+    out["jvp"] = jvp_bytes(s, device)
     # one all-to-all's send and receive buffers (a rank's q, k, v, attention output or tangent, one at a time: each
     # call frees its buffers before the next, attention/ulysses.py), at the activation dtype
     exchange = 2 * s.batch * _rank_tokens(s) * s.dim * b if s.context_parallel > 1 else 0.0
@@ -315,6 +332,23 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["step_peak"] = max(saved + max(out["backward"], out["forward"]) + exchange, held + out["nograd"] + exchange,
                            out["jvp"] + exchange)
     return _with_total(out)
+
+
+def jvp_bytes(s: TrainSetup, device: str = "cuda") -> float:
+    """Working set of the JVP pass (fd_type 0/1; 0 otherwise): ``max(weight copies, token-bound feed-forward peak[,
+    CPU attention peak])`` with ``JVP_COEFFS`` and, on ``device="cpu"``, ``JVP_CPU_ATTENTION`` (under context
+    parallelism the attention holds all ``L`` tokens of ``heads / P`` heads)."""
+    if s.fd_type not in (0, 1):
+        return 0.0
+    b, c, D = DTYPE_BYTES[s.weight_dtype], JVP_COEFFS[_dtype_key(s)], s.dim
+    text = s.text_tokens if s.family == "wan" else 0
+    parts = [_jvp_weight_copies(s), b * (s.batch * (_stream_tokens(s) * (c["per_F"] * s.ffn_dim + c["per_D"] * D)
+                                                    + text * c["txt_D"] * D) + c["per_FD"] * s.ffn_dim * D)]
+    if device == "cpu":
+        a, L = JVP_CPU_ATTENTION, s.tokens + (s.text_tokens if s.family == "flux" else 0)
+        heads = (D // s.head_dim) // s.context_parallel
+        parts.append(s.batch * b * (a["per_D"] * _stream_tokens(s) * D + a["scores"] * heads * min(s.cpu_attention_chunk, L) * L))
+    return float(max(parts))
 
 
 def _jvp_weight_copies(s: TrainSetup) -> float:
