@@ -8,8 +8,8 @@ into ``OUT/NAME`` (skipped when its ``final.json`` exists) with one torch thread
 Evaluation: the EMA and live LoRA, ``RCMScheduler`` at 1 / 2 / 4 steps (``--steps``), 1000 samples, seed 1234, the
 student sampled as its run's ``env.json`` config names: the time input it was trained with (``bf16`` rounds the
 transformer's timestep ``1000 r`` to bfloat16, as training fed it), ``sigma_max`` and ``mid_t``. FD to held-out real digits and its
-ratio to the 50-step Euler teacher's FD, class accuracy and diversity (the goals: <= 1.5x at 1 step, <= 1.3x at 2, <= 1.2x at 4); one JSON line
-per run appended to ``OUT/sweep.jsonl`` with the wall clock of training. ``--extra_ema 0.05,0.2`` trains through
+ratio to the 50-step Euler teacher's FD, the same for the pixel FD (raw pixels, a second feature space), class
+accuracy and diversity; one JSON line per run appended to ``OUT/sweep.jsonl`` with the wall clock of training. ``--extra_ema 0.05,0.2`` trains through
 ``benchmarks/train_extra_ema.py`` (no resume) and evaluates each extra power-EMA rate too (``ema-<s>`` rows).
 """
 
@@ -30,14 +30,17 @@ sys.path.insert(0, REPO)
 from rcm_diffusers import digits as D  # noqa: E402
 
 
-def teacher_fd(ev, labels, seed: int, cache: str) -> float:
-    """FD of the 50-step Euler teacher (no CFG), cached in ``cache``."""
+def teacher_fd(ev, labels, seed: int, cache: str) -> dict:
+    """FD and pixel FD of the 50-step Euler teacher (no CFG), cached in ``cache``."""
     if os.path.exists(cache):
-        return json.load(open(cache))["fd"]
+        ref = json.load(open(cache))
+        if "fd_pixel" in ref:
+            return ref
     tr, emb = D.load_teacher()
-    fd = ev.evaluate(D.sample_teacher(tr, emb, labels, 50, "euler", 1.0, seed), labels)["fd"]
-    D.atomic_write_text(cache, json.dumps({"fd": fd}))
-    return fd
+    m = ev.evaluate(D.sample_teacher(tr, emb, labels, 50, "euler", 1.0, seed), labels)
+    ref = {"fd": m["fd"], "fd_pixel": m["fd_pixel"]}
+    D.atomic_write_text(cache, json.dumps(ref))
+    return ref
 
 
 def main(argv=None):
@@ -74,7 +77,8 @@ def main(argv=None):
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
     ref = teacher_fd(ev, labels, a.seed, os.path.join(os.path.abspath(a.out), f"teacher50_seed{a.seed}_n{a.samples}.json"))
-    rec = {"name": a.name, "args": train_args, "train_s": train_s, "time_input": cfg.get("time_input", "float"), "teacher_fd": ref}
+    rec = {"name": a.name, "args": train_args, "train_s": train_s, "time_input": cfg.get("time_input", "float"),
+           "teacher_fd": ref["fd"], "teacher_fd_pixel": ref["fd_pixel"]}
     emas = sorted(d for d in os.listdir(run) if d.startswith("ema-") and os.path.isdir(os.path.join(run, d)))
     for which, d in [("ema", os.path.join(run, "ema")), ("live", run)] + [(e, os.path.join(run, e)) for e in emas]:
         tr, emb = D.load_student(D.TEACHER_DIR, d)
@@ -82,7 +86,9 @@ def main(argv=None):
             m = ev.evaluate(D.sample_student(tr, emb, labels, n, a.seed, float(cfg.get("sigma_max", 80.0)),
                                              cfg.get("mid_t") or None, time_input=rec["time_input"]), labels)
             rec[f"{which}_fd{n}"] = round(m["fd"], 3)
-            rec[f"{which}_ratio{n}"] = round(m["fd"] / ref, 3)
+            rec[f"{which}_ratio{n}"] = round(m["fd"] / ref["fd"], 3)
+            rec[f"{which}_pixfd{n}"] = round(m["fd_pixel"], 4)
+            rec[f"{which}_pixratio{n}"] = round(m["fd_pixel"] / ref["fd_pixel"], 3)
             rec[f"{which}_acc{n}"] = round(m["accuracy"], 3)
             rec[f"{which}_div{n}"] = round(m["diversity"], 3)
     with open(os.path.join(a.out, "sweep.jsonl"), "a") as f:

@@ -133,10 +133,11 @@ def test_teacher_samples_are_digits(teacher, ev):
 
 
 def test_report_and_grid(tmp_path, split):
-    rows = [D.Row("teacher euler", 50, 50, 1.234, 0.95, 0.98, 1.5, 100.0), D.Row("student rcm", 1, 1, 2.5, 0.9, 0.9, 0.1, 100.0, 1.1)]
+    rows = [D.Row("teacher euler", 50, 50, 1.234, 0.95, 0.98, 1.5, 100.0), D.Row("student rcm", 1, 1, 2.5, 0.9, 0.9, 0.1, 100.0, 1.1, 0.4567)]
     table = D.write_report(str(tmp_path / "report.md"), rows, "# t")
     text = (tmp_path / "report.md").read_text()
-    assert text.startswith("# t") and "| teacher euler | 50 | 50 | 1.23 | — | 0.950 |" in table and "| 1.10 |" in table
+    assert text.startswith("# t") and "| teacher euler | 50 | 50 | 1.23 | — | — | 0.950 |" in table
+    assert "| student rcm | 1 | 1 | 2.50 | 1.10 | 0.457 | 0.900 |" in table
     from PIL import Image
 
     D.save_grid(str(tmp_path / "g.png"), [("real", split["x_test"][:10]), ("real2", split["x_test"][10:20])], scale=2)

@@ -121,10 +121,11 @@ def main(argv=None):
         if ref is None:
             ref = ev.features(x)  # first job: the reference teacher (Euler, ref_steps)
         fdt = D.frechet_distance(ev.features(x), ref)
-        rows.append(D.Row(method, n, nfe, m["fd"], m["accuracy"], m["diversity"], 1000 * sec / a.samples, peak, fdt))
+        rows.append(D.Row(method, n, nfe, m["fd"], m["accuracy"], m["diversity"], 1000 * sec / a.samples, peak, fdt,
+                          fd_pixel=m["fd_pixel"]))
         label = method if not isinstance(key, tuple) else f"{method.split(':')[0]} {'user' if key[0] == 'user call' else 'dflt'}"
         grid.append((f"{label} / {n}", torch.cat([x[labels == c][:1] for c in range(D.NUM_CLASSES)])))
-        tqdm.write(f"{method:>28} {n:>3} steps: FD {m['fd']:.2f}  acc {m['accuracy']:.3f}  div {m['diversity']:.2f}  "
+        tqdm.write(f"{method:>28} {n:>3} steps: FD {m['fd']:.2f}  pixel FD {m['fd_pixel']:.3f}  acc {m['accuracy']:.3f}  div {m['diversity']:.2f}  "
                    f"{1000 * sec / a.samples:.2f} ms/sample")
 
     header = (f"# {a.title}\n\n{a.samples} samples per row (classes 0-9 in turn), seed {a.seed}; FD and diversity in the "

@@ -52,15 +52,18 @@ class Row:
     ms_per_sample: float
     peak_mb: float
     fd_vs_teacher: float = math.nan
+    fd_pixel: float = math.nan  # Fréchet distance in raw pixels, the second feature space (Evaluator.evaluate)
 
 
 def write_report(path: str, rows: list[Row], header: str = "") -> str:
-    """Markdown table (NFE, FD, accuracy, diversity, ms/sample, peak memory) written atomically; returns the table."""
-    lines = ["| method | steps | NFE | FD ↓ | FD vs teacher-100 ↓ | accuracy ↑ | diversity (real = 1) | ms/sample | peak MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """Markdown table (NFE, FD, pixel FD, accuracy, diversity, ms/sample, peak memory) written atomically; returns the
+    table."""
+    lines = ["| method | steps | NFE | FD ↓ | FD vs teacher-100 ↓ | pixel FD ↓ | accuracy ↑ | diversity (real = 1) | ms/sample | peak MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         fdt = "—" if math.isnan(r.fd_vs_teacher) else f"{r.fd_vs_teacher:.2f}"
-        lines.append(f"| {r.method} | {r.steps} | {r.nfe} | {r.fd:.2f} | {fdt} | {r.accuracy:.3f} | {r.diversity:.2f} | "
+        pix = "—" if math.isnan(r.fd_pixel) else f"{r.fd_pixel:.3f}"
+        lines.append(f"| {r.method} | {r.steps} | {r.nfe} | {r.fd:.2f} | {fdt} | {pix} | {r.accuracy:.3f} | {r.diversity:.2f} | "
                      f"{r.ms_per_sample:.2f} | {r.peak_mb:.0f} |")
     table = "\n".join(lines) + "\n"
     atomic_write_text(path, (header + "\n\n" if header else "") + table)
