@@ -16,10 +16,12 @@ ema + step_peak + overhead):
   ``rcm_diffusers.distill.checkpointing``) also every block's matrix-product and attention outputs, the recompute
   working set of one block then being the rest of that block (``checkpoint_held`` gives what is held between the
   forward and the backward);
-* ``backward`` / ``forward`` / ``nograd`` / ``jvp``: working sets on top of what a phase holds (``WORKING_SETS``,
+* ``backward`` / ``forward`` / ``nograd``: working sets on top of what a phase holds (``WORKING_SETS``,
   measured): a block's backward beyond its recompute, a grad-enabled block forward beyond what it saves, a no-grad
-  forward (teacher, fake score), and the no-grad ``torch.func.jvp``
-  pass (fd_type 0/1; primal and tangent of one block's live tensors, not saved across blocks);
+  forward (teacher, fake score);
+* ``jvp``: the no-grad ``torch.func.jvp`` pass (fd_type 0/1; ``jvp_bytes``): primal and tangent of one block's
+  feed-forward (``JVP_COEFFS``, nothing saved across blocks) or the condition embedder's weight copies, whichever is
+  larger, and on CPU the chunked attention's score matrices (``JVP_CPU_ATTENTION``);
 * ``cp_exchange``: Ulysses context parallelism (``context_parallel`` P > 1): the send and receive buffers of one
   all-to-all (the exchanges run one tensor at a time and free their buffers before the next);
 * ``step_peak``: the largest phase of a step on top of the grads: ``activations + backward`` (a grad-enabled
