@@ -89,9 +89,9 @@ def row_setup(row: dict) -> TrainSetup:
     cfg = dict(arch_config(row["arch"]), num_layers=row["num_layers"])
     policy = row["policy"]
     s = TrainSetup.from_config(cfg, arch_meta(row["arch"])["class_name"], tokens=row["tokens"],
-                                  text_tokens=row["text_tokens"], lora_rank=row["lora_rank"], weight_dtype=row["dtype"],
-                                  gradient_checkpointing=policy != "off",
-                                  checkpointing_policy="full" if policy == "off" else policy, context_parallel=row["cp"])
+                               text_tokens=row["text_tokens"], lora_rank=row["lora_rank"], weight_dtype=row["dtype"],
+                               gradient_checkpointing=policy != "off",
+                               checkpointing_policy="full" if policy == "off" else policy, context_parallel=row["cp"])
     s.cpu_attention_chunk = row.get("jvp_chunk") or s.cpu_attention_chunk  # 0: the kernel's default
     return s
 
@@ -161,10 +161,10 @@ def main(argv=None):
     for policy in a.policies.split(","):
         m, nets = setup_networks(a, policy, group)
         cfg = m.config
-        s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=a.text_tokens, lora_rank=a.lora_rank,
-                                   weight_dtype=a.dtype, gradient_checkpointing=policy != "off",
-                                   checkpointing_policy="full" if policy == "off" else policy, context_parallel=P)
-        s.cpu_attention_chunk = a.jvp_chunk or s.cpu_attention_chunk
+        # what each row records of its setup; the model's setup is read back from it, as --rescore does
+        meta = dict(policy=policy, tokens=tokens, cp=P, dtype=a.dtype, arch=a.arch, text_tokens=a.text_tokens,
+                    lora_rank=a.lora_rank, num_layers=a.num_layers, jvp_chunk=a.jvp_chunk)
+        s = row_setup(meta)
         g = torch.Generator().manual_seed(0)  # one sample for every rank of the CP group
         x0 = torch.randn(1, cfg.in_channels, a.frames, a.hw, a.hw, generator=g, dtype=torch.float64)
         cond = {"encoder_hidden_states": torch.randn(1, a.text_tokens, cfg.text_dim, generator=g).to(dtype)}
@@ -237,10 +237,8 @@ def main(argv=None):
         predicted = predicted_phases(s)
         for ph, v in measured.items():
             pr = predicted.get(ph, float("nan"))
-            rows.append(dict(policy=policy, phase=ph, measured=v, predicted=pr, ratio=v / pr,
-                             tokens=tokens, rank_tokens=-(-tokens // P), cp=P, rank=rank, dtype=a.dtype, arch=a.arch,
-                             text_tokens=a.text_tokens, lora_rank=a.lora_rank,
-                             num_layers=a.num_layers, jvp_chunk=a.jvp_chunk, seconds=time.time() - t0))
+            rows.append(dict(meta, phase=ph, measured=v, predicted=pr, ratio=v / pr, rank_tokens=-(-tokens // P), rank=rank,
+                             seconds=time.time() - t0))
         m = nets = opt = ema = None  # free this policy's model before the next one is built
     if group is not None:  # every rank's rows, printed and written by rank 0
         import torch.distributed as dist

@@ -319,11 +319,10 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     out["backward"] = working_set(s, "backward")
     out["forward"] = working_set(s, "forward")
     out["nograd"] = working_set(s, "nograd")
-    b = DTYPE_BYTES[s.weight_dtype]
     out["jvp"] = jvp_bytes(s, device)
     # one all-to-all's send and receive buffers (a rank's q, k, v, attention output or tangent, one at a time: each
     # call frees its buffers before the next, attention/ulysses.py), at the activation dtype
-    exchange = 2 * s.batch * _rank_tokens(s) * s.dim * b if s.context_parallel > 1 else 0.0
+    exchange = 2 * s.batch * _rank_tokens(s) * s.dim * wb if s.context_parallel > 1 else 0.0
     out["cp_exchange"] = exchange
     out["overhead"] = 0.6 * GiB if device == "cpu" else 1.0 * GiB
     held = held_bytes(s)
