@@ -51,7 +51,7 @@ demo: setup
 
 # Wan 2.2-style two experts on digits: both experts in one rCM run vs one expert's LoRA on both, 3 seeds
 # each (training/configs/digits-experts.yaml), against the two-expert teacher: outputs/digits_experts/report.md.
-# Not part of `make demo` (about 55 min on a 2-core host shared with other jobs, docs/benchmarks.md); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
+# Not part of `make demo` (about 50 min on a 2-core host, docs/benchmarks.md); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
 demo-experts: setup
 	$(PY) training/demo_experts_digits.py $(DEMO_ARGS)
 
