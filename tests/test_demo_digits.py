@@ -137,20 +137,23 @@ def test_demo_with_ablations_end_to_end(tmp_path):
 
 
 def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
-    """training/demo_experts_digits.py: the students are sampled with the config's sampler (sigma_max, mid_t), whose
-    first step is the high-noise expert's and every later one the low-noise expert's; the report carries the
-    raw-pixel FD beside the classifier-feature FD."""
+    """training/demo_experts_digits.py: the students are sampled with the config's sampler (sigma_max, mid_t per step
+    count): 1-3 steps take one high-noise expert step and then the low-noise expert, 4 steps two high-noise steps
+    and then two low-noise; the report carries the raw-pixel FD beside the classifier-feature FD."""
     import math
 
     import demo_experts_digits as E
     from rcm_diffusers.distill.experts import boundary_sigma
+    from rcm_diffusers.sampling import mid_t_for_steps, parse_mid_t
 
     a, rest = E.parse_args(["--out", str(tmp_path), "--seeds", "0,1"])
     runs = E.plan(a, rest)
     assert [(r["method"], r["seed"]) for r in runs] == [("two-experts", 0), ("one-lora-both", 0), ("two-experts", 1), ("one-lora-both", 1)]
     c = runs[0]["config"]
     t_b = math.atan(boundary_sigma(0.875))
-    assert math.atan(c["sigma_max"]) > t_b > max(c["mid_t"])
+    assert math.atan(c["sigma_max"]) > t_b
+    high = {n: sum(t >= t_b for t in mid_t_for_steps(parse_mid_t(c["mid_t"]), n)) for n in (1, 2, 3, 4)}
+    assert high == {1: 0, 2: 0, 3: 0, 4: 1}  # high-noise steps after the first
     teacher = {"fd": 5.0, "fd_pixel": 0.5, "accuracy": 0.97, "diversity": 1.0}
     rows = [{"method": r["method"], "weights": "ema", "seed": r["seed"], "steps": 1, "fd": 6.0 + r["seed"], "fd_ratio": (6.0 + r["seed"]) / 5,
              "fd_pixel": 0.6, "fd_pixel_ratio": 1.2, "accuracy": 0.9, "diversity": 0.8} for r in runs]
