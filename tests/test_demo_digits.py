@@ -44,6 +44,17 @@ def test_run_state_and_config_mismatch(tmp_path):
     assert D.run_state(str(run), {**cfg, "sigma_max": 5000.0, "mid_t": [1.0]}) == "finished"  # nor does the sampler
     with pytest.raises(ValueError, match=r"max_steps: 10 -> 11.*--force"):
         D.run_state(str(run), {**cfg, "max_steps": 11})
+    # the two-expert options change a two-expert run only
+    for experts, same in (("one", True), ("both", False)):
+        run2 = tmp_path / experts
+        run2.mkdir()
+        (run2 / "env.json").write_text(json.dumps({"config": {**cfg, "experts": experts, "high_noise_share": 0.5}}))
+        new = {**cfg, "experts": experts, "high_noise_share": 0.25}
+        if same:
+            assert D.run_state(str(run2), new) == "partial"
+        else:
+            with pytest.raises(ValueError, match=r"high_noise_share: 0.5 -> 0.25"):
+                D.run_state(str(run2), new)
 
 
 def test_bad_options_fail_before_training(tmp_path, capsys):

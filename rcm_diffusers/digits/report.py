@@ -83,6 +83,8 @@ ABLATIONS = {"scm-only": {"use_dmd": False}, "dmd-only": {"scm_weight": 0.0, "ta
 # exports, and the demos sample every student with the sampler of their current config
 _RUN_NEUTRAL = {"output_dir", "resume", "progress", "log_every", "checkpoint_every", "checkpoints_total_limit",
                 "report_to", "exit_after_step", "sample_every", "sample_steps", "sigma_max", "mid_t"}
+# the two-expert options: a one-expert run (``experts: one``) never reads them
+_TWO_EXPERT_ONLY = {"expert_sampling", "high_noise_share", "boundary_weight"}
 
 
 def run_overrides(variant: str) -> list[str]:
@@ -97,14 +99,16 @@ def run_overrides(variant: str) -> list[str]:
 def run_state(run_dir: str, config: dict | None = None) -> str:
     """``"missing"``, ``"partial"`` (started, no final export) or ``"finished"`` (``final.json`` and the student
     LoRA or transformer written); raises ``ValueError`` naming the keys when ``config`` (a ``RCMConfig`` as dict)
-    differs from the run's ``env.json`` in anything that changes the training."""
+    differs from the run's ``env.json`` in anything that changes the training (the two-expert options do not change a
+    one-expert run)."""
     env = os.path.join(run_dir, "env.json")
     if not os.path.exists(env):
         return "missing" if not os.path.exists(os.path.join(run_dir, "final.json")) else "partial"
     if config is not None:
         with open(env) as f:
             old = json.load(f).get("config", {})
-        diff = sorted(k for k in set(config) | set(old) if k not in _RUN_NEUTRAL and old.get(k) != config.get(k))
+        neutral = _RUN_NEUTRAL | (_TWO_EXPERT_ONLY if old.get("experts") == config.get("experts") == "one" else set())
+        diff = sorted(k for k in set(config) | set(old) if k not in neutral and old.get(k) != config.get(k))
         if diff:
             raise ValueError(f"{run_dir} holds a run with a different config ({', '.join(f'{k}: {old.get(k)!r} -> {config.get(k)!r}' for k in diff)}); "
                              "pass --force to retrain it, or choose another --out")
