@@ -49,9 +49,9 @@ def main(argv=None):
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
     tr, emb = D.load_student(D.TEACHER_DIR, os.path.join(a.run, "ema") if a.weights == "ema" else a.run)
-    grid = [(1, sm, None) for sm in sigmas] * (1 in steps) + \
-        [(2, sm, [float(m)]) for sm in sigmas for m in a.mid_2.split(",")] * (2 in steps) + \
-        [(4, sm, parse_mid_t(m)) for sm in sigmas for m in a.mid_4] * (4 in steps)
+    grid = [(1, sm, None) for sm in sigmas] + [(2, sm, [float(m)]) for sm in sigmas for m in a.mid_2.split(",")] + \
+        [(4, sm, parse_mid_t(m)) for sm in sigmas for m in a.mid_4]
+    grid = [g for g in grid if g[0] in steps]
     rows = []
     print("| steps | sigma_max | mid_t | FD | pixel FD | accuracy | diversity |\n|---:|---:|---|---:|---:|---:|---:|", flush=True)
     for n, sm, mid in grid:

@@ -155,7 +155,7 @@ def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
 
     import demo_experts_digits as E
     from rcm_diffusers.distill.experts import boundary_sigma
-    from rcm_diffusers.sampling import mid_t_for_steps, parse_mid_t
+    from rcm_diffusers.sampling import mid_t_for_steps
 
     a, rest = E.parse_args(["--out", str(tmp_path), "--seeds", "0,1"])
     runs = E.plan(a, rest)
@@ -163,7 +163,7 @@ def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
     c = runs[0]["config"]
     t_b = math.atan(boundary_sigma(0.875))
     assert math.atan(c["sigma_max"]) > t_b
-    high = {n: sum(t >= t_b for t in mid_t_for_steps(parse_mid_t(c["mid_t"]), n)) for n in (1, 2, 3, 4)}
+    high = {n: sum(t >= t_b for t in mid_t_for_steps(c["mid_t"], n)) for n in (1, 2, 3, 4)}
     assert high == {1: 0, 2: 0, 3: 0, 4: 1}  # high-noise steps after the first
     teacher = {"fd": 5.0, "fd_pixel": 0.5, "accuracy": 0.97, "diversity": 1.0}
     rows = [{"method": r["method"], "weights": "ema", "seed": r["seed"], "steps": 1, "fd": 6.0 + r["seed"], "fd_ratio": (6.0 + r["seed"]) / 5,
