@@ -2,7 +2,7 @@
 #   make test   set up .venv and run the test suite (CPU, offline)
 #   make test-floors   the scheduler, pipeline and LoRA tests against the lowest declared versions (.ci/floors.txt)
 #   make demo   set up .venv and run the main job on the embedded default
-#   make demo-experts   two-expert (Wan 2.2-style) distillation on digits, 3 seeds (~55 min on a shared 2-core host)
+#   make demo-experts   two-expert (Wan 2.2-style) distillation on digits, 3 seeds (35-55 min on a shared 2-core host)
 # CPU machines take the local CPU build of torch (pinned); on a GPU machine run
 #   make setup TORCH="torch"   (or pre-install your CUDA torch into .venv).
 VENV   ?= .venv
