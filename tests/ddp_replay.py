@@ -41,13 +41,14 @@ def rank_rows(obj, r: int, B: int):
     return obj
 
 
-def student_replay(nets, x0, cond, uncond, plan, cfg, generator, backward, noise_multiplier=1.0):
-    """``trainer.student_step`` once per replayed rank: its rows, its generator, its terms scaled by 1/P."""
+def student_replay(nets, x0, cond, uncond, plan, cfg, generator, backward, noise_multiplier=1.0, pairs=None):
+    """``trainer.student_step`` once per replayed rank: its rows (and ODE pairs), its generator, its terms scaled by 1/P."""
     B, logs = x0.shape[0] // WORLD, {}
     for r in range(WORLD):
         logs = student(nets, rank_rows(x0, r, B), rank_rows(cond, r, B), rank_rows(uncond, r, B), plan, cfg,
                        step_generator(cfg.seed, plan.i, r), lambda loss, last: backward(loss / WORLD, last),
-                       noise_multiplier=noise_multiplier)
+                       noise_multiplier=noise_multiplier,
+                       pairs=None if pairs is None else tuple(rank_rows(v, r, B) for v in pairs))
     return logs
 
 

@@ -132,6 +132,32 @@ def test_teacher_samples_are_digits(teacher, ev):
     torch.testing.assert_close(D.sample_student(tr, emb, y[:20], steps=2, seed=0), xs, rtol=0, atol=1e-6)
 
 
+@torch.no_grad()
+def test_shipped_ode_pairs_are_the_teachers_ode_solutions(teacher, tmp_path):
+    """``write_ode_pairs`` (the shipped ``digits_ode_pairs``) against an independent run of the digits sampler's
+    velocity with ``TrigFlowUniPCScheduler`` from the stored noise; the shipped rows are what it writes (first 12 pairs,
+    written again here in one batch instead of 512), their noise the seeded draw, their classes i % 10."""
+    from rcm_diffusers.distill.data import LatentDataset
+    from rcm_diffusers.digits.sample import _velocity
+    from rcm_diffusers.schedulers import TrigFlowUniPCScheduler
+
+    tr, emb = teacher
+    shipped = LatentDataset(D.ODE_PAIRS_DIR)
+    assert len(shipped) == 8192 and shipped.meta["steps"] == 32 and shipped.meta["seed"] == 0
+    b = shipped.get(list(range(12)))
+    again = LatentDataset(D.write_ode_pairs(str(tmp_path / "p"), num_samples=12)).get(list(range(12)))
+    assert torch.equal(again["noise"], b["noise"]) and torch.equal(b["label"], torch.arange(12) % 10)
+    torch.testing.assert_close(again["latents"], b["latents"], rtol=0, atol=1e-5)
+    assert torch.equal(b["noise"][7], torch.randn(1, 1, 8, 8, generator=torch.Generator().manual_seed(7)))
+    sch = TrigFlowUniPCScheduler(sigma_max=5000.0, shift=1.0)
+    sch.set_timesteps(32)
+    x, v = b["noise"].clone(), _velocity(tr, emb, b["label"], 1.0)
+    for k, ts in enumerate(sch.timesteps):
+        x = sch.step(v(x, sch.rf_times[k]), ts, x).prev_sample
+    torch.testing.assert_close(x, b["latents"], rtol=0, atol=1e-5)
+    assert (x - b["noise"]).abs().max() > 1.0  # the teacher moved the noise to a digit
+
+
 def test_report_and_grid(tmp_path, split):
     rows = [D.Row("teacher euler", 50, 50, 1.234, 0.95, 0.98, 1.5, 100.0), D.Row("student rcm", 1, 1, 2.5, 0.9, 0.9, 0.1, 100.0, 1.1, 0.4567)]
     table = D.write_report(str(tmp_path / "report.md"), rows, "# t")
@@ -217,7 +243,8 @@ def test_digits_trainer_smoke_then_eval(tmp_path):
 
 
 def test_teacher_training_script_is_seeded(tmp_path):
-    """Two 3-step runs of training/train_teacher_digits.py write bit-identical weights and embeddings."""
+    """Two 3-step runs of training/train_teacher_digits.py write bit-identical weights and embeddings, and leave the
+    shipped assets alone."""
     import sys
 
     from safetensors.torch import load_file
@@ -225,6 +252,10 @@ def test_teacher_training_script_is_seeded(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "training"))
     import train_teacher_digits
 
+    def shipped():
+        return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(D.ASSETS) for f in fs}
+
+    before = shipped()
     outs = []
     for k in range(2):
         out = str(tmp_path / f"t{k}")
@@ -237,6 +268,7 @@ def test_teacher_training_script_is_seeded(tmp_path):
         assert torch.equal(v, outs[1][k]), k
     tr, emb = D.load_teacher(str(tmp_path / "t0"))
     assert emb.shape == (11, D.TEXT_LEN, D.TEXT_DIM)
+    assert shipped() == before  # another teacher's ODE pairs never land in the shipped ones (--pairs_out auto)
 
 
 def test_extra_ema_rates_leave_training_and_the_configured_ema_alone(tmp_path):

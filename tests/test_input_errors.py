@@ -131,6 +131,11 @@ def test_every_data_error_is_one_line_before_anything(teacher, tmp_path, capsys,
     make, match = BAD[kind]
     data = make(tmp_path)
     cfg = SimpleNamespace(pretrained=teacher, data_dir=str(data), transformer_subfolder="transformer", experts="auto")
+    _assert_one_line_exit_2(cfg, capsys, match)
+
+
+def _assert_one_line_exit_2(cfg, capsys, match):
+    """``check_inputs(cfg)`` ends with exit status 2 and one ``error: ...`` line matching ``match``."""
     with pytest.raises(SystemExit) as e:
         R.check_inputs(cfg)
     assert e.value.code == 2
@@ -142,7 +147,42 @@ def test_every_data_error_is_one_line_before_anything(teacher, tmp_path, capsys,
 def test_a_valid_dataset_passes(teacher, tmp_path):
     cfg = SimpleNamespace(pretrained=teacher, data_dir=str(_write(tmp_path / "ok")), transformer_subfolder="transformer",
                           experts="auto")
-    assert R.check_inputs(cfg) == {"family": "wan", "num_samples": 6}
+    assert R.check_inputs(cfg) == {"family": "wan", "num_samples": 6, "fields": ["latents", "negative_prompt_embeds",
+                                                                                "prompt_embeds", "prompt_index"]}
+
+
+def _pairs(root, noise=True, noise_shape=(4, 1, 4, 4)):
+    """An ODE-pair dataset like training/prepare_data.py --synthetic writes (``noise`` beside ``latents``)."""
+    g = torch.Generator().manual_seed(1)
+    fields = {"latents": torch.randn(5, 4, 1, 4, 4, generator=g), "prompt_index": torch.arange(5) % 3}
+    if noise:
+        fields["noise"] = torch.randn(5, *noise_shape, generator=g)
+    write_latent_dataset(str(root), fields, family="wan",
+                         tables={"prompt_embeds": torch.randn(3, TEXT_LEN, TEXT_DIM, generator=g)},
+                         table_index={"prompt_embeds": "prompt_index"})
+    return root
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("no noise", r"regression_data_dir .*pairs_no noise: no 'noise' field, so these are not ODE pairs; make them with "
+                 r"training/prepare_data.py --synthetic"),
+    ("noise shape", r"noise \[4, 1, 2, 2\] must have the latents' shape \[4, 1, 4, 4\]"),
+    ("missing", r"--regression_data_dir .*pairs_missing: no such folder")])
+def test_bad_ode_pairs_are_one_line_before_anything(teacher, tmp_path, capsys, kind, match):
+    """With the regression term on, the ODE pairs are checked like the training data, and must hold the ``noise``
+    each teacher sample started from, in the latents' shape; a valid pair set passes."""
+    pairs = tmp_path / f"pairs_{kind}"
+    if kind != "missing":
+        _pairs(pairs, noise=kind != "no noise", noise_shape=(4, 1, 2, 2) if kind == "noise shape" else (4, 1, 4, 4))
+    cfg = SimpleNamespace(pretrained=teacher, data_dir=str(_write(tmp_path / "ok")), transformer_subfolder="transformer",
+                          experts="auto", regression_weight=1.0, regression_data_dir=str(pairs))
+    _assert_one_line_exit_2(cfg, capsys, match)
+
+
+def test_valid_ode_pairs_pass(teacher, tmp_path):
+    cfg = SimpleNamespace(pretrained=teacher, data_dir=str(_write(tmp_path / "ok")), transformer_subfolder="transformer",
+                          experts="auto", regression_weight=1.0, regression_data_dir=str(_pairs(tmp_path / "pairs")))
+    assert R.check_inputs(cfg)["num_samples"] == 6
 
 
 def test_int64_latents_stop_the_trainer_before_anything_is_written(teacher, tmp_path):

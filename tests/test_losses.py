@@ -343,3 +343,31 @@ def test_dcm_loss_reference_toy():
     bad[1, 0] = float("nan")
     loss, info = L.dcm_loss(student_x0, teacher_F, bad, eps, u, total_steps=10, skip=3, shift=2.0)
     assert info["nan"] == 1 and loss[1] == 0 and (loss[[0, 2, 3]] > 0).all()
+
+
+def test_regression_loss_reference_toy():
+    """``regression_loss``: the student's one-step ``x0`` at ``t = pi/2`` from the pair's noise against the teacher's ODE
+    sample, per-sample sum of squares, against numpy; the gradient w.r.t. the student's weight; the target gets none; a
+    non-finite sample gives 0 and leaves the others."""
+    w = torch.nn.Parameter(torch.tensor(0.6, dtype=torch.float64))
+    seen = []
+
+    def student_x0(x, t):
+        seen.append(t)
+        return w * x + torch.sin(t)[:, None] - 1.0  # sin(pi/2) - 1 = 0: a wrong time shows in the value
+
+    g = torch.Generator().manual_seed(5)
+    noise = torch.randn(B, D, dtype=torch.float64, generator=g)
+    target = torch.randn(B, D, dtype=torch.float64, generator=g).requires_grad_(True)
+    loss, info = L.regression_loss(student_x0, noise, target)
+    assert torch.equal(seen[0], torch.full((B,), math.pi / 2, dtype=torch.float64)) and info["nan"] == 0
+    Z, Y = noise.numpy(), target.detach().numpy()
+    for b in range(B):
+        assert float(loss[b]) == pytest.approx(float(((0.6 * Z[b] - Y[b]) ** 2).sum()), rel=1e-12)
+    loss.sum().backward()
+    assert float(w.grad) == pytest.approx(float((2 * (0.6 * Z - Y) * Z).sum()), rel=1e-12)
+    assert target.grad is None
+    noise[2, 0] = float("nan")
+    loss2, info2 = L.regression_loss(student_x0, noise, target.detach())
+    assert info2["nan"] == 1 and float(loss2[2]) == 0.0
+    assert torch.equal(loss2[[0, 1, 3]], loss.detach()[[0, 1, 3]])

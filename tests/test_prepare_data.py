@@ -189,7 +189,8 @@ def test_help_explains_options(capsys):
 @pytest.mark.parametrize("solver", ["euler", "unipc"])
 @torch.no_grad()
 def test_synthetic_equals_pipeline_with_teacher_scheduler(env, solver):
-    """Sample i == WanPipeline(prompt_i, TrigFlow scheduler, CFG s, generator seed+i, output_type='latent')."""
+    """Sample i == WanPipeline(prompt_i, TrigFlow scheduler, CFG s, generator seed+i, output_type='latent'), and its
+    stored ``noise`` is the pipeline's starting noise for that seed."""
     from rcm_diffusers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
 
     root, pipe = env
@@ -212,6 +213,7 @@ def test_synthetic_equals_pipeline_with_teacher_scheduler(env, solver):
         torch.testing.assert_close(b["latents"][i], ref, rtol=1e-4, atol=1e-5)
         noise = torch.randn((4, 1, 4, 4), generator=torch.Generator().manual_seed(7 + i))
         assert (b["latents"][i] - noise).abs().max() > 0.1  # the teacher moved it
+        assert torch.equal(b["noise"][i], noise)  # stored beside it: the dataset is also ODE pairs
 
 
 @torch.no_grad()

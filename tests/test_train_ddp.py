@@ -37,21 +37,26 @@ def test_ddp_gradient_equals_one_process_replaying_both_ranks(tmp_path):
     global batch, rank r's noise generator, each term scaled by 1/2; ``tests/ddp_replay.py``) take the same
     optimizer steps: the same logged learning rate at every iteration (accelerate would step a prepared
     scheduler once per process; the trainers ask it not to) and the same gradient at each of 4 iterations
-    (student with DMD at 1 and 2 simulation steps, fake score twice, alternating from ``--tangent_warmup 0``).
+    (student with DMD at 1 and 2 simulation steps and the ODE-pair regression on each rank's own pairs, fake score
+    twice, alternating from ``--tangent_warmup 0``).
     Tolerance: relative gradient difference 1e-5, float32 round-off (1.2e-7) from summing the two halves in another
     order, with room for its growth over the steps (measured: at most 2.5e-7). ``--adam_eps 1e-3`` keeps Adam
     from turning round-off in the many zero gradients (lora_B starts at zero, so lora_A's first gradient is zero)
-    into ``lr``-sized steps. Not further than 4 iterations: at the 5th the replay alone, with its two halves
+    into ``lr``-sized steps; ``--fd_h 1e-2`` keeps the finite-difference tangent from dividing the weights' round-off
+    by the default h = 1e-4 (with it the third iteration differed by 3.8e-5, and the replay from itself with the
+    ranks in reverse order by 4e-6; with 1e-2, 1.3e-7). Not further than 4 iterations: at the 5th the replay alone, with its two halves
     summed in the other order, already differs from itself by 4e-4 (a step that amplifies round-off).
     The learning-rate bug this guards against changed the digits gradient by 6e-3 within 4 iterations."""
     from safetensors.torch import load_file
 
     pipe = make_tiny_wan(str(tmp_path / "pipe"))
     data = make_dataset(str(tmp_path / "data"), "wan")
+    pairs = make_dataset(str(tmp_path / "pairs"), "wan", n=11, noise=True)
     script = os.path.join(REPO, "tests", "ddp_replay.py")
     common = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe,
               "--data_dir", data, "--max_steps", "4", "--tangent_warmup", "0", "--student_update_freq", "2",
-              "--lr_warmup_steps", "4", "--checkpoint_every", "0", "--adam_eps", "1e-3"]
+              "--lr_warmup_steps", "4", "--checkpoint_every", "0", "--adam_eps", "1e-3",
+              "--regression_weight", "0.5", "--regression_data_dir", pairs, "--fd_h", "1e-2"]
     runs = {"ddp": (2, "2", {}), "replay": (1, "4", {"REPLAY_WORLD": "2"})}
     for name, (procs, batch, env) in runs.items():
         run_trainer([*common, "--batch_size", batch, "--output_dir", str(tmp_path / name)], num_processes=procs,

@@ -8,7 +8,8 @@ import torch
 from rcm_diffusers.distill import losses as L
 from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.distill.config import RCMConfig, format_help, load_config
-from rcm_diffusers.distill.data import LatentDataset, batch_indices, pack_flux_latents, unpack_flux_latents, write_latent_dataset
+from rcm_diffusers.distill.data import (LatentDataset, batch_indices, pack_flux_latents, pair_indices, unpack_flux_latents,
+                                        write_latent_dataset)
 from rcm_diffusers.distill.trainer import SpikeGuard
 from train_helpers import TEXT_DIM, tiny_wan_transformer
 
@@ -100,6 +101,9 @@ def test_batches_cover_each_epoch_once_across_ranks():
     assert sorted(seen[10:]) == list(range(10))
     assert batch_indices(N, B, 7, 1, W, 3) == batch_indices(N, B, 7, 1, W, 3)
     assert batch_indices(N, B, 0, 0, W, 3) != batch_indices(N, B, 0, 0, W, 4)
+    # the ODE pairs of the regression term: each epoch once across ranks too, in an order of their own
+    pairs = [i for step in range(5) for r in range(W) for i in pair_indices(N, B, step, r, W, seed=3)]
+    assert sorted(pairs[:10]) == list(range(10)) and sorted(pairs[10:]) == list(range(10)) and pairs != seen
 
 
 def test_flux_packing_matches_pipeline():
@@ -328,3 +332,18 @@ def test_compute_dtype_of_a_bf16_from_pretrained_wan(tmp_path):
     nets, _ = Networks.build(m, "shared", with_fake=False, lora_rank=2)
     assert nets.model_dtype == torch.bfloat16
     assert torch.isfinite(nets.F("student", x, t, {"encoder_hidden_states": ehs})).all()
+
+
+def test_regression_options_parse_and_validate(tmp_path):
+    """``regression_weight`` / ``regression_data_dir`` from YAML and the command line (off by default); a weight without
+    pairs, a negative or non-finite weight are refused naming the option."""
+    d = RCMConfig(pretrained="p", data_dir="d").validate()
+    assert (d.regression_weight, d.regression_data_dir) == (0.0, "")
+    y = tmp_path / "c.yaml"
+    y.write_text("pretrained: p\ndata_dir: d\nregression_weight: 0.5\nregression_data_dir: pairs\n")
+    c = load_config(["--config", str(y), "--regression_weight", "2"])
+    assert (c.regression_weight, c.regression_data_dir) == (2.0, "pairs")
+    for args, key in [(["--regression_data_dir", ""], "regression_data_dir"), (["--regression_weight", "-1"], "regression_weight"),
+                      (["--regression_weight", "nan"], "regression_weight")]:
+        with pytest.raises(ValueError, match=f"option {key} "):
+            load_config(["--config", str(y), *args])

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from rcm_diffusers.distill.alternation import plan_step
 from rcm_diffusers.distill.checkpoints import KILL_ENV
-from train_helpers import REPO, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
+from train_helpers import REPO, make_dataset, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 
@@ -293,3 +293,37 @@ def test_dcm_kill_and_resume_equals_uninterrupted(wan):
     keys = ("step", "net", "loss_dcm", "loss_dmd", "loss_fake")
     assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in ref]
     assert any("loss_dmd" in r for r in ref) and sum("loss_dcm" in r for r in ref) >= 5
+
+
+@torch.no_grad()
+def test_regression_term_equals_teacher_one_step_error_and_resumes(wan):
+    """With ``regression_weight``, every student step logs ``loss_reg``: at step 0 (student = teacher, LoRA B = 0) it
+    equals the mean over the step's pairs (``pair_indices``) of ``||x0(noise, r = 1) - target||^2``, where the teacher's
+    rectified-flow ``x0 = x_r - r v`` is computed here from the diffusers transformer directly; a run killed after step 6
+    and resumed from step 4 ends with the same LoRA, EMA and logged losses, bit for bit."""
+    from diffusers import WanTransformer3DModel
+
+    from rcm_diffusers.distill.data import LatentDataset, pair_indices
+
+    pairs = make_dataset(str(wan[2] / "pairs"), "wan", n=7, noise=True)
+    extra = ("--regression_weight", "0.5", "--regression_data_dir", str(pairs), "--max_steps", "10", "--tangent_warmup", "3",
+             "--checkpoint_every", "4")
+    full, cut = wan[2] / "run_reg_full", wan[2] / "run_reg_cut"
+    run_trainer(_args(wan, full, *extra))
+    ref = [json.loads(line) for line in open(full / "metrics.jsonl")]
+    assert all(("loss_reg" in r) == (r["net"] == "student") for r in ref) and any(r["net"] == "fake" for r in ref)
+    b = LatentDataset(str(pairs)).get(pair_indices(7, 2, 0, 0, 1, 0))  # batch 2, step 0, rank 0 of 1, seed 0
+    tr = WanTransformer3DModel.from_pretrained(wan[0], subfolder="transformer").eval()
+    v = tr(hidden_states=b["noise"], timestep=torch.full((2,), 1000.0), encoder_hidden_states=b["prompt_embeds"],
+           return_dict=False)[0]
+    want = ((b["noise"].double() - v.double() - b["latents"].double()) ** 2).flatten(1).sum(1).mean()
+    assert ref[0]["loss_reg"] == pytest.approx(float(want), rel=1e-5)
+    p = run_trainer(_args(wan, cut, *extra, "--exit_after_step", "6"), check=False)
+    assert p.returncode != 0 and "exit_after_step 6: hard exit" in p.stdout, p.stderr[-3000:]
+    assert "at iteration 4" in run_trainer(_args(wan, cut, *extra, "--resume", "latest")).stdout
+    for name in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors"):
+        a, c = load_file(full / name), load_file(cut / name)
+        assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a), name
+    got = [json.loads(line) for line in open(cut / "metrics.jsonl")]
+    keys = ("step", "net", "loss_reg", "loss_scm", "loss_dmd", "loss_fake")
+    assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in ref]

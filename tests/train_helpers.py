@@ -91,10 +91,11 @@ def make_tiny_flux(root: str) -> str:
 
 
 def make_dataset(root: str, family: str, n: int = 16, classes: int = 3, image_tokens: int = 0, image_dim: int = 8,
-                 frames: int = 1) -> str:
+                 frames: int = 1, noise: bool = False) -> str:
     """Random-but-structured latents (class-dependent means) with a class table of prompt embeddings; ``wan_i2v``
     with ``image_tokens``: also ``image_tokens`` x ``image_dim`` image embeddings per sample and prompts padded to
-    the 512 tokens Wan I2V attention expects; ``frames``: latent frames of a Wan sample."""
+    the 512 tokens Wan I2V attention expects; ``frames``: latent frames of a Wan sample; ``noise``: a ``noise``
+    field too, which makes the set ODE pairs for the regression term (random targets: its arithmetic, not quality)."""
     from rcm_diffusers.distill.data import write_latent_dataset
 
     if os.path.exists(os.path.join(root, "meta.json")):
@@ -116,6 +117,8 @@ def make_dataset(root: str, family: str, n: int = 16, classes: int = 3, image_to
     if family == "flux":
         tables["pooled_prompt_embeds"] = torch.randn(classes, 8, generator=g)
         index["pooled_prompt_embeds"] = "prompt_index"
+    if noise:
+        samples["noise"] = torch.randn(n, *shape, generator=g)
     return write_latent_dataset(root, samples, family=family, tables=tables, table_index=index)
 
 

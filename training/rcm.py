@@ -34,7 +34,8 @@ from rcm_diffusers.distill.adapters import Networks  # noqa: E402
 from rcm_diffusers.distill.alternation import optimizer_steps, plan_step  # noqa: E402
 from rcm_diffusers.distill.checkpoints import Checkpointer, read_state  # noqa: E402
 from rcm_diffusers.distill.config import noise_seeding_of  # noqa: E402
-from rcm_diffusers.distill.data import LatentDataset, batch_indices, model_inputs, step_noise, step_seed, video_noise_multiplier  # noqa: E402
+from rcm_diffusers.distill.data import (LatentDataset, batch_indices, model_inputs, pair_indices, pair_inputs, step_noise, step_seed,  # noqa: E402
+                                        video_noise_multiplier)
 from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
 from rcm_diffusers.distill.experts import switch_of  # noqa: E402
 
@@ -170,6 +171,7 @@ def main(argv=None):
 
     # ---- data, logging, guards
     data = LatentDataset(cfg.data_dir)
+    pairs = LatentDataset(cfg.regression_data_dir) if cfg.regression_weight > 0 else None
     if cp > 1:
         n_tok = math.prod(n // p for n, p in zip(data.get([0])["latents"].shape[-3:], transformer.config.patch_size))
         if n_tok % cp:
@@ -202,6 +204,7 @@ def main(argv=None):
     # context parallel: every rank of a group holds the same loss and its share of the gradient (the group's sum is
     # the sample's gradient); DDP averages over all world = dp_world x cp processes, hence the factor cp
     loss_scale *= cp
+    guide = cfg.flux_guidance if getattr(transformer.config, "guidance_embeds", False) else None
     bar = tqdm(range(state.step, cfg.max_steps), initial=state.step, total=cfg.max_steps,
                disable=not (cfg.progress and accelerator.is_local_main_process), desc="rCM")
     for i in bar:
@@ -210,8 +213,10 @@ def main(argv=None):
         role = "student" if plan.student else "fake"
         # the process's batch_size x n_micro samples of this optimizer step, run as n_micro micro-batches
         ids = batch_indices(len(data), B * n_micro, i, dp_rank, dp_world, cfg.seed)
-        x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, nets.model_dtype, cfg.flux_guidance
-                                                    if getattr(transformer.config, "guidance_embeds", False) else None)
+        x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, nets.model_dtype, guide)
+        if pairs is not None and plan.student:  # the ODE pairs of the regression term, a stream of their own
+            z_all, y_all, p_cond_all = pair_inputs(pairs.family, pairs.get(pair_indices(len(pairs), B * n_micro, i, dp_rank,
+                                                   dp_world, cfg.seed)), device, nets.model_dtype, guide)
         gen_all = step_noise(seeding, cfg.seed, i, dp_rank, B * n_micro, device=device.type if device.type != "mps" else "cpu")
         for o in opts.values():
             o.zero_grad(set_to_none=True)
@@ -228,7 +233,8 @@ def main(argv=None):
             with accelerator.accumulate(sync_module[role]):
                 if plan.student:
                     nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
-                    parts.append(T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm))
+                    pr = None if pairs is None else tuple(T.batch_rows(v, *rows) for v in (z_all, y_all, p_cond_all))
+                    parts.append(T.student_step(nets, x0, cond, uncond, plan, cfg, gen, backward, noise_multiplier=nvm, pairs=pr))
                 else:
                     parts.append(T.fake_step(nets, x0.shape, cond, plan, cfg, gen, backward, device))
         logs = T.merge_logs(parts)

@@ -4,7 +4,8 @@ Class-conditional rectified flow (docs/math.md §1: ``x_r = (1 - r) x0 + r eps``
 ``||v - (eps - x0)||^2``) on the sklearn digits train split with a tiny ``WanTransformer3DModel``
 and a learned class-embedding table (class dropped to the null row with ``--p_uncond`` for CFG).
 Seeded; writes the EMA weights as a diffusers ``WanPipeline`` directory (rcm_diffusers.digits.save_teacher),
-the evaluator classifier, and the train split in the trainer's latent format.
+the evaluator classifier, the train split in the trainer's latent format, and the teacher's ODE pairs for the
+regression term (rcm_diffusers.digits.write_ode_pairs; ``--pairs_only`` writes just those from the teacher at ``--out``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def main(argv=None):
     p.add_argument("--out", default=D.TEACHER_DIR, help="teacher pipeline directory to write")
     p.add_argument("--classifier_out", default=D.CLASSIFIER_PATH, help="evaluator classifier file to write ('' = skip)")
     p.add_argument("--data_out", default=os.path.join(D.ASSETS, "digits_latents"), help="latent dataset of the train split ('' = skip)")
+    p.add_argument("--pairs_out", default="auto", help="the teacher's ODE pairs (noise -> 32-step UniPC sample, 8192 of "
+                   "them); 'auto' = the shipped digits_ode_pairs when --out is the shipped teacher, else none; '' = skip")
+    p.add_argument("--pairs_only", action="store_true", help="only write --pairs_out from the existing teacher at --out")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -37,9 +41,16 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default; 1 is much faster on a busy 2-core box)")
     p.add_argument("--eval_samples", type=int, default=500, help="samples for the closing FD check (0 = skip)")
     a = p.parse_args(argv)
+    if a.pairs_out == "auto":  # pairs belong to the teacher they come from: never the shipped ones for another teacher
+        a.pairs_out = D.ODE_PAIRS_DIR if os.path.abspath(a.out) == os.path.abspath(D.TEACHER_DIR) else ""
     if a.threads:
         torch.set_num_threads(a.threads)
 
+    if a.pairs_only:
+        if not a.pairs_out:
+            p.error("--pairs_only needs --pairs_out")
+        print(f"ODE pairs of {a.out} -> {D.write_ode_pairs(a.pairs_out, a.out)}")
+        return
     data = D.load_digits_split()
     x_tr, y_tr = data["x_train"], data["y_train"]
     if a.classifier_out:
@@ -64,6 +75,8 @@ def main(argv=None):
     if a.data_out:
         D.write_latent_dataset_for(a.data_out, x_tr, y_tr, ema_emb)
         print(f"latent dataset (train split) -> {a.data_out}")
+    if a.pairs_out:
+        print(f"ODE pairs (regression term) -> {D.write_ode_pairs(a.pairs_out, a.out)}")
     if a.eval_samples:
         tr, e = D.load_teacher(a.out)
         labels = torch.arange(a.eval_samples) % D.NUM_CLASSES

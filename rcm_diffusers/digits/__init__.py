@@ -25,16 +25,17 @@ from __future__ import annotations
 from .evaluate import DigitClassifier, Evaluator, frechet_distance, load_classifier, train_classifier, within_class_diversity
 from .report import ABLATIONS, Row, run_overrides, run_state, save_grid, write_report
 from .sample import sample_pipeline, sample_student, sample_teacher, timed
-from .teacher import (ASSETS, CLASSIFIER_PATH, HELD_OUT_FRACTION, NULL_CLASS, NUM_CLASSES, SPLIT_SEED, TEACHER2_DIR, TEACHER_DIR,
-                      TEXT_DIM, TEXT_LEN, atomic_write_text, build_teacher, init_class_embeddings, load_digits_split,
-                      load_student, load_student_pipeline, load_teacher, save_teacher, teacher_config, to_pixels,
-                      train_rectified_flow, write_latent_dataset_for)
+from .teacher import (ASSETS, CLASSIFIER_PATH, HELD_OUT_FRACTION, NULL_CLASS, NUM_CLASSES, ODE_PAIRS_DIR, SPLIT_SEED,
+                      TEACHER2_DIR, TEACHER_DIR, TEXT_DIM, TEXT_LEN, atomic_write_text, build_teacher, init_class_embeddings,
+                      load_digits_split, load_student, load_student_pipeline, load_teacher, save_teacher, teacher_config, to_pixels,
+                      train_rectified_flow, write_latent_dataset_for, write_ode_pairs)
 
 __all__ = [
-    "ASSETS", "TEACHER_DIR", "TEACHER2_DIR", "CLASSIFIER_PATH", "NUM_CLASSES", "NULL_CLASS", "TEXT_LEN", "TEXT_DIM", "SPLIT_SEED",
-    "HELD_OUT_FRACTION", "Row",
+    "ASSETS", "TEACHER_DIR", "TEACHER2_DIR", "ODE_PAIRS_DIR", "CLASSIFIER_PATH", "NUM_CLASSES", "NULL_CLASS", "TEXT_LEN",
+    "TEXT_DIM", "SPLIT_SEED", "HELD_OUT_FRACTION", "Row",
     "load_digits_split", "to_pixels", "teacher_config", "build_teacher", "init_class_embeddings", "train_rectified_flow",
-    "save_teacher", "load_teacher", "load_student", "load_student_pipeline", "write_latent_dataset_for", "DigitClassifier",
+    "save_teacher", "load_teacher", "load_student", "load_student_pipeline", "write_latent_dataset_for", "write_ode_pairs",
+    "DigitClassifier",
     "train_classifier", "load_classifier", "frechet_distance", "within_class_diversity", "Evaluator",
     "sample_teacher", "sample_student", "sample_pipeline", "timed", "save_grid", "write_report", "atomic_write_text",
     "ABLATIONS", "run_overrides", "run_state",

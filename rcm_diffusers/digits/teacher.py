@@ -202,6 +202,35 @@ def load_student_pipeline(path: str = TEACHER_DIR, lora_dir: str | None = None, 
     return pipe, stock
 
 
+ODE_PAIRS_DIR = os.path.join(ASSETS, "digits_ode_pairs")
+
+
+@torch.no_grad()
+def write_ode_pairs(out_dir: str, teacher_dir: str = TEACHER_DIR, num_samples: int = 8192, steps: int = 32, seed: int = 0,
+                    batch_size: int = 512) -> str:
+    """ODE pairs of the digits teacher for the regression term (docs/math.md §4.7), in the trainer's latent format:
+    pair ``i`` has class ``i % 10``, ``noise`` = ``randn([1, 1, 8, 8], generator=manual_seed(seed + i))`` and ``latents`` =
+    the teacher's ODE solution from it (``distill.prepare.teacher_samples``: UniPC, ``steps`` steps, shift 1,
+    ``sigma_max`` 5000, no CFG), plus the class table of ``write_latent_dataset_for``."""
+    from ..distill.data import write_latent_dataset
+    from ..distill.prepare import seed_noise, teacher_samples
+
+    tr, emb = load_teacher(teacher_dir)
+    labels = torch.arange(num_samples) % NUM_CLASSES
+    seeds = [seed + i for i in range(num_samples)]
+    x = torch.cat([teacher_samples(tr, "wan", {"prompt_embeds": emb[labels[i:i + batch_size]]}, (1, 1, 8, 8),
+                                   seeds[i:i + batch_size], steps=steps, shift=1.0, guidance_scale=1.0, solver="unipc")
+                   for i in range(0, num_samples, batch_size)])
+    e = emb.detach().float().cpu()
+    return write_latent_dataset(
+        out_dir, {"latents": x.float(), "noise": seed_noise((1, 1, 8, 8), seeds), "prompt_index": labels.clone(),
+                  "label": labels.clone()}, family="wan",
+        tables={"prompt_embeds": e[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": e[NULL_CLASS:].contiguous()},
+        table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}, shard_size=num_samples,
+        extra_meta={"source": "synthetic", "teacher": os.path.basename(teacher_dir.rstrip("/")), "solver": "unipc",
+                    "steps": steps, "shift": 1.0, "guidance_scale": 1.0, "sigma_max": 5000.0, "seed": seed})
+
+
 def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, class_embeddings: torch.Tensor) -> str:
     """The train split in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
     ``prompt_index``/``label`` per sample, tables ``prompt_embeds`` (per class) and ``negative_prompt_embeds`` (null)."""

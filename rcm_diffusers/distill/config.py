@@ -75,6 +75,10 @@ class RCMConfig:
     use_dmd: bool = opt(True, "train a fake score and add the DMD term (False = sCM only)")
     dmd_weight: float = opt(0.01, "weight of L_DMD in L = scm_weight L_sCM + dmd_weight L_DMD (official rCM: 1 with scm_weight 100, its loss_scale_dmd)")
     scm_weight: float = opt(1.0, "weight of the consistency term L_sCM, or L_dCM with cm_type dcm (0 = DMD only, no JVP; official rCM: 100, its loss_scale)")
+    regression_weight: float = opt(0.0, "weight of the ODE-pair regression of the one-step student, ||x0_theta(noise, pi/2) - "
+                                   "x_teacher||^2 (DMD's regression loss, docs/math.md §4.7); needs regression_data_dir; 0 = off")
+    regression_data_dir: str = opt("", "ODE pairs for regression_weight: a latent dataset whose 'latents' are teacher ODE samples "
+                                   "and whose 'noise' is the noise each started from (training/prepare_data.py --synthetic writes one)")
     loss_reduction: str = opt("mean", "batch reduction of the per-sample losses (student and fake score): 'mean' or 'sum' (official rCM)")
     cm_type: str = opt("scm", "consistency term (official cm_type): 'scm' = continuous-time sCM (JVP tangent, fd_type) | 'dcm' = "
                        "discrete-time CM: the teacher's guided Euler steps from t_0 to t_N, target the student's sg(x0) at t_N, "
@@ -216,6 +220,10 @@ class RCMConfig:
             if len(bt) < self.max_simulation_steps - 1:
                 bad("backward_timesteps", f"max_simulation_steps {self.max_simulation_steps} needs at least "
                     f"{self.max_simulation_steps - 1} angles")
+        if not (self.regression_weight >= 0 and math.isfinite(self.regression_weight)):
+            bad("regression_weight", "must be a finite number >= 0 (0 = off)")
+        if self.regression_weight > 0 and not self.regression_data_dir:
+            bad("regression_data_dir", "regression_weight > 0 needs ODE pairs: a dataset from training/prepare_data.py --synthetic")
         if self.scm_weight == 0 and not self.use_dmd:
             bad("scm_weight", "sCM off and DMD off leaves nothing to train")
         if self.scm_weight == 0 and self.tangent_warmup > 0:

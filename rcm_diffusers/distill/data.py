@@ -18,6 +18,8 @@ Per-sample keys (float tensors are stored in the dtype written, cast to float32 
 - Flux: ``pooled_prompt_embeds`` ``[768]`` (+ ``negative_pooled_prompt_embeds`` for CFG).
 - Wan I2V: ``condition`` ``[4 + C, T, H, W]`` (first-frame mask + image latents, as
   WanImageToVideoPipeline builds them) and optionally ``image_embeds`` ``[257, 1280]`` (CLIP).
+- ``noise`` (optional, same shape as ``latents``): the noise a teacher ODE sample started from (synthetic data);
+  such a dataset is the ODE pairs of the regression term (``regression_data_dir``, docs/math.md §4.7).
 - anything else (e.g. ``label``) is carried through untouched.
 
 A table listed in ``meta["tables"]`` with index ``null`` has one row broadcast to every sample.
@@ -39,8 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["write_latent_dataset", "check_dataset", "DataError", "LatentDataset", "batch_indices", "step_seed",
-           "step_generator", "sample_generators", "step_noise", "model_inputs",
+__all__ = ["write_latent_dataset", "check_dataset", "DataError", "LatentDataset", "batch_indices", "pair_indices", "step_seed",
+           "step_generator", "sample_generators", "step_noise", "model_inputs", "pair_inputs",
            "pack_flux_latents", "unpack_flux_latents"]
 
 FORMAT = "rcm-latents"
@@ -172,16 +174,17 @@ def _dims(model_config: dict | None, family: str) -> dict:
     return out
 
 
-def check_dataset(root: str, model_config: dict | None = None) -> dict:
+def check_dataset(root: str, model_config: dict | None = None, option: str = "--data_dir") -> dict:
     """Check a latent dataset completely and cheaply before any model loads: ``meta.json``, every shard and table
     file (headers only: names, dtypes, shapes, sizes), the per-family layout, the sample counts and the range of
     every index field; with the teacher's ``config.json`` (``model_config``) also the latent channels and the text
-    and pooled widths. Raises ``DataError`` naming the first problem; returns ``{"family", "num_samples"}``."""
+    and pooled widths. Raises ``DataError`` naming the first problem (and ``option``, the setting that named the
+    folder); returns ``{"family", "num_samples", "fields"}``."""
     if not root or not os.path.isdir(root):
-        raise DataError(f"--data_dir {root}: no such folder (make a latent dataset with training/prepare_data.py)")
+        raise DataError(f"{option} {root}: no such folder (make a latent dataset with training/prepare_data.py)")
     mpath = os.path.join(root, "meta.json")
     if not os.path.isfile(mpath):
-        raise DataError(f"--data_dir {root}: no meta.json, not an rcm latent dataset (make one with training/prepare_data.py)")
+        raise DataError(f"{option} {root}: no meta.json, not an rcm latent dataset (make one with training/prepare_data.py)")
     try:
         with open(mpath) as f:
             meta = json.load(f)
@@ -258,7 +261,7 @@ def check_dataset(root: str, model_config: dict | None = None) -> dict:
                 raise DataError(f"{path}: {idx} holds {bad}, outside the table rows 0..{hi - 1} "
                                 f"({', '.join(f'{t}: {m} rows' for t, m in limits)})")
     _check_layout(root, family, per, _dims(model_config, family))
-    return {"family": family, "num_samples": n}
+    return {"family": family, "num_samples": n, "fields": sorted(per)}
 
 
 def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
@@ -283,6 +286,8 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
     p = (2, 2) if family == "flux" else dims.get("patch", (1, 1))  # Flux packs 2 x 2 latent pixels per token
     if any(h % q for h, q in zip(hw, p)):
         raise DataError(f"{root}: latent height x width {hw[0]} x {hw[1]} is not divisible by the patch size {p[0]} x {p[1]}")
+    if "noise" in per and tuple(need("noise")) != tuple(lat):
+        raise DataError(f"{root}: noise {list(per['noise'][1])} must have the latents' shape {list(lat)}")
     text = need("prompt_embeds")
     for k in ("prompt_embeds", "negative_prompt_embeds"):
         if k in per:
@@ -409,6 +414,15 @@ def batch_indices(num_samples: int, batch_size: int, step: int, rank: int, world
     return out
 
 
+PAIR_STREAM = 0x0DE  # keeps the ODE pairs' order apart from the training data's
+
+
+def pair_indices(num_pairs: int, batch_size: int, step: int, rank: int, world: int, seed: int) -> list[int]:
+    """Rows of the ODE-pair dataset for ``rank`` at ``step``: ``batch_indices`` with its own epoch permutations, seeded by
+    ``step_seed(seed, PAIR_STREAM)``, so the pairs and the training data are drawn independently."""
+    return batch_indices(num_pairs, batch_size, step, rank, world, step_seed(seed, PAIR_STREAM))
+
+
 # ----------------------------------------------------------------------------- model inputs
 
 
@@ -467,6 +481,15 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
                       "pooled_projections": md(batch.get("negative_pooled_prompt_embeds", batch["pooled_prompt_embeds"]))}
         return x0, cond, uncond
     raise ValueError(f"unknown data family {family!r}; expected 'wan', 'wan_i2v' or 'flux'")
+
+
+def pair_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: float | None = None):
+    """``(noise, target, cond)`` of an ODE-pair batch (docs/math.md §4.7): the float64 starting ``noise`` and the
+    teacher's ODE sample ``latents`` in the model's layout (Flux: both packed) and the condition kwargs of
+    ``model_inputs``."""
+    target, cond, _ = model_inputs(family, batch, device, model_dtype, flux_guidance)
+    noise = batch["noise"].to(device=device, dtype=torch.float64)
+    return (pack_flux_latents(noise) if family == "flux" else noise), target, cond
 
 
 def video_noise_multiplier(x0: torch.Tensor, family: str) -> float:

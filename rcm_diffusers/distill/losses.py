@@ -40,6 +40,7 @@ __all__ = [
     "dmd_loss",
     "fake_score_loss",
     "boundary_loss",
+    "regression_loss",
     "per_sample_sum",
 ]
 
@@ -282,3 +283,14 @@ def boundary_loss(F_high: torch.Tensor, F_low: torch.Tensor, c: float = 0.1):
     loss = per_sample_sum((F_high - (F_high.detach() - step)) ** 2)
     ok = torch.isfinite(loss)
     return torch.where(ok, loss, torch.zeros_like(loss)), {"nan": int((~ok).sum()), "d_norm": float(norm[torch.isfinite(norm)].mean())}
+
+
+def regression_loss(student_x0: Fn, noise: torch.Tensor, target: torch.Tensor):
+    """Per-sample ODE-pair regression of the one-step student (docs/math.md §4.7): ``G = x0_theta(noise, pi/2)``,
+    ``L = sum (G - target)^2`` with ``target`` the teacher's ODE solution from the same ``noise`` (the regression
+    loss of DMD, Yin et al. 2024, §3.3, in latent space). A non-finite sample gives 0. Returns ``(loss[B], info)``."""
+    t = torch.full((noise.shape[0],), math.pi / 2, dtype=F64, device=noise.device)
+    pred = student_x0(noise.to(F64), t).to(F64)
+    loss = per_sample_sum((pred - target.detach().to(F64)) ** 2)
+    ok = torch.isfinite(loss)
+    return torch.where(ok, loss, torch.zeros_like(loss)), {"nan": int((~ok).sum())}

@@ -10,7 +10,8 @@ Two sources, one output format (:func:`rcm_diffusers.distill.data.write_latent_d
 - **synthetic**: teacher samples from prompts, ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler``
   + CFG (docs/math.md §8: Euler 100 steps, shift 3, CFG 5). Sample ``i`` starts from
   ``randn(latent shape, generator=torch.Generator().manual_seed(seed + i))``, so it equals
-  ``pipe(prompt_i, generator=..., output_type="latent")`` with the same scheduler and guidance scale.
+  ``pipe(prompt_i, generator=..., output_type="latent")`` with the same scheduler and guidance scale. That noise
+  is stored beside it (``noise``), so a synthetic dataset is also the ODE pairs of ``regression_weight``.
 
 Shards are written as samples are encoded (:class:`ShardWriter`; ``meta.json`` last). Captions that repeat
 (each unique caption at most half the samples) are stored once in a ``prompt_embeds`` table indexed by
@@ -31,7 +32,7 @@ import torch
 from .data import FORMAT, _atomic_save, pack_flux_latents, unpack_flux_latents
 
 __all__ = ["IMAGE_EXTS", "VIDEO_EXTS", "Item", "read_items", "read_prompts", "load_media", "family_of", "PipelineEncoder",
-           "ShardWriter", "teacher_samples", "prepare_real", "prepare_synthetic"]
+           "ShardWriter", "seed_noise", "teacher_samples", "prepare_real", "prepare_synthetic"]
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTS = (".gif", ".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -385,6 +386,12 @@ def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
     return sch
 
 
+def seed_noise(latent_shape, seeds: list[int]) -> torch.Tensor:
+    """The starting noise of synthetic samples ``[len(seeds), *latent_shape]`` (dataset layout, float32): sample ``j`` is
+    ``randn(latent_shape, generator=manual_seed(seeds[j]))``, as a diffusers pipeline draws it for one seeded sample."""
+    return torch.stack([torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+
+
 @torch.no_grad()
 def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: list[int], *, steps: int = 100,
                     shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler", sigma_max: float = 5000.0,
@@ -400,7 +407,7 @@ def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: 
     from ..models import compute_dtype, velocity_fn
 
     dtype = compute_dtype(transformer)
-    noise = torch.stack([torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+    noise = seed_noise(latent_shape, seeds)
     _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
     x = (pack_flux_latents(noise) if family == "flux" else noise).to(device)
     use_cfg = uncond is not None and guidance_scale != 1.0
@@ -454,7 +461,7 @@ def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *,
                              sigma_max=sigma_max, flux_guidance=guide, device=enc.device)
         if not torch.isfinite(x0).all():
             raise FloatingPointError(f"teacher samples {ids} contain NaN/inf; check the model dtype and the guidance scale")
-        writer.add({"latents": x0, **stored})
+        writer.add({"latents": x0, "noise": seed_noise(enc.latent_shape, [seed + i for i in ids]), **stored})
     meta = {"source": "synthetic", "seed": seed, "solver": solver, "steps": steps, "shift": shift,
             "guidance_scale": guidance_scale, "sigma_max": sigma_max, "flux_guidance": guide}
     return _close(writer, enc, text, neg, negative_prompt, meta)

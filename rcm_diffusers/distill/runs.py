@@ -372,7 +372,8 @@ def _teacher_config(pretrained: str, sub: str) -> dict | None:
 
 def check_inputs(cfg) -> dict:
     """Everything cheap about a run's inputs, before the run folder is touched or a model loads: the teacher's
-    weights are safetensors, and the whole dataset (``data.check_dataset``) fits the teacher's config. A problem
+    weights are safetensors, and the whole dataset (``data.check_dataset``) fits the teacher's config, as do the ODE
+    pairs of the regression term (with their ``noise``) when it is on. A problem
     ends the process with one line and exit status 2; returns ``check_dataset``'s summary."""
     from .data import DataError, check_dataset
 
@@ -381,7 +382,13 @@ def check_inputs(cfg) -> dict:
         subs = list(dict.fromkeys(["transformer", "transformer_2", *subs]))
     configs = [_teacher_config(cfg.pretrained, s) for s in subs]
     try:
-        return check_dataset(cfg.data_dir, configs[0])
+        info = check_dataset(cfg.data_dir, configs[0])
+        if getattr(cfg, "regression_weight", 0) > 0:
+            pairs = check_dataset(cfg.regression_data_dir, configs[0], "--regression_data_dir")
+            if "noise" not in pairs["fields"]:
+                raise DataError(f"--regression_data_dir {cfg.regression_data_dir}: no 'noise' field, so these are not ODE "
+                                "pairs; make them with training/prepare_data.py --synthetic")
+        return info
     except DataError as e:
         user_error(str(e))
 

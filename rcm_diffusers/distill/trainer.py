@@ -90,20 +90,29 @@ def dcm_step(nets, x0, cond, uncond, cfg, generator):
                       x0, eps, u, total_steps=total, skip=skip, shift=cfg.dcm_timestep_shift)
 
 
-def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0):
+def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0,
+                 pairs=None):
     """One student iteration: ``L = scm_weight L_CM + dmd_weight L_DMD`` (docs/math.md §4.1, §4.2, §4.6; ``L_CM`` is
     ``L_sCM`` or, with ``cfg.cm_type == "dcm"``, ``L_dCM``), each
     per-sample loss reduced over the batch by ``cfg.loss_reduction`` (``batch_reduce``); two experts add
-    ``boundary_weight L_bc`` (docs/math.md §6.1).
+    ``boundary_weight L_bc`` (docs/math.md §6.1), and ``pairs`` = ``(noise, target, cond)`` of ODE pairs adds
+    ``regression_weight L_reg`` (docs/math.md §4.7).
 
     ``backward(loss, last)`` back-propagates one term (``last`` marks the one that must
     synchronise gradients across processes); the DMD term goes first so each grad-enabled
-    forward is followed by its own backward (DDP-safe). Returns a dict of logged floats.
+    forward is followed by its own backward (DDP-safe; the regression term, when on, goes before it). Returns a
+    dict of logged floats.
     """
     B, dev = x0.shape[0], x0.device
     logs = {}
     sw = switch_of(nets.modules["student"])
     with_bc = sw is not None and getattr(cfg, "boundary_weight", 0.0) > 0
+    if pairs is not None:
+        noise, target, p_cond = pairs
+        l_reg, info = L.regression_loss(nets.x0_fn("student", p_cond), noise, target)
+        rest = (plan.dmd and cfg.dmd_weight > 0) or cfg.scm_weight > 0 or with_bc
+        backward(cfg.regression_weight * batch_reduce(l_reg, cfg.loss_reduction), last=not rest)
+        logs.update(loss_reg=float(l_reg.detach().mean()), nan_reg=info["nan"])
     if plan.dmd and cfg.dmd_weight > 0:
         G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0.shape, plan.n_sim, shift=cfg.p_D_shift,
                                         generator=generator, device=dev, fixed_angles=backward_angles(cfg))
