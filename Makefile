@@ -43,7 +43,7 @@ test-floors: $(FLOORS_VENV)/.installed
 # rCM on the embedded digits teacher (training/configs/digits.yaml), then the evaluation table:
 # outputs/digits/{report.md,samples.png,pytorch_lora_weights.safetensors}. One torch thread per process: on a
 # 2-core box, one process per core (two DDP processes, docs/benchmarks.md). `make demo ABLATIONS=1` adds the
-# sCM-only and DMD-only students to the same table; `make demo QUALITY=1` trains twice as long (outputs/digits-quality);
+# sCM-only, DMD-only and no-regression students to the same table; `make demo QUALITY=1` trains twice as long (outputs/digits-quality);
 # DEMO_ARGS passes more (python training/demo_digits.py --help).
 demo: setup
 	$(PY) training/demo_digits.py $(if $(filter-out 0 no false,$(ABLATIONS)),--ablations) \

@@ -18,14 +18,17 @@ TINY = ["--max_steps", "4", "--batch_size", "4", "--tangent_warmup", "1", "--stu
         "--samples", "20", "--ref_steps", "2", "--teacher_steps", "1", "--student_steps", "1"]
 
 
-def test_ablation_overrides_give_scm_only_and_dmd_only_configs():
+def test_ablation_overrides_give_scm_only_dmd_only_and_no_regression_configs():
     assert D.run_overrides("rcm") == []
-    assert D.run_overrides("scm-only") == ["--use_dmd", "false"]
-    assert D.run_overrides("dmd-only") == ["--scm_weight", "0.0", "--tangent_warmup", "0"]
-    scm = load_config(D.run_overrides("scm-only"), default_config=demo_digits.DEFAULT_CONFIG)
-    dmd = load_config(D.run_overrides("dmd-only"), default_config=demo_digits.DEFAULT_CONFIG)
-    assert (scm.use_dmd, scm.scm_weight, scm.tangent_warmup, scm.max_steps) == (False, 1.0, 400, 1450)
-    assert (dmd.use_dmd, dmd.scm_weight, dmd.dmd_weight, dmd.tangent_warmup, dmd.max_steps) == (True, 0.0, 1.0, 0, 1450)
+    assert D.run_overrides("scm-only") == ["--use_dmd", "false", "--regression_weight", "0.0"]
+    assert D.run_overrides("dmd-only") == ["--scm_weight", "0.0", "--tangent_warmup", "0", "--regression_weight", "0.0"]
+    assert D.run_overrides("no-regression") == ["--regression_weight", "0.0"]
+    rcm, scm, dmd, noreg = (load_config(D.run_overrides(v), default_config=demo_digits.DEFAULT_CONFIG)
+                            for v in ("rcm", "scm-only", "dmd-only", "no-regression"))
+    assert (rcm.use_dmd, rcm.scm_weight, rcm.regression_weight, rcm.tangent_warmup, rcm.max_steps) == (True, 1.0, 1.0, 400, 1450)
+    assert (scm.use_dmd, scm.scm_weight, scm.regression_weight, scm.tangent_warmup, scm.max_steps) == (False, 1.0, 0.0, 400, 1450)
+    assert (dmd.use_dmd, dmd.scm_weight, dmd.dmd_weight, dmd.regression_weight, dmd.tangent_warmup) == (True, 0.0, 1.0, 0.0, 0)
+    assert (noreg.use_dmd, noreg.scm_weight, noreg.regression_weight, noreg.tangent_warmup) == (True, 1.0, 0.0, 400)
     with pytest.raises(ValueError, match="unknown variant"):
         D.run_overrides("dmd")
 
@@ -73,7 +76,7 @@ def test_processes_split_the_global_batch(tmp_path):
     """--processes P: P DDP processes of batch_size / P each (the config's global batch), on a free port per run."""
     a, rest = demo_digits.parse_args(["--out", str(tmp_path / "r"), "--processes", "2", "--ablations"])
     runs = demo_digits.plan_runs(a, rest)
-    assert [r["config"]["batch_size"] for r in runs] == [32, 32, 32]
+    assert [r["config"]["batch_size"] for r in runs] == [32, 32, 32, 32]
     cmd = demo_digits.launch_command(runs[0]["args"], a.processes)
     assert cmd[cmd.index("--num_processes") + 1] == "2" and int(cmd[cmd.index("--main_process_port") + 1]) > 0
     # several CPU processes need accelerate's torchrun launcher: with --cpu it would start one process only
@@ -100,12 +103,12 @@ def test_evaluation_uses_the_training_cores(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_with_ablations_end_to_end(tmp_path):
-    """Three 4-iteration students (rCM, sCM-only, DMD-only) through accelerate launch, each by two real DDP
+    """Four 4-iteration students (rCM, sCM-only, DMD-only, no-regression) through accelerate launch, each by two real DDP
     processes (one checksum per rank in final.json), one report; a rerun reuses them, and refuses them for
     another process count."""
     out = tmp_path / "digits"
     rows = demo_digits.main(["--ablations", "--jobs", "2", "--processes", "2", "--out", str(out), *TINY])
-    names = ["rcm", "rcm-ema", "scm-only", "scm-only-ema", "dmd-only", "dmd-only-ema"]
+    names = ["rcm", "rcm-ema", "scm-only", "scm-only-ema", "dmd-only", "dmd-only-ema", "no-regression", "no-regression-ema"]
     user = ["student rcm", *(f"student rcm-ema{how}" for how in ("", ": user call", ": from_config defaults"))]  # rCM's EMA only
     assert [(r.method, r.steps) for r in rows] == ([("teacher euler", 2), ("teacher euler", 1), ("teacher unipc", 2),
                                                     ("teacher unipc", 1)] + [(m, 1) for m in user]
@@ -113,29 +116,31 @@ def test_demo_with_ablations_end_to_end(tmp_path):
     assert all(0 <= r.accuracy <= 1 and r.fd == r.fd and r.nfe == r.steps for r in rows)
     report = (out / "report.md").read_text()
     assert all(f"| {m} | 1 | 1 |" in report for m in user + [f"student {n}" for n in names]) and (out / "samples.png").exists()
-    assert "student RCMScheduler sigma_max 5000, mid_t [0.8, 0.5, 0.25]" in report  # the sampler digits.yaml names
+    assert "student RCMScheduler sigma_max 5000, mid_t {2: [0.6], 4: [1.5, 1.4, 1.0]}" in report  # the sampler digits.yaml names
     from rcm_diffusers import RCMScheduler  # the same sampler exported for diffusers users, next to each LoRA
 
     for d in (out, out / "ema"):
         s = RCMScheduler.from_pretrained(str(d), subfolder="scheduler").config
-        assert (s.rcm_sigma_max, list(s.mid_t), s.time_input) == (5000.0, [0.8, 0.5, 0.25], "float"), d
+        assert (s.rcm_sigma_max, dict(s.mid_t), s.time_input) == (5000.0, {"2": [0.6], "4": [1.5, 1.4, 1.0]}, "float"), d
 
     def metrics(run):
         return [json.loads(line) for line in open(run / "metrics.jsonl")]
 
     # the trainer's alternation (docs/math.md §4.3) per variant, with the loss terms each step computed
-    want = {out: [("student", {"loss_scm"}), ("student", {"loss_scm", "loss_dmd"}), ("fake", {"loss_fake"}), ("student", {"loss_scm", "loss_dmd"})],
+    rcm = [("student", {"loss_scm"}), ("student", {"loss_scm", "loss_dmd"}), ("fake", {"loss_fake"}), ("student", {"loss_scm", "loss_dmd"})]
+    want = {out: [(n, k | {"loss_reg"} if n == "student" else k) for n, k in rcm],
             tmp_path / "digits-scm-only": [("student", {"loss_scm"})] * 4,
-            tmp_path / "digits-dmd-only": [("student", {"loss_dmd"}), ("fake", {"loss_fake"})] * 2}
+            tmp_path / "digits-dmd-only": [("student", {"loss_dmd"}), ("fake", {"loss_fake"})] * 2,
+            tmp_path / "digits-no-regression": rcm}
     for run, seq in want.items():
         recs = metrics(run)
-        assert [(r["net"], {k for k in r if k in ("loss_scm", "loss_dmd", "loss_fake")}) for r in recs] == seq, run
+        assert [(r["net"], {k for k in r if k in ("loss_scm", "loss_dmd", "loss_fake", "loss_reg")}) for r in recs] == seq, run
         final = json.loads((run / "final.json").read_text())
         assert final["step"] == 4 and len(final["student_checksum_per_rank"]) == 2, final
         assert json.loads((run / "env.json").read_text())["world_size"] == 2
         assert os.path.exists(run / "ema" / "pytorch_lora_weights.safetensors")
     timing = json.loads((out / "demo_timing.json").read_text())
-    assert sorted(timing["train_s"]) == ["dmd-only", "rcm", "scm-only"] and timing["eval_s"] > 0
+    assert sorted(timing["train_s"]) == ["dmd-only", "no-regression", "rcm", "scm-only"] and timing["eval_s"] > 0
 
     # finished runs are not retrained; a different budget in the same directory is refused
     mtime = os.path.getmtime(out / "final.json")

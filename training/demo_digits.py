@@ -1,7 +1,7 @@
 """The digits demo (``make demo``): rCM-distil the shipped digits teacher, then evaluate it in one report.
 
     python training/demo_digits.py                 # rCM student (training/configs/digits.yaml), then the table
-    python training/demo_digits.py --ablations     # + sCM-only and DMD-only students, same iterations, same table
+    python training/demo_digits.py --ablations     # + sCM-only, DMD-only and no-regression students, same table
     python training/demo_digits.py --quality       # twice the iterations (2900), into outputs/digits-quality
 
 Each student is one ``accelerate launch --num_processes P training/rcm.py`` run (``runs.cpu_launch_command``:
@@ -9,8 +9,9 @@ Each student is one ``accelerate launch --num_processes P training/rcm.py`` run 
 process, run from the repository root; ``P`` = ``--processes`` (default: 2 when the machine has 2 or more cores,
 else 1) data-parallel processes that split the config's ``batch_size`` between them (the global batch stays the
 config's). The demo checks afterwards that the run had ``P`` ranks.
-Run directories: ``OUT`` (rCM), ``OUT-scm-only`` (``--use_dmd false``) and ``OUT-dmd-only``
-(``--scm_weight 0 --tangent_warmup 0``: see ``rcm_diffusers.digits.ABLATIONS``). A run whose ``final.json`` and
+Run directories: ``OUT`` (rCM), ``OUT-scm-only`` (``--use_dmd false``), ``OUT-dmd-only``
+(``--scm_weight 0 --tangent_warmup 0``), both without the regression term, and ``OUT-no-regression``
+(``--regression_weight 0``: rCM alone; see ``rcm_diffusers.digits.ABLATIONS``). A run whose ``final.json`` and
 LoRA exist is reused (unless ``--force``); an interrupted one resumes from its latest checkpoint. Then
 ``training/eval_digits.py`` evaluates the teacher rows and every student (live and EMA weights) once and writes
 ``OUT/report.md``, ``OUT/samples.png`` and ``OUT/results.json``; ``OUT/demo_timing.json`` holds the wall clock
@@ -48,10 +49,11 @@ def parse_args(argv=None):
                                        "training run; ablation switches are applied after them.")
     p.add_argument("--ablations", action="store_true",
                    help="also train the sCM-only (--use_dmd false) and DMD-only (--scm_weight 0 --tangent_warmup 0) "
-                        "students with the same iterations and put them in the same report")
+                        "students, both without the regression term, and rCM without it (--regression_weight 0), "
+                        "with the same iterations, and put them in the same report")
     p.add_argument("--out", default=None,
                    help="rCM run directory, also where report.md/samples.png go (default: output_dir of the config, "
-                        "outputs/digits); ablations train into OUT-scm-only and OUT-dmd-only")
+                        "outputs/digits); ablations train into OUT-scm-only, OUT-dmd-only and OUT-no-regression")
     p.add_argument("--quality", action="store_true",
                    help=f"the longer preset: max_steps {QUALITY_STEPS} (twice the default's; about twice the time), "
                         "default run directory OUTPUT_DIR-quality; a --max_steps given here still wins")
@@ -202,7 +204,7 @@ def evaluate(runs: list[dict], a):
         students += ["--student", f"{r['name']}={r['dir']}"]
         if r["config"]["ema_rate"] > 0:
             students += ["--student", f"{r['name']}-ema={os.path.join(r['dir'], 'ema')}"]
-    title = "Digits benchmark: rCM" + (" with sCM-only and DMD-only ablations" if len(runs) > 1 else "")
+    title = "Digits benchmark: rCM" + (" with sCM-only, DMD-only and no-regression ablations" if len(runs) > 1 else "")
     argv = [*students, "--out", runs[0]["dir"], "--samples", str(a.samples), "--ref_steps", str(a.ref_steps),
             "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.eval_threads or a.threads * a.processes), "--title", title,
             "--time_input", runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
@@ -225,7 +227,7 @@ def evaluate(runs: list[dict], a):
 
 
 def main(argv=None):
-    """Train (rCM, with ``--ablations`` also sCM-only and DMD-only) and evaluate; returns the report rows."""
+    """Train (rCM, with ``--ablations`` also sCM-only, DMD-only and no-regression) and evaluate; returns the report rows."""
     a, overrides = parse_args(argv)
     runs = plan_runs(a, overrides)
     t0 = time.perf_counter()

@@ -76,7 +76,9 @@ def write_report(path: str, rows: list[Row], header: str = "") -> str:
 # sCM-only drops the fake score, so every iteration is a student sCM step; DMD-only zeroes the sCM term and
 # the tangent warm-up, because during the warm-up DMD is off by design (docs/math.md §4.3) and with scm_weight 0 those
 # iterations would be empty student steps (no loss, yet they consume the lr warm-up and the EMA schedule).
-ABLATIONS = {"scm-only": {"use_dmd": False}, "dmd-only": {"scm_weight": 0.0, "tangent_warmup": 0}}
+ABLATIONS = {"scm-only": {"use_dmd": False, "regression_weight": 0.0},
+             "dmd-only": {"scm_weight": 0.0, "tangent_warmup": 0, "regression_weight": 0.0},
+             "no-regression": {"regression_weight": 0.0}}
 
 # config keys that do not change what a run trains (a finished run that differs only in these is reused); sigma_max
 # and mid_t are the student sampler's: the rCM trainer uses them only for preview samples and the scheduler config it
