@@ -35,7 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--output_dir", required=True, help="directory to write (meta.json, shard-*.safetensors, tables.safetensors)")
     ap.add_argument("--source", default="", help="real data: a folder of images/videos each with <name>.txt, or a .jsonl/.csv manifest with file and caption columns (paths relative to it). With --synthetic: prompts (and, for I2V, first-frame images) from such a folder/manifest")
     ap.add_argument("--prompts", default="", help="--synthetic: a .txt file with one prompt per line (T2V/T2I)")
-    ap.add_argument("--synthetic", action="store_true", help="generate x0 with the teacher (TrigFlow ODE + CFG) instead of encoding media")
+    ap.add_argument("--synthetic", action="store_true", help="generate x0 with the teacher (TrigFlow ODE + CFG) instead of encoding media; each sample's starting noise "
+                    "is stored too, so the dataset also serves as ODE pairs (rcm.py --regression_data_dir)")
     ap.add_argument("--num_samples", type=int, default=0, help="--synthetic: number of samples; sample i uses prompt i %% P and seed seed+i (default: one per prompt)")
     ap.add_argument("--height", type=int, required=True, help="pixel height; media of another size are an error unless --resize")
     ap.add_argument("--width", type=int, required=True, help="pixel width")
