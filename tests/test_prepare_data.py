@@ -274,7 +274,7 @@ def test_flux_latents_synthetic_and_decode():
 
     from rcm_diffusers import TrigFlowEulerScheduler
     from rcm_diffusers.distill.data import pack_flux_latents
-    from rcm_diffusers.distill.prepare import PipelineEncoder, teacher_samples
+    from rcm_diffusers.distill.prepare import PipelineEncoder, seed_noise, teacher_samples
     from rcm_diffusers.distill.previews import SampleDecoder
 
     pipe = tiny_flux_pipeline()
@@ -290,7 +290,7 @@ def test_flux_latents_synthetic_and_decode():
     pe, pooled = flux_embeds(seed=1)
     ne, npooled = flux_embeds(seed=2)
     batch = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": ne, "negative_pooled_prompt_embeds": npooled}
-    got = teacher_samples(pipe.transformer, "flux", batch, (4, 16, 16), [11], steps=4, shift=3.0, guidance_scale=2.0,
+    got = teacher_samples(pipe.transformer, "flux", batch, seed_noise((4, 16, 16), [11]), steps=4, shift=3.0, guidance_scale=2.0,
                           flux_guidance=3.5)
     pipe.scheduler = TrigFlowEulerScheduler(shift=3.0, sigma_max=5000.0)
     want = pipe(prompt_embeds=pe, pooled_prompt_embeds=pooled, negative_prompt_embeds=ne, negative_pooled_prompt_embeds=npooled,

@@ -212,33 +212,31 @@ def write_ode_pairs(out_dir: str, teacher_dir: str = TEACHER_DIR, num_samples: i
     pair ``i`` has class ``i % 10``, ``noise`` = ``randn([1, 1, 8, 8], generator=manual_seed(seed + i))`` and ``latents`` =
     the teacher's ODE solution from it (``distill.prepare.teacher_samples``: UniPC, ``steps`` steps, shift 1,
     ``sigma_max`` 5000, no CFG), plus the class table of ``write_latent_dataset_for``."""
-    from ..distill.data import write_latent_dataset
     from ..distill.prepare import seed_noise, teacher_samples
 
     tr, emb = load_teacher(teacher_dir)
     labels = torch.arange(num_samples) % NUM_CLASSES
-    seeds = [seed + i for i in range(num_samples)]
-    x = torch.cat([teacher_samples(tr, "wan", {"prompt_embeds": emb[labels[i:i + batch_size]]}, (1, 1, 8, 8),
-                                   seeds[i:i + batch_size], steps=steps, shift=1.0, guidance_scale=1.0, solver="unipc")
+    noise = seed_noise((1, 1, 8, 8), [seed + i for i in range(num_samples)])
+    x = torch.cat([teacher_samples(tr, "wan", {"prompt_embeds": emb[labels[i:i + batch_size]]}, noise[i:i + batch_size],
+                                   steps=steps, shift=1.0, guidance_scale=1.0, solver="unipc")
                    for i in range(0, num_samples, batch_size)])
-    e = emb.detach().float().cpu()
-    return write_latent_dataset(
-        out_dir, {"latents": x.float(), "noise": seed_noise((1, 1, 8, 8), seeds), "prompt_index": labels.clone(),
-                  "label": labels.clone()}, family="wan",
-        tables={"prompt_embeds": e[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": e[NULL_CLASS:].contiguous()},
-        table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}, shard_size=num_samples,
-        extra_meta={"source": "synthetic", "teacher": os.path.basename(teacher_dir.rstrip("/")), "solver": "unipc",
-                    "steps": steps, "shift": 1.0, "guidance_scale": 1.0, "sigma_max": 5000.0, "seed": seed})
+    return write_latent_dataset_for(
+        out_dir, x, labels, emb, extra={"noise": noise}, shard_size=num_samples,
+        meta={"source": "synthetic", "teacher": os.path.basename(teacher_dir.rstrip("/")), "solver": "unipc",
+              "steps": steps, "shift": 1.0, "guidance_scale": 1.0, "sigma_max": 5000.0, "seed": seed})
 
 
-def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, class_embeddings: torch.Tensor) -> str:
-    """The train split in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
-    ``prompt_index``/``label`` per sample, tables ``prompt_embeds`` (per class) and ``negative_prompt_embeds`` (null)."""
+def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, class_embeddings: torch.Tensor,
+                             extra: dict | None = None, meta: dict | None = None, shard_size: int = 4096) -> str:
+    """Digits in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
+    ``prompt_index``/``label`` per sample (and the per-sample fields ``extra``), tables ``prompt_embeds`` (per class)
+    and ``negative_prompt_embeds`` (null); ``meta`` defaults to the train split's description."""
     from ..distill.data import write_latent_dataset
 
     emb = class_embeddings.detach().float().cpu()
     return write_latent_dataset(
-        out_dir, {"latents": x.float(), "prompt_index": y.long().clone(), "label": y.long().clone()}, family="wan",
+        out_dir, {"latents": x.float(), "prompt_index": y.long().clone(), "label": y.long().clone(), **(extra or {})},
+        family="wan", shard_size=shard_size,
         tables={"prompt_embeds": emb[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": emb[NULL_CLASS:].contiguous()},
         table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None},
-        extra_meta={"source": "sklearn.datasets.load_digits", "split_seed": SPLIT_SEED, "scaling": "pixel/8 - 1"})
+        extra_meta=meta or {"source": "sklearn.datasets.load_digits", "split_seed": SPLIT_SEED, "scaling": "pixel/8 - 1"})

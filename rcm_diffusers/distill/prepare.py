@@ -393,13 +393,13 @@ def seed_noise(latent_shape, seeds: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: list[int], *, steps: int = 100,
+def teacher_samples(transformer, family: str, batch: dict, noise: torch.Tensor, *, steps: int = 100,
                     shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler", sigma_max: float = 5000.0,
                     flux_guidance: float | None = None, device="cpu") -> torch.Tensor:
     """Teacher ODE samples ``x0`` in the dataset layout from conditions ``batch`` (docs/math.md §2.2, §8).
 
-    Noise of sample ``j``: ``randn(latent_shape, generator=manual_seed(seeds[j]))`` (float32, dataset layout;
-    Flux packs it as FluxPipeline does). Velocity ``v_u + s (v_c - v_u)`` (standard CFG scale ``s``; no CFG
+    Starting from ``noise`` ``[B, *latent_shape]`` (float32, dataset layout, e.g. ``seed_noise``; Flux packs it as
+    FluxPipeline does). Velocity ``v_u + s (v_c - v_u)`` (standard CFG scale ``s``; no CFG
     without ``negative_prompt_embeds`` or at ``s = 1``), stepped by ``TrigFlowEulerScheduler`` /
     ``TrigFlowUniPCScheduler`` (shift ``shift``, ``steps`` steps).
     """
@@ -407,7 +407,6 @@ def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: 
     from ..models import compute_dtype, velocity_fn
 
     dtype = compute_dtype(transformer)
-    noise = seed_noise(latent_shape, seeds)
     _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
     x = (pack_flux_latents(noise) if family == "flux" else noise).to(device)
     use_cfg = uncond is not None and guidance_scale != 1.0
@@ -421,7 +420,7 @@ def teacher_samples(transformer, family: str, batch: dict, latent_shape, seeds: 
             v = v_u + guidance_scale * (v - v_u)
         x = sch.step(v, ts, x, return_dict=False)[0]
     x = x.float().cpu()
-    return unpack_flux_latents(x, *latent_shape[-2:]) if family == "flux" else x
+    return unpack_flux_latents(x, *noise.shape[-2:]) if family == "flux" else x
 
 
 def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *, num_samples: int, seed: int = 0,
@@ -456,12 +455,13 @@ def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *,
             per = {k: v[[i % len(prompts) for i in ids]] for k, v in first.items()}
             batch.update(per)
             stored = {**stored, **per}
-        x0 = teacher_samples(enc.pipe.transformer, enc.family, batch, enc.latent_shape, [seed + i for i in ids],
+        noise = seed_noise(enc.latent_shape, [seed + i for i in ids])
+        x0 = teacher_samples(enc.pipe.transformer, enc.family, batch, noise,
                              steps=steps, shift=shift, guidance_scale=guidance_scale, solver=solver,
                              sigma_max=sigma_max, flux_guidance=guide, device=enc.device)
         if not torch.isfinite(x0).all():
             raise FloatingPointError(f"teacher samples {ids} contain NaN/inf; check the model dtype and the guidance scale")
-        writer.add({"latents": x0, "noise": seed_noise(enc.latent_shape, [seed + i for i in ids]), **stored})
+        writer.add({"latents": x0, "noise": noise, **stored})
     meta = {"source": "synthetic", "seed": seed, "solver": solver, "steps": steps, "shift": shift,
             "guidance_scale": guidance_scale, "sigma_max": sigma_max, "flux_guidance": guide}
     return _close(writer, enc, text, neg, negative_prompt, meta)
