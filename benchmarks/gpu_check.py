@@ -81,7 +81,7 @@ def cp_check(smoke: bool) -> dict:
     from rcm_diffusers.attention import enable_jvp_attention
     from rcm_diffusers.attention import ulysses as U
     from rcm_diffusers.distill import losses as L
-    from rcm_diffusers.distill.runs import free_port
+    from rcm_diffusers.distill.launch import free_port
     from rcm_diffusers.models import velocity_fn
     from rcm_diffusers.trigflow import TrigFlowDenoiser
 

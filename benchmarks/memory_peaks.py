@@ -39,7 +39,7 @@ sys.path.insert(0, REPO)
 
 from rcm_diffusers.arch import build_transformer  # noqa: E402
 from rcm_diffusers.distill import losses as L  # noqa: E402
-from rcm_diffusers.distill import trainer as T  # noqa: E402
+from rcm_diffusers.distill import terms as T  # noqa: E402
 from rcm_diffusers.distill.memory import GiB, TrainSetup, allocation_trace, held_bytes, predict_training  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def setup_networks(a, policy: str, group):
     from rcm_diffusers.attention import enable_jvp_attention
     from rcm_diffusers.attention.ulysses import enable_context_parallel
     from rcm_diffusers.distill.adapters import Networks
-    from rcm_diffusers.distill.checkpointing import enable_checkpointing
+    from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing
 
     dtype = getattr(torch, a.dtype)
     m = build_transformer(a.arch, dtype=dtype, keep_fp32=True, num_layers=a.num_layers)

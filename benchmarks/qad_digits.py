@@ -30,10 +30,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.distill import runs as R  # noqa: E402
+from rcm_diffusers.distill import launch as R  # noqa: E402
 from rcm_diffusers.distill.config import QADConfig, load_config  # noqa: E402
 from rcm_diffusers.distill.data import LatentDataset  # noqa: E402
-from rcm_diffusers.distill import qad_trainer as Q  # noqa: E402
+from rcm_diffusers.distill import qad_student as Q  # noqa: E402
 from rcm_diffusers.quant.export import comfy_runtime_copy, export_quantized  # noqa: E402
 
 CONFIG = os.path.join(REPO, "training", "configs", "qad-digits.yaml")

@@ -14,12 +14,10 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "training"))
 sys.path.insert(0, REPO)
 
-import rcm  # noqa: E402  (training/rcm.py)
-
-from rcm_diffusers.distill import trainer as T  # noqa: E402
+from rcm_diffusers.distill import export as T  # noqa: E402
+from rcm_diffusers.distill import rcm_trainer as rcm  # noqa: E402
 from rcm_diffusers.distill.ema import PowerEMA  # noqa: E402
 
 
@@ -53,7 +51,7 @@ def main(argv=None):
                                 weights=e.shadow)
 
     rcm.PowerEMA, T.export_student = ExtraEMA, export_with_extras
-    rcm.main(argv[2:])
+    rcm.main(argv[2:], default_config=os.path.join(REPO, "training", "configs", "digits.yaml"))
 
 
 if __name__ == "__main__":

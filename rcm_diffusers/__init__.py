@@ -28,6 +28,7 @@ _LAZY = {
     "from_any": "rcm_diffusers.lora",
     "extract_lora": "rcm_diffusers.lora.extract",
     "load_full_lora": "rcm_diffusers.lora.pipeline",
+    "load_rcm_lora": "rcm_diffusers.lora.pipeline",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -253,7 +253,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
 
     The official sampler starts from ``x = r_0 * noise``. Wan and Flux pipelines hand the first
     transformer call unscaled noise, so for the exact official trajectory pass
-    ``latents=scheduler.scale_initial_noise(noise)`` to the pipeline (see README, "exact start");
+    ``latents=scheduler.scale_initial_noise(noise)`` to the pipeline (see docs/sampling.md, "Exact start");
     without it the first input carries ``(1 - r_0) = 1.2%`` (sigma_max 80) more noise than the
     student was trained on (measured effect in docs/benchmarks.md).
 

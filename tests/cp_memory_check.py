@@ -21,7 +21,7 @@ from rcm_diffusers.arch import build_transformer  # noqa: E402
 from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
 from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel  # noqa: E402
 from rcm_diffusers.distill.adapters import Networks  # noqa: E402
-from rcm_diffusers.distill.checkpointing import enable_checkpointing  # noqa: E402
+from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing  # noqa: E402
 from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, allocation_trace, checkpoint_held,  # noqa: E402
                                           checkpoint_held_bytes, saved_activation_bytes)
 from rcm_diffusers.models import velocity_fn  # noqa: E402

@@ -1,4 +1,4 @@
-"""Activation checkpointing policies (rcm_diffusers/distill/checkpointing.py): ``selective`` and ``full`` give the
+"""Activation checkpointing policies (rcm_diffusers/distill/activation_checkpointing.py): ``selective`` and ``full`` give the
 gradients of no checkpointing, the JVP pass never checkpoints, the selective policy keeps what it says, and a short
 two-expert training run exports the same LoRA under both policies."""
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from rcm_diffusers.distill import losses as L
 from rcm_diffusers.distill.adapters import Networks
-from rcm_diffusers.distill.checkpointing import SAVED_OPS, enable_checkpointing, recording, selective_policy
+from rcm_diffusers.distill.activation_checkpointing import SAVED_OPS, enable_checkpointing, recording, selective_policy
 from rcm_diffusers.distill.config import RCMConfig
 from rcm_diffusers.distill.experts import WanExpertSwitch
 from rcm_diffusers.models import velocity_fn

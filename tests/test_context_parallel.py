@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.distill.runs import free_port
-from train_helpers import REPO, run_script, run_trainer, tiny_wan_run
+from rcm_diffusers.distill.launch import free_port
+from train_helpers import kill_after, REPO, run_script, run_trainer, tiny_wan_run
 
 TOL = 2e-6
 F32_UNIT = 2.0**-23  # float32 spacing at 1
@@ -149,8 +149,8 @@ def test_rcm_context_parallel_i2v_two_experts_dp_and_resume(tmp_path):
         run_trainer([*common, *extra, "--output_dir", str(tmp_path / name)], num_processes=procs, timeout=400)
         took[name] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    p = run_trainer([*common, *cp2, "--output_dir", str(tmp_path / "cut"), "--exit_after_step", "2"], num_processes=2,
-                    timeout=400, check=False)
+    p = run_trainer([*common, *cp2, "--output_dir", str(tmp_path / "cut")], num_processes=2,
+                    timeout=400, check=False, env=kill_after(2))
     assert p.returncode != 0 and "exit_after_step 2: hard exit" in p.stdout, p.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-00000002"]
     p = run_trainer([*common, *cp2, "--output_dir", str(tmp_path / "cut"), "--resume", "latest"], num_processes=2, timeout=400)

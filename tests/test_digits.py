@@ -182,7 +182,7 @@ def test_report_has_the_rows_of_the_stock_pipeline_path(tmp_path):
 
     from rcm_diffusers import RCMScheduler
     from rcm_diffusers.distill.adapters import add_rcm_adapters, lora_parameters
-    from rcm_diffusers.distill.trainer import export_student
+    from rcm_diffusers.distill.export import export_student
 
     out = tmp_path / "run"
     tr, emb = D.load_teacher()

@@ -1,5 +1,5 @@
 """Bad datasets and teacher folders end with one line and exit status 2 before the run folder is touched or a
-model loads (``rcm_diffusers.distill.data.check_dataset``, ``rcm_diffusers.distill.runs.check_inputs``)."""
+model loads (``rcm_diffusers.distill.data.check_dataset``, ``rcm_diffusers.distill.inputs.check_inputs``)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.distill import runs as R
+from rcm_diffusers.distill import inputs as R
 from rcm_diffusers.distill.data import write_latent_dataset
 from train_helpers import TEXT_DIM, TEXT_LEN, make_tiny_wan, run_script
 

@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
     from diffusers import WanPipeline
 
     from rcm_diffusers.distill.adapters import add_rcm_adapters, lora_parameters
-    from rcm_diffusers.distill.trainer import export_student
+    from rcm_diffusers.distill.export import export_student
 
     out = tmp_path_factory.mktemp("export") / "run"
     tr = tiny_wan_transformer()
@@ -128,7 +128,7 @@ def test_per_step_mid_t_of_the_trainer_config_reaches_the_user(tmp_path):
 
     from rcm_diffusers.distill.adapters import add_rcm_adapters, lora_parameters
     from rcm_diffusers.distill.config import load_config
-    from rcm_diffusers.distill.trainer import export_student
+    from rcm_diffusers.distill.export import export_student
 
     out = tmp_path / "run"
     cfg = load_config(["--pretrained", "p", "--data_dir", "d", "--output_dir", str(out), "--sigma_max", "200",

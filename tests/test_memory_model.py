@@ -13,7 +13,7 @@ from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.arch import build_transformer
 from rcm_diffusers.distill.data import _flux_img_ids
 from rcm_diffusers.distill.ema import PowerEMA
-from rcm_diffusers.distill.checkpointing import enable_checkpointing
+from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing
 from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, checkpoint_held, checkpoint_held_bytes, fits,
                                           predict_training, saved_activation_bytes)
 from rcm_diffusers.models import velocity_fn

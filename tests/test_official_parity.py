@@ -190,7 +190,7 @@ def test_dcm_loss_and_gradients_equal_the_official_step(total, skip, shift, guid
     the same ``eps`` and ``u`` (drawn in the trainer's order: ``eps``, then ``u``)."""
     from types import SimpleNamespace
 
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.alternation import StepPlan
 
@@ -254,7 +254,7 @@ def test_fixed_angle_backward_simulation_follows_the_official_trajectory():
     """``losses.backward_simulation`` with ``fixed_angles`` (what ``dmd_fix_timesteps`` passes) equals the official
     trajectory for n = 1..4 on the same noise; the gradient reaches the student through the last call only."""
     from rcm_diffusers.distill import losses as L
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
     from types import SimpleNamespace
 

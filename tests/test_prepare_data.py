@@ -239,7 +239,7 @@ def test_sample_grid_png_and_gif(env, ds_img, ds_vid, tmp_path):
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.config import RCMConfig
     from rcm_diffusers.distill.previews import SampleDecoder
-    from rcm_diffusers.distill.trainer import write_samples
+    from rcm_diffusers.distill.previews import write_samples
     from safetensors.torch import load_file
 
     root, pipe = env

@@ -5,7 +5,6 @@ The pickle hazard this guards against: accelerate's ``load_custom_state`` (accel
 reads ``custom_checkpoint_*.pkl`` with ``torch.load(weights_only=False)``.
 """
 
-import dataclasses
 import errno
 import hashlib
 import json
@@ -21,10 +20,14 @@ import pytest
 import torch
 
 from rcm_diffusers.distill import checkpoints as C
-from rcm_diffusers.distill import runs as R
+from rcm_diffusers.distill import errors as E
+from rcm_diffusers.distill import guards as G
+from rcm_diffusers.distill import inputs as I
+from rcm_diffusers.distill import run_folder as RF
 from rcm_diffusers.distill.config import QADConfig, RCMConfig
 from rcm_diffusers.distill.ema import PowerEMA
-from rcm_diffusers.distill.trainer import MetricsWriter, TrainState, lr_lambda
+from rcm_diffusers.distill.optim import lr_lambda
+from rcm_diffusers.distill.session import MetricsWriter, TrainState
 from train_helpers import REPO, Payload
 
 
@@ -71,7 +74,7 @@ class Run:
 
 
 def _cfg(out, **kw):
-    d = dataclasses.asdict(RCMConfig(pretrained="p", data_dir="d", output_dir=str(out)))
+    d = RCMConfig(pretrained="p", data_dir="d", output_dir=str(out)).model_dump()
     d.update(kw)
     return SimpleNamespace(**d)
 
@@ -201,17 +204,17 @@ def test_prune_by_step_number_not_name(tmp_path):
 
 def test_new_run_into_a_used_folder_is_refused_or_overwritten(tmp_path):
     out = tmp_path / "run"
-    assert R.choose_start(_cfg(out)) is None  # missing folder: fresh
+    assert RF.choose_start(_cfg(out)) is None  # missing folder: fresh
     run = Run()
     run.train(3)
     _save(run, out)
     (out / "final.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit, match="already holds a training run .*--resume latest.*--overwrite true"):
-        R.choose_start(_cfg(out, seed=1))
+        RF.choose_start(_cfg(out, seed=1))
     assert (out / "final.json").exists() and C.list_checkpoints(str(out))
     logs = []
-    assert R.choose_start(_cfg(out, overwrite=True), logs.append) is None
+    assert RF.choose_start(_cfg(out, overwrite=True), logs.append) is None
     assert sorted(os.listdir(out)) == ["notes.txt"] and "removed" in logs[0]  # only the run's own files go
 
 
@@ -225,14 +228,14 @@ def test_resume_latest_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     with open(os.path.join(ckpts[-1], "trainable.safetensors"), "r+b") as f:
         f.truncate(100)
     logs = []
-    assert R.choose_start(_cfg(out, resume="latest"), logs.append) == ckpts[1]
+    assert RF.choose_start(_cfg(out, resume="latest"), logs.append) == ckpts[1]
     assert "step-00000006 is damaged" in logs[0] and "trainable.safetensors has 100 bytes" in logs[0]
     assert os.path.isdir(ckpts[-1] + ".damaged") and [p for _, p in C.list_checkpoints(str(out))] == ckpts[:2]
     # all damaged: refused, not a silent fresh start
     for p in ckpts[:2]:
         os.remove(os.path.join(p, "manifest.json"))
     with pytest.raises(SystemExit, match="no intact checkpoint"):
-        R.choose_start(_cfg(out, resume="latest"))
+        RF.choose_start(_cfg(out, resume="latest"))
 
 
 def test_resume_an_older_checkpoint_needs_overwrite(tmp_path):
@@ -244,39 +247,43 @@ def test_resume_an_older_checkpoint_needs_overwrite(tmp_path):
     (out / "final.json").write_text("{}")
     old = str(out / "checkpoints" / "step-00000002")
     with pytest.raises(SystemExit, match="step-00000004, step-00000006.*mix two histories"):
-        R.choose_start(_cfg(out, resume=old))
-    assert R.choose_start(_cfg(out, resume=old, overwrite=True), print) == old
+        RF.choose_start(_cfg(out, resume=old))
+    assert RF.choose_start(_cfg(out, resume=old, overwrite=True), print) == old
     assert [s for s, _ in C.list_checkpoints(str(out))] == [2] and not (out / "final.json").exists()
     # a checkpoint of another run: only into an empty folder
     other = tmp_path / "other"
     other.mkdir()
     (other / "metrics.jsonl").write_text("")
     with pytest.raises(SystemExit, match="needs an empty --output_dir"):
-        R.choose_start(_cfg(other, resume=old))
+        RF.choose_start(_cfg(other, resume=old))
     with pytest.raises(SystemExit, match="no MANIFEST|has no manifest.json"):
-        R.choose_start(_cfg(tmp_path / "x", resume=str(tmp_path)))
+        RF.choose_start(_cfg(tmp_path / "x", resume=str(tmp_path)))
 
 
 def test_resume_policy_refuses_applies_and_ignores():
-    saved = dataclasses.asdict(RCMConfig(pretrained="p", data_dir="d", max_steps=30))
+    saved = RCMConfig(pretrained="p", data_dir="d", max_steps=30).model_dump()
     ok = RCMConfig(pretrained="p", data_dir="d", max_steps=40, lr=1e-2, ema_rate=0.2, fd_type=2, checkpoint_every=7)
-    assert R.resume_changes(saved, ok, 20) == {"lr": [1e-4, 1e-2], "ema_rate": [0.1, 0.2], "fd_type": [0, 2]}
+    assert RF.resume_changes(saved, ok, 20) == {"lr": [1e-4, 1e-2], "ema_rate": [0.1, 0.2], "fd_type": [0, 2]}
     older = {k: v for k, v in saved.items() if k not in ("lr_decay", "lr_final_ratio")}  # written before they existed
-    assert R.resume_changes(older, ok, 20) == R.resume_changes(saved, ok, 20)
-    assert R.resume_changes(older, dataclasses.replace(ok, lr_decay="cosine"), 20)["lr_decay"] == ["none", "cosine"]
+    assert RF.resume_changes(older, ok, 20) == RF.resume_changes(saved, ok, 20)
+    assert RF.resume_changes(older, ok.model_copy(update={"lr_decay": "cosine"}), 20)["lr_decay"] == ["none", "cosine"]
     for kw, match in (({"lora_rank": 8}, "lora_rank 32 -> 8"), ({"seed": 1}, "seed 0 -> 1"), ({"batch_size": 4}, "batch_size"),
                       ({"tangent_warmup": 5}, "tangent_warmup"), ({"ema_rate": 0.0}, "switched on or off"),
                       ({"max_steps": 15}, "--max_steps 15 is below the checkpoint's step 20")):
         with pytest.raises(SystemExit, match=match):
-            R.resume_changes(saved, RCMConfig(pretrained="p", data_dir="d", **kw), 20)
-    q = dataclasses.asdict(QADConfig(pretrained="p", data_dir="d"))
+            RF.resume_changes(saved, RCMConfig(pretrained="p", data_dir="d", **kw), 20)
+    q = QADConfig(pretrained="p", data_dir="d").model_dump()
     with pytest.raises(SystemExit, match="format 'nvfp4' -> 'int8'"):
-        R.resume_changes(q, QADConfig(pretrained="p", data_dir="d", format="int8"), 3)
-    assert R.resume_changes(q, QADConfig(pretrained="p", data_dir="d", lr=1e-3, alpha=0.5), 3) == {"lr": [1e-5, 1e-3], "alpha": [0.1, 0.5]}
-    assert set(R.BOOKKEEPING) <= set(RCMConfig.__dataclass_fields__) | set(QADConfig.__dataclass_fields__)
-    for name, fixed in R.FIXED_ON_RESUME.items():
-        cls = {"RCMConfig": RCMConfig, "QADConfig": QADConfig}[name]
-        assert set(fixed) <= set(cls.__dataclass_fields__), set(fixed) - set(cls.__dataclass_fields__)
+        RF.resume_changes(q, QADConfig(pretrained="p", data_dir="d", format="int8"), 3)
+    assert RF.resume_changes(q, QADConfig(pretrained="p", data_dir="d", lr=1e-3, alpha=0.5), 3) == {"lr": [1e-5, 1e-3], "alpha": [0.1, 0.5]}
+    # every option declares its policy; the two-expert, time-input and quantizer options are refused
+    for kw, match in (({"experts": "one"}, "experts 'auto' -> 'one'"), ({"boundary_ratio": 0.5}, "boundary_ratio"),
+                      ({"time_input": "float"}, "time_input 'bf16' -> 'float'")):
+        with pytest.raises(SystemExit, match=match):
+            RF.resume_changes(saved, RCMConfig(pretrained="p", data_dir="d", **kw), 20)
+    for kw in ({"time_input": "float"}, {"target": "fake"}, {"act_scale": "dynamic"}):
+        with pytest.raises(SystemExit, match=f"cannot change on resume: {next(iter(kw))} "):
+            RF.resume_changes(q, QADConfig(pretrained="p", data_dir="d", **kw), 3)
 
 
 def test_changed_lr_and_ema_rate_apply_on_resume(tmp_path):
@@ -315,12 +322,12 @@ def test_a_changed_rank_is_a_clear_error_not_a_size_mismatch(tmp_path):
 
 
 def test_run_lock_refuses_a_second_writer(tmp_path):
-    lock = R.RunLock(str(tmp_path))
+    lock = RF.RunLock(str(tmp_path))
     with pytest.raises(SystemExit, match=f"in use by pid {os.getpid()}"):
-        R.RunLock(str(tmp_path))
+        RF.RunLock(str(tmp_path))
     lock.release()  # (a second trainer process: tests/test_train_wan.py::test_a_used_run_folder_is_never_mixed)
-    R.RunLock(str(tmp_path)).release()
-    assert R.choose_start(_cfg(tmp_path)) is None  # the lock file alone is not a run
+    RF.RunLock(str(tmp_path)).release()
+    assert RF.choose_start(_cfg(tmp_path)) is None  # the lock file alone is not a run
 
 
 def test_metrics_tolerate_a_torn_last_line(tmp_path, capsys):
@@ -334,26 +341,26 @@ def test_metrics_tolerate_a_torn_last_line(tmp_path, capsys):
 def test_skipped_steps_are_reported_and_fail_past_the_fraction():
     st, logs = TrainState(), []
     cfg = SimpleNamespace(max_skipped_fraction=0.1, max_steps=20)
-    R.note_skip(st, cfg, 3, "student", float("nan"), [4, 5], logs.append)
-    R.note_skip(st, cfg, 7, "fake", float("inf"), [1, 2], logs.append)
+    G.note_skip(st, cfg, 3, "student", float("nan"), [4, 5], logs.append)
+    G.note_skip(st, cfg, 7, "fake", float("inf"), [1, 2], logs.append)
     assert st.skipped == 2 and st.skipped_steps == [3, 7] and "step 3: student gradient norm is nan" in logs[0]
     with pytest.raises(SystemExit, match=r"3 of 9 steps had a non-finite gradient .*steps \[3, 7, 8\]"):
-        R.note_skip(st, cfg, 8, "student", float("nan"), [0, 1], logs.append)
+        G.note_skip(st, cfg, 8, "student", float("nan"), [0, 1], logs.append)
     w = {"a": torch.zeros(3), "b": torch.ones(2)}
-    init = R.param_checksum(w)
+    init = G.param_checksum(w)
     st.step = 20
     with pytest.raises(SystemExit, match="nothing was learned"):
-        R.check_learned(w, init, st, cfg)
+        G.check_learned(w, init, st, cfg)
     w["a"][1] = 1e-6
-    R.check_learned(w, init, st, cfg)
+    G.check_learned(w, init, st, cfg)
     lora = {"x.lora_A.student.weight": torch.randn(2, 3), "x.lora_B.student.weight": torch.zeros(3, 2)}
     with pytest.raises(SystemExit, match="LoRA is zero"):  # weight decay moved A, B stayed 0: B A = 0
-        R.check_learned(lora, [0.0, 0.0], st, cfg)
+        G.check_learned(lora, [0.0, 0.0], st, cfg)
     lora["x.lora_B.student.weight"][0, 0] = 1e-8
-    R.check_learned(lora, [0.0, 0.0], st, cfg)
+    G.check_learned(lora, [0.0, 0.0], st, cfg)
     w["b"][0] = float("nan")
     with pytest.raises(SystemExit, match="NaN or inf"):
-        R.check_learned(w, init, st, cfg)
+        G.check_learned(w, init, st, cfg)
 
 
 def test_disk_full_while_checkpointing_is_a_clear_message(tmp_path, monkeypatch):
@@ -398,14 +405,14 @@ def test_real_disk_full_on_a_tiny_tmpfs(tmp_path):
 
 def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
     with pytest.raises(SystemExit, match="--pretrained /nonexistent/wan: no such folder"):
-        R.model_index("/nonexistent/wan")
+        I.model_index("/nonexistent/wan")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no model_index.json"):
-        R.model_index(str(tmp_path / "empty"))
-    with pytest.raises(SystemExit, match="^error: config option max_skipped_fraction = 2.0: must lie in"):
-        R.load_config_or_exit(["--pretrained", "p", "--data_dir", "d", "--max_skipped_fraction", "2"], config_cls=QADConfig)
+        I.model_index(str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match=r"^error: config option max_skipped_fraction = 2(\.0)?: must lie in"):
+        E.load_config_or_exit(["--pretrained", "p", "--data_dir", "d", "--max_skipped_fraction", "2"], config_cls=QADConfig)
     with pytest.raises(SystemExit, match="^error: .*No such file"):
-        R.load_config_or_exit(["--config", str(tmp_path / "nope.yaml")])
+        E.load_config_or_exit(["--config", str(tmp_path / "nope.yaml")])
     # the whole script: one plain line, no traceback (training/qad.py uses the same helper)
     p = subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), "--pretrained", "p", "--data_dir", "d",
                         "--lora_rank", "0"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -430,7 +437,7 @@ def test_overwrite_leaves_nothing_of_the_old_run(tmp_path):
     (out / "notes.txt").write_text("mine")
     assert set(expert_lora_files(str(out))) == {"transformer", "transformer_2"}
     logs = []
-    assert R.choose_start(_cfg(out, overwrite=True), logs.append) is None
+    assert RF.choose_start(_cfg(out, overwrite=True), logs.append) is None
     assert sorted(os.listdir(out)) == ["notes.txt"], os.listdir(out)
     (out / "pytorch_lora_weights.safetensors").write_text("new")  # the new single-network run's export
     assert expert_lora_files(str(out)) == {"transformer": str(out / "pytorch_lora_weights.safetensors")}
@@ -442,11 +449,11 @@ def test_final_json_checksums_catch_a_flipped_bit(tmp_path, capsys):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(os.urandom(64))
     (out / "metrics.jsonl").write_text("{}\n")  # not an export
-    files = R.export_files(str(out))
+    files = RF.export_files(str(out))
     assert sorted(files) == ["ema/pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors",
                              "scheduler/scheduler_config.json"]
     (out / "final.json").write_text(json.dumps({"step": 3, "files": files}))
-    assert R.verify_run(str(out)) == (3, []) and R.verify_main([str(out)]) == 0
+    assert RF.verify_run(str(out)) == (3, []) and RF.verify_main([str(out)]) == 0
     p = out / "ema" / "pytorch_lora_weights.safetensors"
     b = bytearray(p.read_bytes())
     b[10] ^= 0x04
@@ -454,11 +461,11 @@ def test_final_json_checksums_catch_a_flipped_bit(tmp_path, capsys):
     (out / "transformer_2").mkdir()
     (out / "transformer_2" / "pytorch_lora_weights.safetensors").write_text("stray")
     capsys.readouterr()
-    assert R.verify_main([str(out)]) == 1
+    assert RF.verify_main([str(out)]) == 1
     err = capsys.readouterr().err
     assert "ema/pytorch_lora_weights.safetensors: SHA-256 differs" in err
     assert "transformer_2/pytorch_lora_weights.safetensors: not listed in final.json" in err
-    assert R.verify_main([str(tmp_path / "none")]) == 2
+    assert RF.verify_main([str(tmp_path / "none")]) == 2
 
 
 class _Hang(Exception):
@@ -487,7 +494,7 @@ def test_only_regular_files_listed_in_the_manifest_are_read(tmp_path):
     logs = []
     _no_hang()
     try:
-        assert R.choose_start(_cfg(out, resume="latest"), logs.append) == first
+        assert RF.choose_start(_cfg(out, resume="latest"), logs.append) == first
         # a FIFO in place of the random state, left out of the manifest: not opened
         other = _save(run, tmp_path / "other")
         os.remove(os.path.join(other, "rng-rank0.safetensors"))
@@ -562,7 +569,7 @@ def test_bad_values_in_a_checkpoint_fall_back_like_damage(tmp_path, kind):
     with pytest.raises(C.CheckpointError, match=match):
         C.read_state(newest) if kind != "wrong-size RNG state" else C.verify_checkpoint(newest)
     logs = []
-    assert R.choose_start(_cfg(out, resume="latest"), logs.append) == first
+    assert RF.choose_start(_cfg(out, resume="latest"), logs.append) == first
     assert "step-00000004 is damaged" in logs[0] and os.path.isdir(newest + ".damaged")
 
 
@@ -582,7 +589,7 @@ def test_an_unreadable_file_in_the_newest_checkpoint_falls_back(tmp_path, monkey
 
         monkeypatch.setattr(C, "_sha256", sha)
     logs = []
-    assert R.choose_start(_cfg(out, resume="latest"), logs.append) == first
+    assert RF.choose_start(_cfg(out, resume="latest"), logs.append) == first
     assert "cannot read trainable.safetensors (Permission denied)" in logs[0]
 
 
@@ -607,7 +614,7 @@ def test_a_run_folder_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(C, "_save_tensors", real)
     assert [p for _, p in C.list_checkpoints(str(tmp_path))] == [first] and not os.path.exists(first[:-1] + "6.tmp")
     again = Run(seed=9)
-    again.ck.load(R.choose_start(_cfg(tmp_path, resume="latest")))
+    again.ck.load(RF.choose_start(_cfg(tmp_path, resume="latest")))
     again.train(3)
     a, b = ref.weights(), again.weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -616,7 +623,7 @@ def test_a_run_folder_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
         raise PermissionError(errno.EROFS, "Read-only file system", str(tmp_path / "metrics.jsonl"))
 
     with pytest.raises(SystemExit) as e:
-        R.run_main(main)
+        E.run_main(main)
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write " + str(tmp_path / "metrics.jsonl") + " (Read-only file system)" in err

@@ -70,7 +70,7 @@ def test_package_samplers_feed_the_trained_time(time_input):
     from rcm_diffusers import digits as D
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.sampling import rcm_rf_times
-    from rcm_diffusers.distill.trainer import sample_student
+    from rcm_diffusers.distill.previews import sample_student
     from tests.tiny import tiny_wan_transformer
 
     r = rcm_rf_times(4, 80.0)[:-1]

@@ -7,7 +7,7 @@ import os
 import torch
 
 from rcm_diffusers.distill.checkpoints import verify_checkpoint
-from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
+from train_helpers import kill_after, REPO, make_dataset, make_tiny_wan, run_trainer
 
 
 def test_two_process_gloo(tmp_path):
@@ -16,7 +16,7 @@ def test_two_process_gloo(tmp_path):
     out = tmp_path / "run"
     args = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe,
             "--data_dir", data, "--output_dir", str(out), "--max_steps", "14", "--checkpoint_every", "7"]
-    p = run_trainer([*args, "--exit_after_step", "8"], num_processes=2, timeout=150, check=False)
+    p = run_trainer([*args], num_processes=2, timeout=150, check=False, env=kill_after(8))
     assert p.returncode != 0 and "exit_after_step 8: hard exit" in p.stdout, p.stderr[-3000:]
     run_trainer([*args, "--resume", "latest"], num_processes=2, timeout=150)  # both ranks resume from step 7
     env = json.load(open(out / "env.json"))

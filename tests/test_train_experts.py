@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from rcm_diffusers.distill.experts import HIGH, LOW, WanExpertSwitch, boundary_sigma, sample_p_G_experts
-from rcm_diffusers.trigflow import sample_p_G
-from train_helpers import REPO, make_dataset, make_tiny_wan2, run_trainer
+from rcm_diffusers.trigflow import sample_p_G, t_to_r
+from train_helpers import kill_after, REPO, make_dataset, make_tiny_wan2, run_trainer
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 F64 = torch.float64
@@ -91,7 +91,7 @@ def test_scm_term_keeps_each_sample_on_the_expert_owning_its_time(monkeypatch):
     expert of ``t``; without the pin the ``t - h`` call would go to the low-noise expert."""
     from types import SimpleNamespace
 
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.alternation import StepPlan
     from rcm_diffusers.trigflow import r_to_t
@@ -101,7 +101,7 @@ def test_scm_term_keeps_each_sample_on_the_expert_owning_its_time(monkeypatch):
     nets, _ = Networks.build(sw, "shared", with_fake=False, lora_rank=2, time_input="float")
     h = 1e-3
     t_own = r_to_t(torch.tensor([0.875 + 1e-5, 0.5], dtype=F64))  # just above the boundary; well below it
-    assert float(T.t_to_r(t_own[0] - h)) < 0.875  # the finite-difference time crosses the boundary
+    assert float(t_to_r(t_own[0] - h)) < 0.875  # the finite-difference time crosses the boundary
     monkeypatch.setattr(T, "scm_times", lambda *a, **k: t_own.clone())
     cfg = SimpleNamespace(dmd_weight=0.0, scm_weight=1.0, tangent_warmup=0, fd_type=2, fd_h=h, loss_reduction="mean",
                           guidance_scale=1.0, P_mean=-0.8, P_std=1.6, expert_sampling="balanced", high_noise_share=0.5)
@@ -126,7 +126,7 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
     simulation crosses the boundary), and gradients reach the adapters of the experts that were called."""
     from types import SimpleNamespace
 
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.alternation import StepPlan
 
@@ -156,7 +156,7 @@ def test_dcm_step_runs_each_call_on_its_experts_and_trains_both():
     sides, the loss is finite and the student adapters of both experts get a gradient."""
     from types import SimpleNamespace
 
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.alternation import StepPlan
 
@@ -209,7 +209,7 @@ def test_boundary_term_moves_only_the_high_noise_student_toward_the_low_one():
     steps of it shrink ``||F_high - F_low||`` at the switch (the experts start as two different teachers)."""
     from types import SimpleNamespace
 
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.alternation import StepPlan
 
@@ -322,7 +322,7 @@ def test_lora_pair_in_the_stock_pipeline_reproduces_the_trainer_previews(t2v):
 
 def test_kill_and_resume_is_bitwise_for_both_experts(t2v):
     out = t2v[2] / "run_resume"
-    p = run_trainer(_args(t2v, out, "--sample_every", "30", "--exit_after_step", "14"), check=False)
+    p = run_trainer(_args(t2v, out, "--sample_every", "30"), check=False, env=kill_after(14))
     assert p.returncode != 0 and "exit_after_step 14: hard exit" in p.stdout, p.stderr[-3000:]
     run_trainer(_args(t2v, out, "--sample_every", "30", "--resume", "latest"))
     for sub in ("", "ema"):

@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rcm_diffusers.distill.runs import free_port
-from train_helpers import REPO, make_dataset, make_tiny_wan, run_trainer
+from rcm_diffusers.distill.launch import free_port
+from train_helpers import kill_after, REPO, make_dataset, make_tiny_wan, run_trainer
 
 pytestmark = pytest.mark.slow
 STEPS = ["--max_steps", "4", "--checkpoint_every", "2", "--tangent_warmup", "1", "--student_update_freq", "2"]
 
 
-def launch_fsdp(args, check=True, timeout=300):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+def launch_fsdp(args, check=True, timeout=300, env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(free_port()),
            os.path.join(REPO, "training", "rcm.py"), *args]
@@ -52,7 +52,7 @@ def runs(tmp_path_factory):
     run_trainer(base + ["--output_dir", str(out["ddp"]), *STEPS], num_processes=2, timeout=300)
     # killed right after iteration 2 (the checkpoint at step 2 was written after iteration 1), then resumed
     out["resumed"] = root / "resumed"
-    p = launch_fsdp(base + ["--output_dir", str(out["resumed"]), *STEPS, *sac, "--exit_after_step", "2"], check=False)
+    p = launch_fsdp(base + ["--output_dir", str(out["resumed"]), *STEPS, *sac], check=False, env=kill_after(2))
     assert p.returncode != 0 and not (out["resumed"] / "final.json").exists()
     assert "exit_after_step 2: hard exit" in p.stdout, p.stdout[-3000:] + p.stderr[-6000:]
     assert sorted(os.listdir(out["resumed"] / "checkpoints")) == ["step-00000002"]

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from rcm_diffusers.distill.config import QADConfig, format_help, load_config
-from rcm_diffusers.distill import qad_trainer as Q
+from rcm_diffusers.distill import qad_student as Q
 from rcm_diffusers.quant.export import _rename_wan, comfy_runtime_copy, load_quantized
 from rcm_diffusers.quant.modules import quantize_transformer
-from train_helpers import REPO, plant_pickles, run_trainer, tiny_wan_run, trainer_args
+from train_helpers import kill_after, REPO, plant_pickles, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "qad-tiny-wan-test.yaml")
 
@@ -107,7 +107,7 @@ def test_exports_reload_to_the_trained_student(wan, lora_run):
 
 def test_kill_and_resume_is_bitwise(wan, lora_run):
     out = wan[2] / "run_resume"
-    p = run_trainer(_args(wan, out, "--exit_after_step", "13"), check=False, script="qad.py")
+    p = run_trainer(_args(wan, out), check=False, env=kill_after(13), script="qad.py")
     assert p.returncode != 0 and "exit_after_step 13: hard exit" in p.stdout, p.stderr[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["step-00000010"]
     marker = wan[2] / "code_ran"
@@ -202,7 +202,7 @@ def test_bad_config_and_patterns(wan):
     with pytest.raises(ValueError, match="data_dir"):
         load_config(["--pretrained", "p"], config_cls=QADConfig)
     assert "accelerate launch training/qad.py" in format_help(QADConfig)
-    assert all(f"--{n} " in format_help(QADConfig) for n in QADConfig.__dataclass_fields__)
+    assert all(f"--{n} " in format_help(QADConfig) for n in QADConfig.model_fields)
     cfg = load_config(base + ["--exclude", "blocks.*.nomatch"], config_cls=QADConfig)
     with pytest.raises(ValueError, match="match no Linear"):
         Q.build_student(_teacher(wan[0]), cfg)

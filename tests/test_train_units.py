@@ -10,7 +10,7 @@ from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.distill.config import RCMConfig, format_help, load_config
 from rcm_diffusers.distill.data import (LatentDataset, batch_indices, pack_flux_latents, pair_indices, unpack_flux_latents,
                                         write_latent_dataset)
-from rcm_diffusers.distill.trainer import SpikeGuard
+from rcm_diffusers.distill.guards import SpikeGuard
 from train_helpers import TEXT_DIM, tiny_wan_transformer
 
 
@@ -20,7 +20,7 @@ def test_config_overrides_help_and_errors(tmp_path):
     c = load_config(["--config", str(y), "--lr", "3e-5", "--use_dmd", "false", "--fd_type=1"])
     assert c.lr == 3e-5 and c.use_dmd is False and c.fd_type == 1 and c.adam_betas == [0.0, 0.99]
     h = format_help()
-    for name in RCMConfig.__dataclass_fields__:
+    for name in RCMConfig.model_fields:
         assert f"--{name} " in h
     with pytest.raises(ValueError, match="unknown config option"):
         load_config(["--config", str(y), "--learning_rate", "1"])
@@ -43,7 +43,6 @@ def test_config_mid_t_per_step_count(tmp_path):
     """``mid_t`` per step count: a YAML mapping, YAML flow text or the ``"2: 1.0; 4: ..."`` string on the command line,
     all kept in the scheduler's JSON form (so the checkpoint's config compares equal on resume); every sample_steps
     entry must be served, every angle checked."""
-    import dataclasses
     import json
 
     from rcm_diffusers.distill.config import QADConfig
@@ -56,7 +55,7 @@ def test_config_mid_t_per_step_count(tmp_path):
     for text in ("2: 1.0; 4: 1.5, 1.4, 0.8", "{2: [1.0], 4: [1.5, 1.4, 0.8]}", "{'4': [1.5, 1.4, 0.8], '2': 1.0}"):
         cfg = load_config(base + ["--mid_t", text])
         assert cfg.mid_t == want, text
-        assert json.loads(json.dumps(dataclasses.asdict(cfg)))["mid_t"] == cfg.mid_t
+        assert json.loads(json.dumps(cfg.model_dump()))["mid_t"] == cfg.mid_t
     assert RCMConfig(mid_t={4: (1.5, 1.4, 0.8), 2: 1}).mid_t == want  # built in Python: the same form
     assert load_config(base + ["--mid_t", "1.5,1.4,1.0"]).mid_t == [1.5, 1.4, 1.0]  # the flat string form
     assert load_config(base + ["--mid_t", "2: 1.0", "--sample_steps", "[1, 2]"]).mid_t == {"2": [1.0]}
@@ -72,7 +71,7 @@ def test_config_mid_t_per_step_count(tmp_path):
     # QAD: the rCM times it trains at (r_source rcm, rcm_steps)
     qad = load_config(base + ["--r_source", "rcm", "--rcm_steps", "2", "--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8"], config_cls=QADConfig)
     assert qad.mid_t == want
-    from rcm_diffusers.distill.qad_trainer import training_times
+    from rcm_diffusers.distill.qad_student import training_times
 
     r1 = math.sin(1.0) / (math.sin(1.0) + math.cos(1.0))
     assert training_times(qad) == pytest.approx([80 / 81, r1], abs=1e-12)
@@ -184,7 +183,7 @@ def test_loss_scale_and_batch_reduction(nets):
     from types import SimpleNamespace
 
     from rcm_diffusers.distill.alternation import plan_step
-    from rcm_diffusers.distill.trainer import batch_reduce, fake_step, student_step
+    from rcm_diffusers.distill.terms import batch_reduce, fake_step, student_step
 
     n, _ = nets
     B = 3
@@ -211,7 +210,7 @@ def test_loss_scale_and_batch_reduction(nets):
     with torch.no_grad():
         for p in fake_B:
             p.sub_(0.05)
-    (s_o, l_o, f_o, fl_o), (s_f, l_f, f_f, fl_f) = got["ours"], got["official"]
+    (s_o, l_o, f_o, fl_o), (s_f, l_f, f_f, _fl_f) = got["ours"], got["official"]
     assert l_o["loss_dmd"] == pytest.approx(l_f["loss_dmd"], rel=1e-12) and l_o["loss_scm"] == pytest.approx(l_f["loss_scm"], rel=1e-12)
     # backward order: DMD first, then sCM (trainer.student_step)
     assert s_o == pytest.approx([0.01 * l_o["loss_dmd"], l_o["loss_scm"]], rel=1e-12)
@@ -238,7 +237,7 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
     """``trainer.lr_lambda`` against the closed forms of docs/math.md §4.4 written out here, and
     ``alternation.optimizer_steps`` against a count of the iterations ``plan_step`` gives each network."""
     from rcm_diffusers.distill.alternation import optimizer_steps, plan_step
-    from rcm_diffusers.distill.trainer import lr_lambda
+    from rcm_diffusers.distill.optim import lr_lambda
 
     plans = [plan_step(i, 7, 3, 4) for i in range(50)]
     assert optimizer_steps(50, 7, 3) == {"student": sum(p.student for p in plans), "fake": sum(not p.student for p in plans)}
@@ -285,7 +284,7 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
 def test_dcm_and_fixed_dmd_options_parse_and_validate(tmp_path):
     """``cm_type`` / ``dcm_*`` / ``dmd_fix_timesteps`` / ``backward_timesteps`` from YAML and the command line, with the
     official defaults; bad values are refused naming the option; which settings take a JVP (``trainer.needs_jvp``)."""
-    from rcm_diffusers.distill.trainer import needs_jvp
+    from rcm_diffusers.distill.terms import needs_jvp
 
     y = tmp_path / "c.yaml"
     y.write_text("pretrained: p\ndata_dir: d\ncm_type: dcm\ndcm_skipping_interval_steps: 2\n")

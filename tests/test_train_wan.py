@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from rcm_diffusers.distill.alternation import plan_step
 from rcm_diffusers.distill.checkpoints import KILL_ENV
-from train_helpers import REPO, make_dataset, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
+from train_helpers import kill_after, REPO, make_dataset, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 
@@ -96,7 +96,7 @@ def test_kill_and_resume_is_bitwise(wan, full_run):
     torn, a damaged copy posing as the newest checkpoint, and code-running pickles in all of accelerate's
     checkpoint file names: the final LoRA, EMA and metrics equal the uninterrupted run's bit for bit."""
     out = wan[2] / "run_resume"
-    p = run_trainer(_args(wan, out, "--exit_after_step", "14"), check=False)
+    p = run_trainer(_args(wan, out), check=False, env=kill_after(14))
     assert p.returncode != 0 and "exit_after_step 14: hard exit" in p.stdout, p.stderr[-3000:]  # launcher maps 17 -> 1
     assert sorted(os.listdir(out / "checkpoints")) == ["step-00000010"]
     assert not (out / "pytorch_lora_weights.safetensors").exists()
@@ -134,7 +134,7 @@ def test_kill_and_resume_is_bitwise(wan, full_run):
 def test_a_used_run_folder_is_never_mixed(wan, full_run):
     """A new run into a finished run's folder, changed shapes, a shorter run, a second writer: each refused with
     one plain message before anything is written."""
-    from rcm_diffusers.distill.runs import RunLock
+    from rcm_diffusers.distill.run_folder import RunLock
 
     def listing():
         return {str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*") if p.name != ".rcm-run.lock"}
@@ -244,7 +244,7 @@ def test_dcm_and_fixed_dmd_train_without_any_jvp(wan, monkeypatch):
     never installs the JVP attention; the same trainer with sCM ``fd_type 0`` fails on that processor (so the first
     run would fail had it taken a JVP)."""
     import rcm_diffusers.attention as A
-    from rcm_diffusers.distill import trainer as T
+    from rcm_diffusers.distill import base_model as T
 
     enabled, calls = [], []
     monkeypatch.setattr(A, "enable_jvp_attention", lambda m, *a, **k: enabled.append(m) or m)
@@ -281,7 +281,7 @@ def test_dcm_kill_and_resume_equals_uninterrupted(wan):
              "--tangent_warmup", "3", "--checkpoint_every", "4")
     full, cut = wan[2] / "run_dcm_full", wan[2] / "run_dcm_cut"
     run_trainer(_args(wan, full, *extra))
-    p = run_trainer(_args(wan, cut, *extra, "--exit_after_step", "6"), check=False)
+    p = run_trainer(_args(wan, cut, *extra), check=False, env=kill_after(6))
     assert p.returncode != 0 and "exit_after_step 6: hard exit" in p.stdout, p.stderr[-3000:]
     p = run_trainer(_args(wan, cut, *extra, "--resume", "latest"))
     assert "at iteration 4" in p.stdout
@@ -318,7 +318,7 @@ def test_regression_term_equals_teacher_one_step_error_and_resumes(wan):
            return_dict=False)[0]
     want = ((b["noise"].double() - v.double() - b["latents"].double()) ** 2).flatten(1).sum(1).mean()
     assert ref[0]["loss_reg"] == pytest.approx(float(want), rel=1e-5)
-    p = run_trainer(_args(wan, cut, *extra, "--exit_after_step", "6"), check=False)
+    p = run_trainer(_args(wan, cut, *extra), check=False, env=kill_after(6))
     assert p.returncode != 0 and "exit_after_step 6: hard exit" in p.stdout, p.stderr[-3000:]
     assert "at iteration 4" in run_trainer(_args(wan, cut, *extra, "--resume", "latest")).stdout
     for name in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors"):

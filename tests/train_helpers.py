@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rcm_diffusers.distill import runs as R
+from rcm_diffusers.distill import launch as R
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_DIM, TEXT_LEN = 16, 4
@@ -139,6 +139,14 @@ def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, che
     if check and p.returncode != 0:
         raise AssertionError(f"trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+def kill_after(step: int) -> dict:
+    """The environment of a trainer that hard-exits right after iteration ``step``, as if killed (a test aid that
+    stays out of ``--help``: ``rcm_diffusers.distill.session.EXIT_AFTER_STEP_ENV``)."""
+    from rcm_diffusers.distill.session import EXIT_AFTER_STEP_ENV
+
+    return {EXIT_AFTER_STEP_ENV: str(step)}
 
 
 def tiny_wan_run(tmp_path_factory, name: str):

@@ -22,7 +22,6 @@ e.g. ``--max_steps 30 --batch_size 8`` for a quick try.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.distill import runs as R  # noqa: E402
+from rcm_diffusers.distill import launch as R  # noqa: E402
 from rcm_diffusers.distill.config import load_config  # noqa: E402
 from rcm_diffusers.sampling import format_mid_t  # noqa: E402
 
@@ -115,7 +114,7 @@ def plan_runs(a, overrides: list[str]) -> list[dict]:
             cfg = load_config(args)
         except ValueError as e:
             raise SystemExit(f"demo_digits: run {name!r}: {e}") from None
-        runs.append({"name": name, "dir": run_dir, "args": args, "config": dataclasses.asdict(cfg)})
+        runs.append({"name": name, "dir": run_dir, "args": args, "config": cfg.model_dump()})
     return runs
 
 

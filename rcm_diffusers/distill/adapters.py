@@ -59,8 +59,14 @@ def add_rcm_adapters(transformer, rank: int, alpha: float | None, target_modules
         configs["fake"] = LoraConfig(r=fr, lora_alpha=(alpha or rank) * fr / rank, target_modules=targets, init_lora_weights=True)
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
+    import warnings
+
     for name, cfg in configs.items():
-        transformer.add_adapter(cfg, adapter_name=name)
+        with warnings.catch_warnings():
+            # peft warns that a second adapter makes "multiple adapters in the model": two adapters on one frozen
+            # base are the point here (docs/math.md §6), and the roles switch them explicitly (Networks.role)
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute", category=UserWarning)
+            transformer.add_adapter(cfg, adapter_name=name)
         # float32 adapters on a bf16/fp16 base (peft's autocast_adapter_dtype; diffusers' add_adapter skips it):
         # in bf16 an AdamW step of lr 1e-5 on a weight of 1e-2 rounds away (spacing 6e-5), so LoRA would stop learning
         cast_adapter_dtype(transformer, name, autocast_adapter_dtype=True)

@@ -599,7 +599,7 @@ class Checkpointer:
         self._apply(fresh)
         return st
 
-    # -- the current config's optimizer settings win over the saved ones (the resume policy, rcm_diffusers.distill.runs)
+    # -- the current config's optimizer settings win over the saved ones (the resume policy, rcm_diffusers.distill.run_folder)
     _HYPER = ("initial_lr", "betas", "eps", "weight_decay")
 
     def _hyper(self) -> dict:

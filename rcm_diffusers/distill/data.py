@@ -495,3 +495,15 @@ def pair_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: fl
 def video_noise_multiplier(x0: torch.Tensor, family: str) -> float:
     """``sqrt(latent frames)`` for Wan video latents ``[B, C, T, H, W]``, 1 otherwise (docs/math.md §3)."""
     return math.sqrt(x0.shape[2]) if family.startswith("wan") and x0.dim() == 5 else 1.0
+
+
+def batch_rows(obj, start: int, stop: int, batch: int):
+    """Rows ``start:stop`` of every tensor in ``obj`` (a tensor, a dict of them, or ``None``) whose leading dimension
+    is ``batch``; other values (shared conditions, scalars) are passed through."""
+    if obj is None:
+        return None
+    if isinstance(obj, dict):
+        return {k: batch_rows(v, start, stop, batch) for k, v in obj.items()}
+    if torch.is_tensor(obj) and obj.dim() and obj.shape[0] == batch:
+        return obj[start:stop]
+    return obj

@@ -13,7 +13,7 @@ ema + step_peak + overhead):
 * ``activations``: what autograd saves in the one grad-enabled forward of a step (the sCM/DMD
   student pass, or the fake-score pass), all blocks; with gradient checkpointing (``checkpointing_policy``
   ``full``) the block inputs plus one block's recomputed activations; with ``selective`` (Wan;
-  ``rcm_diffusers.distill.checkpointing``) also every block's matrix-product and attention outputs, the recompute
+  ``rcm_diffusers.distill.activation_checkpointing``) also every block's matrix-product and attention outputs, the recompute
   working set of one block then being the rest of that block (``checkpoint_held`` gives what is held between the
   forward and the backward);
 * ``backward`` / ``forward`` / ``nograd``: working sets on top of what a phase holds (``WORKING_SETS``,
@@ -84,7 +84,7 @@ ACT_COEFFS = {
                     "bfloat16": {"per_D": 44.0, "per_head": 12.0, "per_tok": 324.0}},
 }
 
-#: bytes the ``selective`` checkpointing policy keeps per Wan block (``rcm_diffusers.distill.checkpointing``), by
+#: bytes the ``selective`` checkpointing policy keeps per Wan block (``rcm_diffusers.distill.activation_checkpointing``), by
 #: activation bytes ``b`` (4 float32, 2 bf16 weights or bf16 autocast): per video token ``(9 D + F) b`` (q, k, v of
 #: self-attention, both attention outputs, both out-projections, the cross-attention query, the feed-forward up (F)
 #: and down projections), ``8 r b`` (the ``lora_A`` outputs of the 8 adapted token projections, rank r) and 4 bytes
@@ -411,12 +411,12 @@ def saved_activation_bytes(fn, exclude=()) -> int:
 
 
 def checkpoint_held_bytes(fn, exclude=()) -> int:
-    """Bytes of the distinct storages the checkpointed block calls (``rcm_diffusers.distill.checkpointing``) made
+    """Bytes of the distinct storages the checkpointed block calls (``rcm_diffusers.distill.activation_checkpointing``) made
     while running ``fn()`` hold for the backward: their inputs and the outputs the selective policy cached
     (parameters in ``exclude`` not counted): the measurement ``checkpoint_held`` is checked against."""
     from torch.utils._pytree import tree_leaves
 
-    from .checkpointing import recording
+    from .activation_checkpointing import recording
 
     with recording() as rec:
         fn()

@@ -14,7 +14,7 @@ import torch
 
 from .data import unpack_flux_latents
 
-__all__ = ["SampleDecoder", "grid_frames", "save_grid"]
+__all__ = ["SampleDecoder", "grid_frames", "save_grid", "sample_student", "write_samples"]
 
 
 class SampleDecoder:
@@ -85,3 +85,53 @@ def save_grid(path_stem: str, rows: list[torch.Tensor], gif: bool = True) -> lis
         os.replace(tmp, path_stem + ".gif")
         written.append(path_stem + ".gif")
     return written
+
+
+@torch.no_grad()
+def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student",
+                   mid_t=None):
+    """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1; ``mid_t`` empty = its default angles, else
+    a list or per step count), model-layout float32 latents; the network sees its time as in training
+    (``nets.time_input``), the update runs on the exact RF times."""
+    from ..models import velocity_fn
+    from ..sampling import DEFAULT_MID_T
+    from ..schedulers import RCMScheduler
+
+    sch = RCMScheduler(sigma_max=sigma_max, mid_t=mid_t or DEFAULT_MID_T, time_input=nets.time_input)
+    sch.set_timesteps(steps)
+    x = sch.scale_initial_noise(torch.randn(shape, generator=generator, dtype=torch.float32).to(device))
+    with nets.role(role):
+        v_fn = velocity_fn(nets.modules[role], nets.time_input)
+        for k, ts in enumerate(sch.timesteps):
+            r = torch.tensor(float(sch.rf_times[k]), dtype=torch.float64, device=device)
+            v = v_fn(x.to(nets.model_dtype), r, **cond).float()
+            x = sch.step(v, ts, x, generator=generator).prev_sample
+    return x
+
+
+def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4, decoder=None) -> str:
+    """Student samples at each of ``cfg.sample_steps`` for the first ``n`` dataset conditions, fixed
+    seed, saved as ``samples/step-XXXXXXXX.safetensors`` (model-layout latents) and, with a
+    ``previews.SampleDecoder``, a PNG grid (rows = step counts, columns = conditions; + GIF for video)."""
+    from safetensors.torch import save_file
+
+    from .data import model_inputs
+
+    ids = list(range(min(n, len(data))))
+    batch = data.get(ids)
+    x0, cond, _ = model_inputs(data.family, batch, device, nets.model_dtype,
+                               cfg.flux_guidance if getattr(transformer.config, "guidance_embeds", False) else None)
+    out = {}
+    for k in cfg.sample_steps:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        out[f"steps_{k}"] = sample_student(nets, cond, tuple(x0.shape), int(k), cfg.sigma_max, gen, device,
+                                           mid_t=cfg.mid_t).cpu()
+    d = os.path.join(cfg.output_dir, "samples")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"step-{step:08d}.safetensors")
+    save_file({k: v.contiguous() for k, v in out.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if decoder is not None:
+        hw = tuple(batch["latents"].shape[-2:])
+        save_grid(path[: -len(".safetensors")], [decoder.decode(out[f"steps_{k}"], hw) for k in cfg.sample_steps])
+    return path

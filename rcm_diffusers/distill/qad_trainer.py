@@ -1,219 +1,195 @@
-"""The pieces of the QAD run (docs/math.md §7) that ``training/qad.py`` strings together: the teacher (a base
-model, or an rCM student LoRA fused into it), the quantized student in scope ``all`` or ``lora``,
-training times, activation calibration, a fixed-seed distillation probe and the exports.
+"""The QAD trainer: ``QADTrainer(config).train()`` distills a frozen teacher (a base model, or an rCM few-step
+student: ``teacher_lora``) into a student initialised from it whose Linear layers run through low-bit fake
+quantization (docs/math.md §7): ``L = alpha ||v_S - (eps - x0)||^2 + (1 - alpha) ||v_S - v_T^g||^2``, with the
+teacher's CFG folded in by the schedule ``s(r)``. Scope ``all`` trains every weight, scope ``lora`` a LoRA on the
+frozen quantized base; an optional block-wise warm start runs first.
 
-Checkpoints, metrics, the environment snapshot and learning-rate warm-up come from
-``rcm_diffusers.distill.trainer`` unchanged.
+From a shell: ``accelerate launch training/qad.py --config FILE.yaml [--key value ...]`` in a clone, or
+``accelerate launch -m rcm_diffusers.distill.qad_trainer ...`` / ``rcm-qad ...`` after ``pip install``. Outputs in
+``output_dir``: ``env.json``, ``metrics.jsonl`` (step -1 rows: the distillation probe after quantization and after
+the warm start), ``warm_start.json``, ``checkpoints/step-*``, ``final.json``, ``quantized_transformer.safetensors``
+(ComfyUI layout for Wan), for scope ``lora`` ``pytorch_lora_weights.safetensors`` + ``lora_comfyui.safetensors``,
+for scope ``all`` the bf16 full-weight delta ``delta_comfyui.safetensors``; with ``ema_rate > 0`` the same from the
+power-EMA weights in ``ema/``.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import math
 import os
+import sys
+import time
 
 import torch
 
-from .data import batch_indices, model_inputs
-from ..models import _base_model, compute_dtype, velocity_fn
-from ..quant.modules import DEFAULT_EXCLUDE, calibration, quant_layers, quantize_transformer
-from .qad import GuidanceSchedule, qad_loss
+from . import qad_student as Q
+from .checkpoints import Checkpointer
+from .config import QADConfig, noise_seeding_of
+from .data import LatentDataset, batch_indices, batch_rows, model_inputs, step_noise
+from .ema import PowerEMA
+from .guards import grad_norm, note_skip
+from .optim import adamw, lr_lambda
+from .qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r
+from .rcm_trainer import DTYPES, make_accelerator
+from .session import RunSession, merge_logs, peak_memory_mb, write_json
+from ..models import velocity_fn
 
-__all__ = ["fuse_lora_file", "build_student", "training_times", "fixed_batches", "calibrate", "distill_probe",
-           "export_student", "trainable", "ema_student", "full_delta", "save_full_delta", "save_qad_lora", "arch_of"]
-
-
-def arch_of(transformer) -> str:
-    """``"wan"`` or ``"flux"`` from the transformer class name."""
-    name = type(_base_model(transformer)).__name__
-    if name.startswith("Wan"):
-        return "wan"
-    if name.startswith("Flux"):
-        return "flux"
-    raise ValueError(f"QAD supports Wan and Flux transformers, got {name}")
+__all__ = ["QADTrainer", "main"]
 
 
-def fuse_lora_file(transformer, path: str) -> None:
-    """Fuse a diffusers-format LoRA (a ``training/rcm.py`` output dir or a ``.safetensors`` file) into
-    ``transformer``'s weights in place: ``W <- W + (alpha / r) B A`` (an rCM student as QAD teacher)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "pytorch_lora_weights.safetensors")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"teacher_lora: no LoRA file at {path}")
-    transformer.load_lora_adapter(path, prefix="transformer", adapter_name="teacher_lora")
-    transformer.fuse_lora(adapter_names=["teacher_lora"])
-    transformer.unload_lora()
+class QADTrainer:
+    """One QAD run: ``__init__`` checks the inputs before anything is written; ``train()`` takes the run folder,
+    quantizes the student, calibrates, probes, optionally warm-starts, trains and exports."""
+
+    def __init__(self, config: QADConfig):
+        from .inputs import check_inputs
+
+        self.cfg = config.validate()
+        check_inputs(self.cfg)
+
+    def _teacher(self, device, dtype):
+        import diffusers
+
+        from .inputs import model_index
+
+        cfg = self.cfg
+        index = model_index(cfg.pretrained)
+        transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
+        teacher = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder,
+                                                  torch_dtype=dtype).to(device)
+        if cfg.teacher_lora:
+            Q.fuse_lora_file(teacher, cfg.teacher_lora)
+        return teacher.requires_grad_(False).eval()
+
+    def _warm_start(self, session, student, teacher, data, times, dtype, flux_g, probe):
+        cfg, device = self.cfg, self.acc.device
+        warm = Q.fixed_batches(data, cfg, cfg.warm_start_batches, 3, device, dtype, flux_g)
+
+        def runner(k, x0, cond):
+            g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 13 * k)
+            r = sample_r(x0.shape[0], cfg.shift, times, g, x0.device)
+            eps = torch.randn(x0.shape, dtype=torch.float64, generator=g, device=x0.device)
+            rb = r.reshape(-1, *[1] * (x0.dim() - 1))
+            x_r = ((1 - rb) * x0 + rb * eps).to(dtype)
+            return lambda m: velocity_fn(m, cfg.time_input)(x_r, r.float(), **cond)
+
+        stats = blockwise_warm_start(student, teacher, [runner(k, x0, c) for k, (x0, c, _) in enumerate(warm)],
+                                     steps_per_batch=cfg.warm_start_steps_per_batch, lr=cfg.warm_start_lr,
+                                     max_grad_norm=cfg.max_grad_norm or 1.0)
+        if session.main:
+            write_json(session.path("warm_start.json"), [dataclasses.asdict(s) for s in stats])
+        session.metrics.write({"step": -1, "phase": "warm_start",
+                               "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)})
+
+    def train(self) -> str:
+        """Run (or resume) QAD; returns ``output_dir`` once ``final.json`` is written."""
+        cfg = self.cfg
+        acc = self.acc = make_accelerator(cfg)
+        device, rank, world = acc.device, acc.process_index, acc.num_processes
+        dtype = DTYPES[cfg.weight_dtype]
+        session = RunSession(cfg, acc, "qad")
+
+        torch.manual_seed(cfg.seed)  # LoRA init draws from the global RNG: the same on every rank
+        teacher = self._teacher(device, dtype)
+        student, layers = Q.build_student(teacher, cfg)
+        v_T = velocity_fn(teacher, cfg.time_input)
+        guidance = GuidanceSchedule(cfg.guidance_knots())
+        times = Q.training_times(cfg)
+
+        data = LatentDataset(cfg.data_dir)
+        flux_g = cfg.flux_guidance if getattr(teacher.config, "guidance_embeds", False) else None
+        probe = Q.fixed_batches(data, cfg, cfg.eval_batches, 2, device, dtype, flux_g)
+        if any(m.static_act for m in layers.values()):
+            Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, device, dtype, flux_g), times,
+                        cfg, acc)
+        if session.fresh:
+            # probe the naive post-training quantization, then the optional block-wise warm start
+            session.open_metrics(-1).write({"step": -1, "phase": "ptq",
+                                            "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)})
+            if cfg.warm_start_batches:
+                self._warm_start(session, student, teacher, data, times, dtype, flux_g, probe)
+
+        # optimizer, accelerate, checkpointed state (trainable weights only; the quantized base is rebuilt)
+        opt = adamw([p for p in student.parameters() if p.requires_grad], cfg.lr, cfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.lr_warmup_steps))
+        student, opt, sched = acc.prepare(student, opt, sched)
+        params = [p for p in student.parameters() if p.requires_grad]
+        named = {n: p for n, p in student.named_parameters() if p.requires_grad}
+        # the EMA is a float32 shadow of the trainable weights (scope lora: the adapter only)
+        ema = PowerEMA(Q.trainable(acc.unwrap_model(student)), s=cfg.ema_rate) if cfg.ema_rate > 0 else None
+        checkpointer = Checkpointer(acc, ([student], ["student"]), {"student": (opt, named)}, {"student": sched},
+                                    session.state, ema)
+        session.start(checkpointer, params, {"quantized_layers": {n: m.fmt for n, m in sorted(layers.items())},
+                                            "training_times": times}, keep_metrics_before=-1)
+        state = session.state
+
+        v_S = velocity_fn(student, cfg.time_input)
+        n_micro, B, seeding = cfg.gradient_accumulation_steps, cfg.batch_size, noise_seeding_of(cfg)
+        bar = session.progress("QAD")
+        for i in bar:
+            t0 = time.perf_counter()
+            # the process's batch_size x n_micro samples, as n_micro micro-batches; accelerator.backward divides
+            # each micro-batch's mean loss by n_micro: the mean over the whole batch
+            ids = batch_indices(len(data), B * n_micro, i, rank, world, cfg.seed)
+            x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, dtype, flux_g)
+            gen_all = step_noise(seeding, cfg.seed, i, rank, B * n_micro,
+                                 device=device.type if device.type != "mps" else "cpu")
+            opt.zero_grad(set_to_none=True)
+            parts = []
+            for m in range(n_micro):
+                rows = (m * B, (m + 1) * B, B * n_micro)
+                x0, cond, uncond = (batch_rows(v, *rows) for v in (x0_all, cond_all, uncond_all))
+                with acc.accumulate(student):
+                    loss, part = qad_loss(v_S, v_T, x0, cond, uncond, alpha=cfg.alpha, guidance=guidance,
+                                          generator=gen_all[m * B:(m + 1) * B] if n_micro > 1 else gen_all,
+                                          shift=cfg.shift, times=times, model_dtype=dtype)
+                    acc.backward(loss.mean())
+                parts.append(part)
+            logs = merge_logs(parts)
+            norm = float(acc.clip_grad_norm_(params, cfg.max_grad_norm)) if cfg.max_grad_norm > 0 else grad_norm(params)
+            if math.isfinite(norm) or not cfg.skip_nonfinite:
+                opt.step()
+                sched.step()
+                if ema is not None:
+                    ema.update(Q.trainable(acc.unwrap_model(student)), i + 1)
+            else:
+                note_skip(state, cfg, i, "student", norm, ids, acc.print)
+            state.step = i + 1
+            record = {"step": i, "lr": sched.get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
+                      "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
+            bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k.startswith("loss")})
+            session.end_of_step(i, record)
+            session.exit_if_asked(i)
+
+        sums = session.finish({n: p for n, p in student.named_parameters() if p.requires_grad})
+        extra = {}
+        if acc.is_main_process:
+            base = acc.unwrap_model(student)
+            extra["eval_distill"] = Q.distill_probe(base, teacher, probe, times, cfg)
+            extra["exports"] = Q.export_student(base, cfg.output_dir, cfg, teacher=teacher)
+            if ema is not None:
+                extra["exports_ema"] = Q.export_student(Q.ema_student(base, ema.shadow),
+                                                        os.path.join(cfg.output_dir, "ema"), cfg, teacher=teacher)
+        session.write_final(sums, extra)
+        return cfg.output_dir
 
 
-def build_student(teacher, cfg):
-    """Quantized student initialised from ``teacher`` (docs/math.md §7); returns ``(student, {name: QuantLinear})``.
+def main(argv=None, default_config: str | None = None) -> None:
+    """Command line: ``--verify RUN_DIR`` checks a finished run; else ``QADTrainer(load_config(argv)).train()``."""
+    from .errors import load_config_or_exit, run_main
+    from .run_folder import verify_main
 
-    The arithmetic is ``cfg.resolved_target`` (``comfyui``: what ComfyUI runs for the format; ``fake``:
-    ``format`` / ``act_format`` as given). Scope ``all``: a full copy whose every weight trains through the fake quantizer. Scope ``lora``:
-    the frozen quantized base shares the teacher's weight tensors (no copy) and a peft adapter
-    ``"student"`` (rank ``lora_rank``) on top trains in the weight dtype.
-    """
-    if cfg.scope == "lora":
-        student = copy.deepcopy(teacher, memo={id(p): p for p in teacher.parameters()})
-    else:
-        student = copy.deepcopy(teacher)
-    layers = quantize_transformer(student, cfg.format, act_fmt=cfg.act_format or None,
-                                  per_channel=cfg.per_channel if cfg.format == "fp8_e4m3" else None,
-                                  exclude=DEFAULT_EXCLUDE, extra_exclude=tuple(cfg.exclude), overrides=cfg.quant_overrides(),
-                                  target=cfg.resolved_target(arch_of(teacher)), act_scale=cfg.act_scale)
-    if cfg.scope == "all":
-        student.requires_grad_(True)
-        return student, layers
-    from peft import LoraConfig
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["--verify"]:
+        raise SystemExit(verify_main(args[1:]))
 
-    from .adapters import default_lora_targets
+    def run():
+        cfg = load_config_or_exit(args, default_config=default_config, config_cls=QADConfig)
+        QADTrainer(cfg).train()
 
-    student.requires_grad_(False)
-    targets = list(cfg.lora_target_modules or default_lora_targets(student))
-    names = [n for n, _ in student.named_modules()]
-    targets = [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
-    student.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or cfg.lora_rank, target_modules=targets,
-                                   init_lora_weights=True), adapter_name="student")
-    for n, p in student.named_parameters():
-        p.requires_grad_(".student." in n)
-    return student, layers
+    run_main(run)
 
 
-def training_times(cfg) -> list[float] | None:
-    """``None`` (shifted uniform r) or the rCM student's ``rcm_steps`` sampling times ``r_k > 0`` (docs/math.md §2.1)."""
-    if cfg.r_source != "rcm":
-        return None
-    from ..sampling import DEFAULT_MID_T
-    from ..schedulers import RCMScheduler
-
-    sch = RCMScheduler(sigma_max=cfg.sigma_max, mid_t=cfg.mid_t or DEFAULT_MID_T)
-    sch.set_timesteps(cfg.rcm_steps)
-    return [float(r) for r in sch.rf_times if r > 0]
-
-
-def fixed_batches(data, cfg, n: int, stream: int, device, dtype, flux_guidance):
-    """``n`` rank-independent ``(x0, cond, uncond)`` batches (same on every process), keyed by ``stream``."""
-    out = []
-    for k in range(n):
-        ids = batch_indices(len(data), cfg.batch_size, k, 0, 1, cfg.seed + 1000 * stream)
-        out.append(model_inputs(data.family, data.get(ids), device, dtype, flux_guidance))
-    return out
-
-
-@torch.no_grad()
-def calibrate(student, batches, times, cfg, accelerator=None) -> None:
-    """Activation ranges ``input_amax = max |x|`` of the student on ``batches`` at training-time ``x_r``,
-    max-reduced over processes."""
-    v = velocity_fn(student, cfg.time_input)
-    with calibration(student) as layers:
-        for k, (x0, cond, _) in enumerate(batches):
-            g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 7 * k)
-            qad_loss(v, v, x0, cond, None, alpha=1.0, guidance=GuidanceSchedule(1.0), generator=g, shift=cfg.shift,
-                     times=times, model_dtype=compute_dtype(student))
-    if accelerator is not None and accelerator.num_processes > 1:
-        import torch.distributed as dist
-
-        for m in layers.values():
-            dist.all_reduce(m.input_amax, op=dist.ReduceOp.MAX)
-
-
-@torch.no_grad()
-def distill_probe(student, teacher, batches, times, cfg) -> float:
-    """Mean ``||v_S - v_T^g||^2`` over fixed batches with fixed noise and times (the distillation term, alpha = 0)."""
-    v_S, v_T = velocity_fn(student, cfg.time_input), velocity_fn(teacher, cfg.time_input)
-    dtype = compute_dtype(teacher)
-    total = 0.0
-    for k, (x0, cond, uncond) in enumerate(batches):
-        g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 31 * k + 5)
-        total += qad_loss(v_S, v_T, x0, cond, uncond, alpha=0.0, guidance=GuidanceSchedule(cfg.guidance_knots()),
-                          generator=g, shift=cfg.shift, times=times, model_dtype=dtype)[1]["loss_distill"]
-    return total / max(1, len(batches))
-
-
-def export_student(student, out_dir: str, cfg, teacher=None) -> dict:
-    """Write ``quantized_transformer.safetensors`` (``export_quantized``: ComfyUI layout for Wan by default)
-    and, for scope ``lora``, the LoRA via ``save_lora_weights``; for scope ``all`` with ``export_delta`` and a
-    ``teacher``, the bf16 full-weight delta ``delta_comfyui.safetensors`` (``save_full_delta``). Returns ``{what: path}``."""
-    from ..quant.export import export_quantized
-
-    arch = arch_of(student)
-    layout = cfg.export_layout if cfg.export_layout != "auto" else ("comfyui" if arch == "wan" else "diffusers")
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"quantized": os.path.join(out_dir, "quantized_transformer.safetensors")}
-    export_quantized(student, paths["quantized"], layout=layout, arch=arch)
-    meta = {"base_model": cfg.pretrained, "made_by": "training/qad.py", "quantized_base": cfg.format,
-            "quantized_layout": layout, "target": cfg.resolved_target(arch)}
-    if cfg.scope == "lora":
-        paths.update(save_qad_lora(student, out_dir, arch, meta))
-    elif cfg.export_delta and teacher is not None:
-        paths["delta_comfyui"] = os.path.join(out_dir, "delta_comfyui.safetensors")
-        save_full_delta(student, teacher, paths["delta_comfyui"], arch, meta)
-    return paths
-
-
-def trainable(model) -> dict:
-    """``{name: parameter}`` of the parameters that train (what the QAD EMA averages)."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def ema_student(student, shadow: dict):
-    """A deep copy of ``student`` whose trainable weights are replaced by the EMA weights ``shadow``
-    (keyed like ``trainable``); the frozen ones are shared, not copied."""
-    frozen = {id(p): p for p in student.parameters() if not p.requires_grad}
-    m = copy.deepcopy(student, memo=frozen)
-    params = trainable(m)
-    if set(params) != set(shadow):
-        raise KeyError(f"EMA weights do not match the trainable parameters: {sorted(set(params) ^ set(shadow))[:3]}")
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(shadow[k].to(p.dtype))
-    return m
-
-
-def full_delta(student, teacher) -> dict:
-    """``{target.diff | target.diff_b: W_student - W_teacher}`` in bf16 for every parameter that changed
-    (diffusers names, the canonical suffixes of ``rcm_diffusers.lora.keys``). Raises on a key/shape mismatch."""
-    t = dict(_base_model(teacher).named_parameters())
-    out = {}
-    for name, p in _base_model(student).named_parameters():
-        if name not in t or t[name].shape != p.shape:
-            raise ValueError(f"full delta: student parameter {name} {tuple(p.shape)} has no teacher counterpart")
-        d = p.detach().float() - t[name].detach().float()
-        if torch.any(d):
-            target, kind = (name[: -len(".bias")], "diff_b") if name.endswith(".bias") else \
-                (name[: -len(".weight")] if name.endswith(".weight") else name, "diff")
-            out[f"{target}.{kind}"] = d.to(torch.bfloat16).cpu().contiguous()
-    return out
-
-
-def save_full_delta(student, teacher, path: str, arch: str, metadata: dict) -> dict:
-    """The bf16 full-weight delta (``full_delta``) in ComfyUI's LoRA layout (``.diff`` / ``.diff_b``),
-    written atomically: ``teacher + delta`` is the trained student (docs/math.md §7 export)."""
-    from ..lora.io import save_lora
-
-    return save_lora(path, full_delta(student, teacher), arch=arch, format="comfyui", metadata=metadata)
-
-
-def save_qad_lora(student, out_dir: str, arch: str, metadata: dict) -> dict:
-    """The ``"student"`` adapter in bf16 as ``pytorch_lora_weights.safetensors`` (diffusers layout,
-    ``pipe.load_lora_weights(out_dir)``) and ``lora_comfyui.safetensors`` (ComfyUI layout). It is trained
-    on top of the *quantized* base: apply it to the quantized checkpoint."""
-    from peft.utils import get_peft_model_state_dict
-
-    from ..lora.io import save_lora
-
-    base = _base_model(student)
-    conf = base.peft_config["student"]
-    sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in get_peft_model_state_dict(base, adapter_name="student").items()}
-    for k in list(sd):
-        if k.endswith(".lora_A.weight"):
-            sd[k[: -len("lora_A.weight")] + "alpha"] = torch.tensor(float(conf.lora_alpha))
-    paths = {"lora_diffusers": os.path.join(out_dir, "pytorch_lora_weights.safetensors"),
-             "lora_comfyui": os.path.join(out_dir, "lora_comfyui.safetensors")}
-    save_lora(paths["lora_diffusers"], sd, arch=arch, format="diffusers", metadata=metadata)
-    save_lora(paths["lora_comfyui"], sd, arch=arch, format="comfyui", metadata=metadata)
-    return paths
-
-
-def quantized_names(student) -> list[str]:
-    """Names of the student's quantized layers (logged in ``env.json``)."""
-    return sorted(quant_layers(student))
+if __name__ == "__main__":
+    main()
