@@ -1,4 +1,4 @@
-"""Digits rCM sweep: train one student per variant, then FD ratios to the 50-step teacher (docs/benchmarks.md).
+"""Digits rCM sweep: train one student per variant, then FD ratios to the 50-step teacher (docs/screens.md).
 
     python benchmarks/digits_sweep.py --name base --out outputs/sweep -- --max_steps 2500 --seed 0
     python benchmarks/digits_sweep.py --name base --out outputs/sweep --eval_only

@@ -1,4 +1,4 @@
-"""Teacher-fidelity evaluation of QAD digits runs over several sampling seeds (the lr / alpha sweep, docs/benchmarks.md).
+"""Teacher-fidelity evaluation of QAD digits runs over several sampling seeds (the lr / alpha sweep, docs/screens.md).
 
 ``python benchmarks/qad_digits_fidelity.py RUN_DIR [RUN_DIR ...] [--seeds 1234 1235 1236] [--samples 1000]``
 

@@ -272,7 +272,7 @@ def test_teacher_training_script_is_seeded(tmp_path):
 
 
 def test_extra_ema_rates_leave_training_and_the_configured_ema_alone(tmp_path):
-    """``benchmarks/train_extra_ema.py`` (the EMA-rate sweep of docs/benchmarks.md): the extra shadow at the configured
+    """``benchmarks/train_extra_ema.py`` (the EMA-rate sweep of docs/screens.md): the extra shadow at the configured
     rate equals the run's own ``ema/`` export bit for bit, another rate differs, and a second rate is just another folder."""
     import subprocess
     import sys

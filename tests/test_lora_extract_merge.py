@@ -1,4 +1,4 @@
-"""SVD extraction (issue 8 §3) and merging (§4) on tiny random Wan / Flux models."""
+"""SVD extraction and merging on tiny random Wan / Flux models."""
 
 import pytest
 import torch

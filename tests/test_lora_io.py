@@ -1,4 +1,4 @@
-"""Save/load (issue 8 §2) and safe checkpoint loading (§5); LoRA -> ComfyUI -> back reproduces pipeline output."""
+"""Save/load and safe checkpoint loading; LoRA -> ComfyUI -> back reproduces pipeline output."""
 
 import json
 import os

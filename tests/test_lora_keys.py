@@ -1,4 +1,4 @@
-"""Key converter (issue 8 §1): exact round trips for Wan (T2V, I2V) and Flux, full weights and LoRAs."""
+"""Key converter: exact round trips for Wan (T2V, I2V) and Flux, full weights and LoRAs."""
 
 import pytest
 import torch

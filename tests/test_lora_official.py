@@ -1,4 +1,4 @@
-"""Official rCM and TurboDiffusion checkpoints (issue 12): unwrap, reshape, dequantize, then convert/extract/merge.
+"""Official rCM and TurboDiffusion checkpoints: unwrap, reshape, dequantize, then convert/extract/merge.
 
 Layouts are built here from the producing code's rules (our own code, written from reading theirs):
 - NVlabs/rcm ``scripts/dcp_to_pth.py`` (``__main__``): flat ``net.<key>`` from the ``net_ema.`` entries, bf16;

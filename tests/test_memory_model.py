@@ -134,22 +134,22 @@ def test_step_peak_is_the_largest_phase():
     """The JVP pass runs before the sCM term's grad-enabled forward (``losses.scm_loss``), so a step holds the larger
     of the JVP working set and the activations (+ the backward's or, in bf16, the forward's transient), not their sum;
     fd_type 2 has no JVP term."""
-    from rcm_diffusers.distill.memory import JVP_COEFFS, WORKING_SETS, held_bytes
+    from rcm_diffusers.distill.memory import held_bytes
 
-    kw = dict(tokens=32760, text_tokens=512, lora_rank=64)
+    kw = dict(text_tokens=512, lora_rank=64)
     for policy in ("full", "selective"):
         for gc in (True, False):
-            s = TrainSetup.from_arch("wan2.1-t2v-14b", gradient_checkpointing=gc, checkpointing_policy=policy, **kw)
+            s = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=32760, gradient_checkpointing=gc, checkpointing_policy=policy, **kw)
             p = predict_training(s)
-            c = WORKING_SETS["bfloat16"]["backward"]
-            assert p["backward"] == 32760 * 2 * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim)
-            copies = 2 * 4 * 6 * s.dim**2 + 4 * (4096 + s.dim) * s.dim  # bf16: float32 upcast + clone, text embedder
-            j = JVP_COEFFS["bfloat16"]  # the feed-forward's primal and tangent per video / text token, and per F D
-            ffn = 2 * (32760 * (j["per_F"] * s.ffn_dim + j["per_D"] * s.dim) + 512 * j["txt_D"] * s.dim
-                       + j["per_FD"] * s.ffn_dim * s.dim)
-            assert p["jvp"] == max(copies, ffn) == ffn  # 720p-scale token counts: token-bound
-            c = WORKING_SETS["bfloat16"]["forward"]
-            assert p["forward"] == 32760 * 2 * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim) > p["backward"]
+            half = predict_training(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=16380, gradient_checkpointing=gc,
+                                                         checkpointing_policy=policy, **kw))
+            # the transients are per-token working sets: half the video tokens, half the bytes; in bf16 the
+            # forward's (upcasts) exceeds the backward's
+            assert p["backward"] == 2 * half["backward"] and p["forward"] == 2 * half["forward"] > 0
+            assert p["forward"] > p["backward"] > 0
+            # the JVP pass at 720p-scale token counts is token-bound: it grows with the tokens, by less than twice
+            # (its text-token and weight-sized parts stay)
+            assert half["jvp"] < p["jvp"] < 2 * half["jvp"]
             phases = [p["activations"] + p["forward"], held_bytes(s) + p["nograd"], p["jvp"]]
             assert p["step_peak"] == max(phases) < p["activations"] + p["jvp"] + p["backward"]
             static = sum(p[k] for k in ("weights", "trainable", "grads", "optimizer", "ema", "overhead"))

@@ -190,7 +190,7 @@ def test_pipeline_save_load_names_rcm_diffusers(tmp_path):
     assert swapped.scheduler.rf_times[0] == pytest.approx(120 / 121, abs=1e-12)
 
 
-# ----------------------------------------------------------------------------- generator lists (issue 11 item 3)
+# ----------------------------------------------------------------------------- generator lists
 
 # float32 round-off of O(1) latents over <= 4 steps; a broken per-sample contract changes samples by O(1)
 PER_SAMPLE_ATOL = 1e-5

@@ -1,4 +1,4 @@
-"""What only shows at real sizes, at the smallest size that shows it (issue 15): the shipped real
+"""What only shows at real sizes, at the smallest size that shows it: the shipped real
 architecture configs, head dim 128 (Wan RoPE split 44/42/42) with the bf16/float32 dtype mix that
 ``from_pretrained(torch_dtype=bfloat16)`` produces, 512 text tokens (the Wan I2V text/image split
 and the prompt padding), and the CPU smoke mode of ``benchmarks/real_arch.py``."""

@@ -311,7 +311,7 @@ def test_teacher_solvers_converge_on_linear_flow():
             assert torch.allclose(x, x0, atol=1e-5), (cls.__name__, spacing)
 
 
-# ----------------------------------------------------------------------------- stock configs (issue 11 item 2)
+# ----------------------------------------------------------------------------- stock configs
 
 # the configs the model repos ship (written by older diffusers; keys as in their scheduler_config.json)
 WAN21_UNIPC = {
@@ -403,7 +403,7 @@ def test_compatibles_are_truthful():
             c.from_config(cls().config)
 
 
-# ----------------------------------------------------------------------------- bad input (issue 11 item 5, issue 17 item 7)
+# ----------------------------------------------------------------------------- bad input
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(solver_type="bh1"), "bh2"), (dict(lower_order_final=False), "lower_order_final")])

@@ -38,7 +38,7 @@ from rcm_diffusers.distill.config import load_config  # noqa: E402
 from rcm_diffusers.sampling import format_mid_t  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(REPO, "training", "configs", "digits.yaml")
-QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; buys 2 and 4 steps ~0.5 FD, not 1 step (docs/benchmarks.md)
+QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; buys 2 and 4 steps ~0.5 FD, not 1 step (docs/screens.md)
 
 
 def parse_args(argv=None):
@@ -84,7 +84,7 @@ def parse_args(argv=None):
 
 def default_processes() -> int:
     """Training processes of the demo: both cores of a 2-core box (DDP 1.4x one single-threaded process at the
-    same global batch, docs/benchmarks.md)."""
+    same global batch, docs/screens.md)."""
     return max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 

@@ -595,6 +595,12 @@ def _default(f):
     return f.default_factory() if f.default_factory is not None else f.default
 
 
+def _choices(f) -> str:
+    """`` [a | b]`` for an option with a fixed set of values, else ``""``."""
+    choices = getattr(f.annotation, "__args__", ()) if getattr(f.annotation, "__origin__", None) is Literal else ()
+    return f" [{' | '.join(map(str, choices))}]" if choices else ""
+
+
 def format_help(config_cls=None) -> str:
     """``--help``: one line per option of ``config_cls`` (default ``RCMConfig``), grouped: ``--name (default): meaning``."""
     cls = config_cls or RCMConfig
@@ -604,9 +610,7 @@ def format_help(config_cls=None) -> str:
         lines.append(f"\n {group}:")
         for n in names:
             f = cls.model_fields[n]
-            choices = getattr(f.annotation, "__args__", ()) if getattr(f.annotation, "__origin__", None) is Literal else ()
-            pick = f" [{' | '.join(map(str, choices))}]" if choices else ""
-            lines.append(f"  --{n} ({_default(f)!r}){pick}: {f.description}")
+            lines.append(f"  --{n} ({_default(f)!r}){_choices(f)}: {f.description}")
     return "\n".join(lines)
 
 
@@ -624,21 +628,41 @@ def options_markdown() -> str:
         x = f.json_schema_extra
         return {"fixed": f"refused ({x['why']})", "applied": "applied, printed", "free": "free"}[x["resume"]]
 
-    def esc(s):
-        return s.replace("|", "\\|")
+    def esc(f):
+        return (f.description + _choices(f)).replace("|", "\\|")
 
     out = ["### Options of both trainers", "", "| option | rCM default | QAD default | meaning | on resume |",
            "|---|---|---|---|---|"]
     for n, f in CommonOptions.model_fields.items():
         q = QADConfig.model_fields[n]
-        out.append(f"| `{n}` | {cell(_default(f))} | {cell(_default(q))} | {esc(f.description)} | {on_resume(f)} |")
+        out.append(f"| `{n}` | {cell(_default(f))} | {cell(_default(q))} | {esc(f)} | {on_resume(f)} |")
     for cls, title in ((RCMConfig, "rCM (`training/rcm.py`)"), (QADConfig, "QAD (`training/qad.py`)")):
         out += ["", f"### Options of {title} only", "", "| option | default | meaning | on resume |", "|---|---|---|---|"]
         for n, f in cls.model_fields.items():
             if n not in CommonOptions.model_fields:
-                out.append(f"| `{n}` | {cell(_default(f))} | {esc(f.description)} | {on_resume(f)} |")
+                out.append(f"| `{n}` | {cell(_default(f))} | {esc(f)} | {on_resume(f)} |")
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":  # python -m rcm_diffusers.distill.config: the tables of docs/training.md
-    print(options_markdown(), end="")
+OPTIONS_BEGIN, OPTIONS_END = "<!-- options: begin (generated) -->", "<!-- options: end -->"
+
+
+def write_options_into(path: str) -> bool:
+    """Replace the text between the option markers of ``path`` (docs/training.md) with ``options_markdown()``;
+    returns whether the file changed."""
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split(OPTIONS_BEGIN, 1)
+    _, tail = rest.split(OPTIONS_END, 1)
+    new = f"{head}{OPTIONS_BEGIN}\n{options_markdown()}{OPTIONS_END}{tail}"
+    if new != text:
+        with open(path, "w") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python -m rcm_diffusers.distill.config [--write docs/training.md]: the options tables
+    if sys.argv[1:2] == ["--write"]:
+        print("updated" if write_options_into(sys.argv[2]) else "unchanged", sys.argv[2])
+    else:
+        print(options_markdown(), end="")

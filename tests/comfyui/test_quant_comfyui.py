@@ -1,5 +1,5 @@
 """Quantized exports inside a current ComfyUI, on the CPU: each loads through ``UNETLoader`` and its
-forward equals our fake-quant model under the matching ``target`` (issue 14; docs/math.md §7).
+forward equals our fake-quant model under the matching ``target`` (docs/math.md §7).
 
 Runs only when COMFYUI_PATH points at a ComfyUI checkout and this Python has ComfyUI's requirements,
 comfy-kitchen and diffusers (see docs/comfyui.md). Tested with ComfyUI 0.29.0 (upstream commit 4f874c5,
