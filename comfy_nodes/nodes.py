@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rcm_diffusers import comfy as rcm
 
-from .schema import Input, Node, Output
+from .schema import Input, Node, Output, Result
 
 CATEGORY = "sampling/custom_sampling/rcm"
 #: smallest sigma_max the widget takes: the node refuses sigma_max <= 0, and ComfyUI's range check is val < min
@@ -129,7 +129,9 @@ RCM_SAMPLER = Node(
                 "seeded noise (the same draws as the built-in lcm sampler; with time_input float, the same sample).",
     inputs=[
         Input("BOOLEAN", "stochastic", default=True, label_on="stochastic", label_off="deterministic (ode)",
-              tooltip="Stochastic re-noising is the rCM default; deterministic takes Euler steps."),
+              tooltip="Stochastic re-noising is the rCM default; deterministic takes Euler steps. An API prompt sends "
+                      "JSON true or false: ComfyUI turns any other value into a bool before the node runs (the "
+                      "string \"false\" into true)."),
         Input("COMBO", "time_input", options=list(rcm.TIME_INPUTS), default="bf16", optional=True,
               tooltip="The time the model is called at. bf16: 1000*sigma rounded to bfloat16, the time official rCM "
                       "checkpoints and training/rcm.py (default time_input: bf16) were trained with; the step itself "
@@ -178,40 +180,51 @@ def _lora_names():
 
 
 def _lora_loader(model, lora_name, strength_model):
+    """The patched model; with a Wan variant warning (an I2V LoRA on a T2V model or the reverse) a :class:`Result`
+    whose text shows the warning on the node (it also goes to ComfyUI's log, as before)."""
     import logging
 
-    import comfy.lora
-    import comfy.utils
     import folder_paths
-    import torch
 
     path = rcm.resolve_lora_name(lora_name, folder_paths)  # only names ComfyUI lists, never a raw path
     arch = rcm.model_arch(model.model)
     diffusion_model = model.model.diffusion_model
+    where = f"rCM LoRA Loader, lora_name={lora_name!r}"  # every message names the file once, then one problem and its fix
     try:
         lora = rcm.load_lora_file(path, arch)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    try:
         # names and logical shapes against the model's own weights (quantized layers included), then ComfyUI's key map
         rcm.check_lora_against_model(lora, diffusion_model)
     except ValueError as e:
-        raise ValueError(f"rCM LoRA Loader, lora_name={lora_name!r}: {e} Pick a LoRA made for this model.") from e
-    if arch == "wan":
-        warning = _wan_variant_warning(path, lora_name, diffusion_model)
-        if warning:
-            logging.warning(warning)
+        raise ValueError(f"{where}: {e}; pick a LoRA made for this model size and variant.") from e
+    warning = _wan_variant_warning(path, lora_name, diffusion_model) if arch == "wan" else None
+    if warning:
+        logging.warning(warning)
+    patched = _apply_lora(model, lora, arch, strength_model, where)
+    return (patched,) if warning is None else Result((patched,), (warning,))
+
+
+def _apply_lora(model, lora, arch, strength_model, where):
+    import comfy.lora
+    import comfy.utils
+    import torch
+
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     missing = rcm.lora_targets_missing(lora, key_map)
     if missing:
-        raise ValueError(f"rCM LoRA Loader, lora_name={lora_name!r}: {len(missing)} LoRA target(s) have no weight in "
-                         f"this {arch} model: {missing[:20]}; pick a LoRA for this model size and variant.")
+        raise ValueError(f"{where}: {len(missing)} LoRA target(s) have no weight in this {arch} model: {missing[:20]}; "
+                         "pick a LoRA made for this model size and variant.")
     patches = comfy.lora.load_lora(lora, key_map)
     if strength_model == 0 or not patches:
-        return (model,)
+        return model
     patched = model.clone()
     module_patches, raw_patches = rcm.split_parameter_patches(patches)
     applied = set(patched.add_patches(module_patches, strength_model))
     not_applied = sorted(str(k) for k in module_patches if k not in applied)
     if not_applied:
-        raise ValueError(f"{lora_name}: ComfyUI did not apply {len(not_applied)} patch(es): {not_applied[:20]}.")
+        raise ValueError(f"{where}: ComfyUI did not apply {len(not_applied)} patch(es): {not_applied[:20]}.")
     # raw parameters (Wan modulation): ComfyUI registers but never applies these patches; swap in
     # the patched parameter as an object patch instead (the shared base model stays untouched)
     for key, patch in raw_patches.items():
@@ -219,7 +232,7 @@ def _lora_loader(model, lora_name, strength_model):
         new = comfy.lora.calculate_weight([(strength_model, patch, 1.0, None, None)],
                                           base.detach().to(torch.float32, copy=True), key)
         patched.add_object_patch(key, torch.nn.Parameter(new.to(base.dtype), requires_grad=False))
-    return (patched,)
+    return patched
 
 
 def _wan_variant_warning(path, lora_name, diffusion_model):
@@ -237,9 +250,10 @@ def _wan_variant_warning(path, lora_name, diffusion_model):
     lora_variant, why = rcm.wan_lora_variant(keys, metadata)
     if model_variant is None or lora_variant is None or lora_variant == model_variant:
         return None
+    wanted = model_variant.upper()
     return (f"rCM LoRA Loader, lora_name={lora_name!r}: this LoRA was made for Wan {lora_variant.upper()} ({why}) but "
-            f"the model is Wan {model_variant.upper()}; the shapes fit, so it is applied, but pick a "
-            f"{model_variant.upper()} LoRA unless this is intended.")
+            f"the model is Wan {wanted}; the shapes fit, so it is applied, but pick {'an' if wanted[0] in 'AEIOU' else 'a'} "
+            f"{wanted} LoRA unless this is intended.")
 
 
 LORA_LOADER = Node(
@@ -258,6 +272,7 @@ LORA_LOADER = Node(
     ],
     outputs=[Output("MODEL", tooltip="The model with the LoRA applied (the input model is left unchanged).")],
     execute=_lora_loader,
+    shows_text=True,  # the I2V / T2V mismatch warning, on the node
 )
 
 

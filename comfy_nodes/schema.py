@@ -10,6 +10,7 @@ ComfyUI at module level.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,17 @@ class Output:
 
 
 @dataclass
+class Result:
+    """What ``execute`` returns when it has text for the user besides its outputs (a plain tuple: no text). The
+    ``text`` lines are shown on the node in the editor, as ComfyUI's progress text (``PromptServer.send_progress_text``,
+    which the frontend draws under the node's widgets; built-in nodes such as GetImageSize use it), and kept as the
+    node's UI output ``{"text": [...]}``, which ``/history`` returns to API clients."""
+
+    outputs: tuple
+    text: tuple[str, ...] = ()
+
+
+@dataclass
 class Node:
     node_id: str
     display_name: str
@@ -43,9 +55,20 @@ class Node:
     description: str
     inputs: list[Input]
     outputs: list[Output]
-    execute: Callable[..., tuple]  # widget and link values by input name -> tuple of outputs
+    execute: Callable[..., tuple | Result]  # widget and link values by input name -> tuple of outputs (or a Result)
     # validate(cls, <widget names>=None) -> True or an error message; ComfyUI calls it on queueing
     validate: Callable[..., Any] | None = None
+    # execute may return a Result with text: the node then takes ComfyUI's hidden UNIQUE_ID, to address that text
+    shows_text: bool = False
+
+
+def show_text(text, node_id) -> None:
+    """``text`` (lines) on node ``node_id`` in the editor, through the running server's ``send_progress_text``;
+    nothing outside a ComfyUI server (tests, scripts), for an unknown node id or a ComfyUI without the call."""
+    server = getattr(sys.modules.get("server"), "PromptServer", None)  # ComfyUI's server module, already imported
+    send = getattr(getattr(server, "instance", None), "send_progress_text", None)
+    if text and node_id is not None and send is not None:
+        send("\n".join(text), str(node_id))
 
 
 def _validate_classmethod(node: Node):
@@ -81,10 +104,15 @@ def v3_nodes(nodes: list[Node]) -> list[type]:
         def define_schema(cls, node=node):
             return io.Schema(node_id=node.node_id, display_name=node.display_name, category=node.category,
                              description=node.description, inputs=[v3_input(i) for i in node.inputs],
-                             outputs=[v3_output(o) for o in node.outputs])
+                             outputs=[v3_output(o) for o in node.outputs],
+                             **({"hidden": [io.Hidden.unique_id]} if node.shows_text else {}))
 
         def execute(cls, node=node, **kwargs):
-            return io.NodeOutput(*node.execute(**kwargs))
+            r = node.execute(**kwargs)
+            if isinstance(r, Result):
+                show_text(r.text, getattr(getattr(cls, "hidden", None), "unique_id", None))
+                return io.NodeOutput(*r.outputs, ui={"text": list(r.text)} if r.text else None)
+            return io.NodeOutput(*r)
 
         body = {"define_schema": classmethod(define_schema), "execute": classmethod(execute), "__doc__": node.description}
         if node.validate is not None:
@@ -110,10 +138,15 @@ def legacy_nodes(nodes: list[Node]) -> tuple[dict[str, type], dict[str, str]]:
         def input_types(cls, node=node):
             req = {i.name: legacy_input(i) for i in node.inputs if not i.optional}
             opt = {i.name: legacy_input(i) for i in node.inputs if i.optional}
-            return {"required": req, **({"optional": opt} if opt else {})}
+            return {"required": req, **({"optional": opt} if opt else {}),
+                    **({"hidden": {"unique_id": "UNIQUE_ID"}} if node.shows_text else {})}
 
-        def run(self, node=node, **kwargs):
-            return tuple(node.execute(**kwargs))
+        def run(self, node=node, unique_id=None, **kwargs):
+            r = node.execute(**kwargs)
+            if isinstance(r, Result):
+                show_text(r.text, unique_id)
+                return {"ui": {"text": list(r.text)}, "result": tuple(r.outputs)} if r.text else tuple(r.outputs)
+            return tuple(r)
 
         body = {
             "INPUT_TYPES": classmethod(input_types),

@@ -340,7 +340,8 @@ def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
     ``.pt`` (weights_only). Goes through the LoRA tooling (:func:`rcm_diffusers.lora.io.load_lora`, the
     one key converter; it also restores alphas kept in a diffusers file's header). Raises
     FileNotFoundError for a missing file, ValueError for an unreadable file, a LoRA of another
-    architecture, or keys no rule maps (listed).
+    architecture, or keys no rule maps (listed). A ValueError is one sentence, the problem and what to do, about
+    "this LoRA" without its file name: the caller names the file once (the loader node: ``lora_name=...``).
     """
     from .lora import checkpoint as lora_checkpoint
     from .lora import io as lora_io
@@ -354,19 +355,22 @@ def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
     try:
         raw = lora_checkpoint.load_state_dict(path, unwrap=False)
     except ValueError as e:
-        raise ValueError(f"cannot read LoRA file {path!r} ({e}); is the file complete?") from e
+        raise ValueError(f"cannot read LoRA file: {e}") from e
     if not raw:
-        raise ValueError(f"{path}: the LoRA file holds no tensors.")
+        raise ValueError("the LoRA file holds no tensors; is it complete?")
     try:
         lora_arch = lora_keys.detect_arch(raw)
     except ValueError as e:
-        raise ValueError(f"{os.path.basename(path)} is not a Wan or Flux LoRA: {e}") from e
+        raise ValueError(f"not a Wan or Flux LoRA: no key names a Wan or Flux layer (first keys: {sorted(raw)[:3]}); "
+                         "pick a LoRA made for Wan or Flux.") from e
     if lora_arch != arch:
-        raise ValueError(
-            f"{os.path.basename(path)}: this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
-            f"load a {arch.capitalize()} LoRA (or connect a {lora_arch.capitalize()} model)."
-        )
-    state_dict, _ = lora_io.load_lora(path, format="comfyui", arch=arch)
+        raise ValueError(f"this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
+                         f"pick a {arch.capitalize()} LoRA or connect a {lora_arch.capitalize()} model.")
+    try:
+        state_dict, _ = lora_io.load_lora(path, format="comfyui", arch=arch)
+    except ValueError as e:
+        raise ValueError(f"{e}; pick a {arch.capitalize()} LoRA in a layout this loader reads (diffusers, ComfyUI, "
+                         "LightX2V, Kijai or kohya).") from e
     return state_dict
 
 

@@ -679,6 +679,130 @@ def test_i2v_lora_on_a_t2v_model_warns(tmp_path):
     assert _wan_variant_warning(str(tmp_path / "plain.safetensors"), "plain.safetensors", wan(16)) is None
 
 
+def test_t2v_lora_on_an_i2v_model_says_an_i2v_lora():
+    """The article fits the variant: "pick an I2V LoRA" (the article used to be "a" whatever the variant)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from comfy_nodes.nodes import _wan_variant_warning
+
+    m = torch.nn.Module()
+    m.patch_embedding = torch.nn.Conv3d(36, 8, (1, 2, 2))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "t2v.safetensors")
+        save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8)}, path,
+                  metadata={"ss_base_model_version": "wan2.1_t2v_14b"})
+        msg = _wan_variant_warning(path, "t2v.safetensors", m)
+    assert msg.endswith("but the model is Wan I2V; the shapes fit, so it is applied, but pick an I2V LoRA unless this "
+                        "is intended."), msg
+
+
+class WAN21:  # a ComfyUI Wan BaseModel as rcm_diffusers.comfy.model_arch sees it (by class name)
+    def __init__(self, in_channels):
+        self.diffusion_model = torch.nn.Module()
+        self.diffusion_model.patch_embedding = torch.nn.Conv3d(in_channels, 8, (1, 2, 2))
+        block = torch.nn.Module()
+        block.self_attn = torch.nn.Module()
+        block.self_attn.q = torch.nn.Linear(8, 8)
+        self.diffusion_model.blocks = torch.nn.ModuleList([block])
+
+
+
+@pytest.fixture
+def comfyui_stand_ins(tmp_path, monkeypatch):
+    """folder_paths, comfy.lora / comfy.utils and the server module as the loader node uses them (no ComfyUI): the loras
+    folder holds an I2V-tagged Wan LoRA, an untagged one and a Flux one; the server records progress texts."""
+    import types
+
+    from safetensors.torch import save_file
+
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    wan = {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8),
+           "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(8, 2)}
+    save_file(wan, loras / "i2v.safetensors", metadata={"ss_base_model_version": "wan2.2_i2v_a14b"})
+    save_file(wan, loras / "plain.safetensors")
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2)}, loras / "flux.safetensors")
+    save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 24),
+               "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 2)}, loras / "wide.safetensors")
+    folder_paths = FolderPaths(str(loras), ["i2v.safetensors", "plain.safetensors", "flux.safetensors", "wide.safetensors"])
+    lora = types.ModuleType("comfy.lora")
+    lora.model_lora_keys_unet = lambda model, key_map: {
+        "diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight"}
+    lora.load_lora = lambda sd, key_map: {}  # no patch: the loader returns the model it was given
+    package = types.ModuleType("comfy")
+    package.lora, package.utils = lora, types.ModuleType("comfy.utils")
+    sent = []
+    server = types.ModuleType("server")
+    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(
+        send_progress_text=lambda text, node_id: sent.append((text, node_id))))
+    for name, module in (("folder_paths", folder_paths), ("comfy", package), ("comfy.lora", lora),
+                         ("comfy.utils", package.utils), ("server", server)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return types.SimpleNamespace(model=types.SimpleNamespace(model=WAN21(16)), sent=sent)
+
+
+def test_variant_warning_is_shown_on_the_loader_node(comfyui_stand_ins, caplog):
+    """An I2V LoRA on a T2V model: the warning went to the server log only; the node now also shows it (ComfyUI's
+    progress text on the node) and returns it as its UI text output, next to the unchanged MODEL output."""
+    import logging
+
+    from comfy_nodes.nodes import LORA_LOADER
+    from comfy_nodes.schema import legacy_nodes
+
+    cls = legacy_nodes([LORA_LOADER])[0]["RCMLoraLoader"]
+    assert cls.INPUT_TYPES()["hidden"] == {"unique_id": "UNIQUE_ID"}  # the node id the text is shown on
+    model = comfyui_stand_ins.model
+    warning = ("rCM LoRA Loader, lora_name='i2v.safetensors': this LoRA was made for Wan I2V (its metadata says "
+               "ss_base_model_version='wan2.2_i2v_a14b') but the model is Wan T2V; the shapes fit, so it is applied, "
+               "but pick a T2V LoRA unless this is intended.")
+    with caplog.at_level(logging.WARNING):
+        out = getattr(cls(), cls.FUNCTION)(model=model, lora_name="i2v.safetensors", strength_model=1.0, unique_id="7")
+    assert out == {"ui": {"text": [warning]}, "result": (model,)}
+    assert comfyui_stand_ins.sent == [(warning, "7")]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [warning]  # the log, as before
+    # a LoRA that fits the variant: the plain output, nothing shown
+    assert getattr(cls(), cls.FUNCTION)(model=model, lora_name="plain.safetensors", strength_model=1.0,
+                                        unique_id="7") == (model,)
+    assert comfyui_stand_ins.sent == [(warning, "7")]
+
+
+def test_loader_errors_name_the_file_once_with_one_advice(comfyui_stand_ins):
+    """A Flux LoRA on a Wan model said the file name twice and two pieces of advice ("...: flux.safetensors: this LoRA
+    is for Flux ...; load a Wan LoRA (or connect a Flux model). Pick a LoRA made for this model."): now one sentence."""
+    from comfy_nodes.nodes import LORA_LOADER
+
+    model = comfyui_stand_ins.model
+    with pytest.raises(ValueError) as e:
+        LORA_LOADER.execute(model=model, lora_name="flux.safetensors", strength_model=1.0)
+    assert str(e.value) == ("rCM LoRA Loader, lora_name='flux.safetensors': this LoRA is for Flux but the model is Wan; "
+                            "pick a Wan LoRA or connect a Flux model.")
+    with pytest.raises(ValueError) as e:
+        LORA_LOADER.execute(model=model, lora_name="wide.safetensors", strength_model=1.0)
+    msg = str(e.value)
+    assert msg.startswith("rCM LoRA Loader, lora_name='wide.safetensors': 1 LoRA key(s) do not match the model: ")
+    assert msg.endswith("; pick a LoRA made for this model size and variant.") and msg.count("wide.safetensors") == 1
+    assert msg.lower().count("pick") == 1 and "\n" not in msg
+
+
+def test_stochastic_is_documented_as_comfyui_delivers_it():
+    """ComfyUI converts a BOOLEAN widget's value with bool() before any node code sees it (execution.validate_inputs),
+    so the node cannot refuse an API prompt's "false" (it arrives as True): the docs no longer say it refuses a
+    non-bool stochastic, and say what ComfyUI does instead; the widget stays a BOOLEAN (saved workflows keep loading)."""
+    from comfy_nodes.nodes import RCM_SAMPLER, _rcm_sampler_options
+
+    (widget,) = [i for i in RCM_SAMPLER.inputs if i.name == "stochastic"]
+    assert widget.kind == "BOOLEAN" and widget.extra["default"] is True
+    assert _rcm_sampler_options(bool("false")) == {"stochastic": True, "time_input": "bf16"}  # what the node receives
+    with open(os.path.join(REPO, "docs", "comfyui.md")) as f:
+        doc = " ".join(f.read().split())
+    assert "refuses a `stochastic`" not in doc
+    assert "ComfyUI turns the value of `stochastic` into a bool with Python's `bool()`" in doc
+    assert "JSON true or false" in widget.extra["tooltip"]
+
+
 # ----------------------------------------------------------------------------- node declarations
 
 

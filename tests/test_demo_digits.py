@@ -190,3 +190,45 @@ def test_experts_demo_caches_the_teacher_reference(tmp_path, monkeypatch):
     assert torch.equal(E.teacher_reference(D.TEACHER2_DIR, labels, 1, str(tmp_path)), x)
     with pytest.raises(AssertionError, match="recomputed"):  # another protocol is another file
         E.teacher_reference(D.TEACHER2_DIR, labels, 2, str(tmp_path))
+
+
+def test_demo_report_has_each_row_once(tmp_path, monkeypatch):
+    """The rows of the demo's evaluation (its own eval_digits argv: the teacher rows, the rCM student and its EMA at
+    1, 2 and 4 steps, and the EMA's stock-pipeline rows "user call" and "from_config defaults"), each (method, steps)
+    once in the returned rows and once in report.md; stand-in models and metrics, no training and no sampling."""
+    import types
+
+    import torch
+
+    import eval_digits
+
+    class Evaluator:
+        y_ref = [0] * 10
+
+        def evaluate(self, x, labels):
+            return {"fd": 1.0, "accuracy": 1.0, "diversity": 1.0, "fd_pixel": 1.0}
+
+        def features(self, x):
+            return x
+
+        def fd_to(self, x):
+            return 0.0
+
+    scheduler = types.SimpleNamespace(config=types.SimpleNamespace(rcm_sigma_max=80.0, mid_t=[1.5, 1.4, 1.0],
+                                                                   time_input="bf16"))
+    for name, value in {"Evaluator": Evaluator, "load_teacher": lambda path: (None, None),
+                        "load_student": lambda teacher, path: (None, None),
+                        "load_student_pipeline": lambda teacher, path: (types.SimpleNamespace(scheduler=scheduler), {}),
+                        "timed": lambda fn, *args: (torch.zeros(20, 1, 1, 8, 8), 0.01, 1.0),
+                        "frechet_distance": lambda a, b: 0.0, "load_digits_split": lambda: {"x_train": None},
+                        "save_grid": lambda path, rows: path}.items():
+        monkeypatch.setattr(D, name, value)
+    monkeypatch.setattr(eval_digits, "RCMScheduler", types.SimpleNamespace(from_config=lambda config: scheduler))
+    a, overrides = demo_digits.parse_args(["--out", str(tmp_path / "digits"), "--samples", "20"])
+    rows = demo_digits.evaluate(demo_digits.plan_runs(a, overrides), a)
+    teacher = [(f"teacher {s}", n) for s in ("euler", "unipc") for n in (50, 1, 2, 4, 8)]
+    students = [(m, n) for m in ("student rcm", "student rcm-ema", "student rcm-ema: user call",
+                                 "student rcm-ema: from_config defaults") for n in (1, 2, 4)]
+    assert [(r.method, r.steps) for r in rows] == teacher + students
+    table = [line for line in (tmp_path / "digits" / "report.md").read_text().splitlines() if line.startswith("| ")][1:]
+    assert [tuple(c.strip() for c in line.split("|")[1:3]) for line in table] == [(m, str(n)) for m, n in teacher + students]

@@ -1,4 +1,4 @@
-"""rcm-lora CLI smoke tests (issue 8): convert, extract, merge, transfer, inspect, bad input."""
+"""rcm-lora CLI smoke tests: convert, extract, merge, transfer, inspect, bad input."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from rcm_diffusers.lora import cli, io, keys
 from test_lora_extract_merge import with_low_rank_delta
-from test_lora_keys import assert_same_effect, random_lora, tiny_wan
+from test_lora_keys import assert_same_effect, random_lora, tiny_flux, tiny_wan
 
 
 def test_cli_convert_extract_merge_transfer(tmp_path, capsys):
@@ -189,3 +189,90 @@ def test_convert_refuses_and_inspect_warns_about_a_broken_lora(files, capsys, ki
     assert cli.main(["merge", "--base", str(tmp_path / "base.safetensors"), "--lora", str(tmp_path / "broken.safetensors"),
                      "--output", str(tmp_path / "m.safetensors")]) == 2
     assert match in capsys.readouterr().err and not (tmp_path / "m.safetensors").exists()
+
+
+def _wan_1_3b_lora(in_width):
+    """A rank-1 LoRA on two layers of Wan 2.1 T2V 1.3B (hidden size 1536), ComfyUI names; self_attn.q's lora_A is
+    ``in_width`` wide."""
+    g = torch.Generator().manual_seed(0)
+    return {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.randn(1, in_width, generator=g),
+            "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.randn(1536, 1, generator=g),
+            "diffusion_model.blocks.0.self_attn.k.lora_down.weight": torch.randn(1, 1536, generator=g),
+            "diffusion_model.blocks.0.self_attn.k.lora_up.weight": torch.randn(1536, 1, generator=g)}
+
+
+def test_convert_refuses_a_lora_too_wide_for_its_architecture(tmp_path, capsys):
+    """A lora_A 3 columns wider than the 1536-wide layer of Wan 2.1 1.3B (a shipped architecture, found from the LoRA's
+    own sizes) was written with rc 0; convert now runs inspect's check: exit 2, one line naming the layer, no file."""
+    save_file(_wan_1_3b_lora(1539), tmp_path / "wide.safetensors")
+    assert cli.main(["convert", str(tmp_path / "wide.safetensors"), str(tmp_path / "o.safetensors"), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rcm-lora convert: error: ") and err.count("\n") == 1, err
+    assert "blocks.0.attn1.to_q: LoRA delta (1536, 1539) vs weight (1536, 1536) in wan2.1-t2v-1.3b" in err, err
+    assert "to_k" not in err and not (tmp_path / "o.safetensors").exists()
+    assert cli.main(["inspect", str(tmp_path / "wide.safetensors")]) == 0  # inspect warns about the same
+    out = capsys.readouterr()
+    assert json.loads(out.out)["problems"] == [
+        "blocks.0.attn1.to_q: LoRA delta (1536, 1539) vs weight (1536, 1536) in wan2.1-t2v-1.3b"]
+    assert "warning" in out.err
+    # the same LoRA at the layer's width converts
+    save_file(_wan_1_3b_lora(1536), tmp_path / "fits.safetensors")
+    assert cli.main(["convert", str(tmp_path / "fits.safetensors"), str(tmp_path / "o.safetensors"), "--format", "diffusers"]) == 0
+    assert set(load_file(tmp_path / "o.safetensors")) == {f"transformer.blocks.0.attn1.{m}.lora_{ab}.weight"
+                                                         for m in ("to_q", "to_k") for ab in "AB"}
+
+
+@pytest.mark.parametrize("alpha", [True, False])
+def test_convert_refuses_a_rank_0_fused_flux_lora(tmp_path, capsys, alpha):
+    """A rank-0 LoRA on Flux's fused img_attn.qkv was dropped by the split into q/k/v (rc 0, the layer silently gone)
+    or, with an alpha, divided by its rank (a traceback); convert now refuses it like any rank-0 LoRA: exit 2, one
+    line, no file; inspect warns instead of failing."""
+    comfy = keys.to_comfy_keys(random_lora(tiny_flux(), rank=2), "flux")
+    t = "diffusion_model.double_blocks.0.img_attn.qkv"
+    broken = {**comfy, f"{t}.lora_down.weight": torch.zeros(0, 32), f"{t}.lora_up.weight": torch.zeros(96, 0)}
+    if not alpha:
+        broken.pop(f"{t}.alpha")
+    save_file(broken, tmp_path / "r0.safetensors")
+    assert cli.main(["convert", str(tmp_path / "r0.safetensors"), str(tmp_path / "o.safetensors"), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "transformer_blocks.0.attn.to_q: rank 0 (lora_A (0, 32), lora_B (32, 0))" in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+    assert cli.main(["inspect", str(tmp_path / "r0.safetensors")]) == 0
+    assert "rank 0" in " ".join(json.loads(capsys.readouterr().out)["problems"])
+
+
+def test_extract_warns_what_stock_diffusers_drops_from_the_file(tmp_path, capsys):
+    """The default (ComfyUI) file of a fine-tune whose patch embedding changed holds it as a full .diff, which stock
+    diffusers' load_lora_weights drops with only an INFO log: extract says so in one warning line, largest delta first,
+    with what keeps it; nothing when the file holds no such key."""
+    from test_lora_official import low_rank_ft, official_from
+
+    base = {k: v.clone() for k, v in tiny_wan().state_dict().items()}
+    torch.save(base, tmp_path / "base.pt")
+
+    def extract(ft, name, *extra):
+        save_file(ft, tmp_path / f"{name}_ft.safetensors")
+        assert cli.main(["extract", "--finetuned", str(tmp_path / f"{name}_ft.safetensors"), "--base",
+                         str(tmp_path / "base.pt"), "--output", str(tmp_path / f"{name}.safetensors"), "--rank", "2",
+                         *extra]) == 0
+        assert (tmp_path / f"{name}.safetensors").exists()
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("rcm-lora extract:")]
+
+    # official rCM form (Linear patch embedding): its delta is a LoRA pair, which --format diffusers keeps
+    (line,) = extract(official_from(low_rank_ft(base)), "official")
+    out = tmp_path / "official.safetensors"
+    assert line.startswith("rcm-lora extract: warning: stock diffusers (pipe.load_lora_weights) drops 17 full delta(s) "
+                           f"of {out} with no more than an INFO log: patch_embedding.diff, ")
+    assert line.endswith(f"; --format diffusers keeps the patch embedding's (as a LoRA pair), "
+                         f'rcm_diffusers.load_full_lora(pipe, "{out}") applies every delta of the file'), line
+    assert extract(official_from(low_rank_ft(base)), "official_d", "--format", "diffusers") == []  # nothing left to drop
+    # diffusers form (Conv3d patch embedding): a full delta in every layout, so only load_full_lora keeps it
+    ft, _ = with_low_rank_delta(base, r=2)
+    for k in ("blocks.0.attn1.to_q.bias", "blocks.1.scale_shift_table"):
+        ft[k] = base[k].clone()
+    assert extract(ft, "linear_only") == []  # LoRA pairs only: no warning
+    ft["patch_embedding.weight"] = base["patch_embedding.weight"] + 0.1
+    assert extract(ft, "conv") == [
+        f"rcm-lora extract: warning: stock diffusers (pipe.load_lora_weights) drops 1 full delta(s) of "
+        f"{tmp_path / 'conv.safetensors'} with no more than an INFO log: patch_embedding.diff; "
+        f"rcm_diffusers.load_full_lora(pipe, \"{tmp_path / 'conv.safetensors'}\") applies every delta of the file"]

@@ -1,4 +1,4 @@
-"""Community LoRA layouts for Wan (and Flux) (issue 12): each read, converted and applied exactly, or refused.
+"""Community LoRA layouts for Wan (and Flux): each read, converted and applied exactly, or refused.
 
 Each layout is built here from the key rules of the code that writes it (our own code):
 - ComfyUI native: ``diffusion_model.<original module>.lora_down/lora_up.weight`` + ``.alpha`` (or lora_A/B),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,7 @@ def _cmd_convert(a) -> int:
     from .checkpoint import CheckpointReader
     from .describe import _is_lora
     from .io import check_lora, load_lora, save_lora
+    from .keys import detect_arch
     from .pipeline import WEIGHT_NAME, expert_lora_files
 
     if Path(a.input).is_dir() and (Path(a.input) / WEIGHT_NAME).is_file():  # a training/rcm.py output folder (or its ema/)
@@ -140,7 +142,9 @@ def _cmd_convert(a) -> int:
         return 0
 
     sd, meta = load_lora(a.input, arch=a.arch)
-    check_lora(sd, f"{a.input} (nothing was written)")
+    # the check inspect warns about and merge refuses (rank >= 1, matching factors, finite values), plus the shapes
+    # against the target architecture where it is known: a LoRA that fails it is not written
+    check_lora(sd, f"{a.input} (nothing was written)", arch=a.arch or detect_arch(sd))
     info = save_lora(a.output, sd, a.arch, format=a.format, metadata={k: v for k, v in meta.items()
                                                                         if k in ("base_model", "made_by")})
     print(f"wrote {a.output}: {info['n_lora_modules']} LoRA modules, {info['n_full_deltas']} full deltas "
@@ -151,6 +155,7 @@ def _cmd_convert(a) -> int:
 def _cmd_extract(a) -> int:
     from .extract import extract_lora, report_table
     from .io import save_lora
+    from .keys import lora_modules
 
     _check_output(a.output, [a.finetuned, a.base], a.overwrite)
     if a.report:
@@ -172,7 +177,30 @@ def _cmd_extract(a) -> int:
           + f"not applied by the target loader: {info['not_applied'][:5]}")
     if a.report:
         Path(a.report).write_text(json.dumps(report_table(report), indent=1))
+    _warn_stock_diffusers_drops(a.output, "lora_A.weight" in lora_modules(sd).get("patch_embedding", {}))
     return 0
+
+
+def _warn_stock_diffusers_drops(path, patch_embedding_pair: bool) -> None:
+    """One warning line (stderr) when the written LoRA file holds deltas that stock diffusers' ``load_lora_weights``
+    drops with no more than an INFO log, naming them and what keeps them. ``patch_embedding_pair``: the extracted
+    patch-embedding delta is a LoRA pair (official rCM Linear form), which ``--format diffusers`` keeps as peft's
+    Conv3d LoRA; a ComfyUI file holds it as a full ``.diff``."""
+    from safetensors import safe_open
+
+    from .io import dropped_by_stock_diffusers
+
+    with safe_open(str(path), "pt") as f:
+        size = {k: math.prod(f.get_slice(k).get_shape()) for k in dropped_by_stock_diffusers(f.keys())}
+    if not size:
+        return
+    dropped = [k.removeprefix("diffusion_model.") for k in sorted(size, key=lambda k: (-size[k], k))]  # largest first
+    shown = ", ".join(dropped[:5]) + (f" (+{len(dropped) - 5} more)" if len(dropped) > 5 else "")
+    keeps = "--format diffusers keeps the patch embedding's (as a LoRA pair), " if (
+        patch_embedding_pair and "patch_embedding.diff" in dropped) else ""
+    print(f"rcm-lora extract: warning: stock diffusers (pipe.load_lora_weights) drops {len(dropped)} full delta(s) of "
+          f"{path} with no more than an INFO log: {shown}; {keeps}rcm_diffusers.load_full_lora(pipe, \"{path}\") "
+          "applies every delta of the file", file=sys.stderr)
 
 
 def _load_config(path):

@@ -56,7 +56,7 @@ def inspect_file(path, prefer: str | None = None) -> dict:
         out["n_lora_modules"] = sum("lora_A.weight" in g for g in groups.values())
         out["n_full_deltas"] = sum(k in ("diff", "diff_b") for g in groups.values() for k in g)
         out["ranks"] = dict(Counter(g["lora_A.weight"].shape[0] for g in groups.values() if "lora_A.weight" in g))
-        out["problems"] = lora_problems(sd)  # what convert and merge refuse (rcm-lora inspect warns)
+        out["problems"] = lora_problems(sd, out["arch"])  # what convert refuses (inspect warns)
         return out
     out["kind"] = "model checkpoint"
     names = dict.fromkeys(reader.keys())

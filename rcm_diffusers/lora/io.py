@@ -16,6 +16,7 @@ import math
 import os
 import re
 import contextlib
+import functools
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -26,8 +27,9 @@ from safetensors.torch import load_file, save_file
 
 from .keys import comfyui_file_forms, detect_arch, from_any, lora_modules, to_comfy_keys
 
-__all__ = ["FORMATS", "save_lora", "load_lora", "lora_problems", "check_lora", "read_metadata", "diffusers_loadable", "atomic_save_safetensors",
-           "stream_safetensors", "not_applied_by_comfyui"]
+__all__ = ["FORMATS", "save_lora", "load_lora", "lora_problems", "architecture_problems", "check_lora", "read_metadata",
+           "diffusers_loadable", "dropped_by_stock_diffusers", "atomic_save_safetensors", "stream_safetensors",
+           "not_applied_by_comfyui"]
 
 logger = logging.getLogger(__name__)
 FORMATS = ("diffusers", "comfyui")
@@ -139,6 +141,16 @@ def _zero_lora_biases(tensors: dict) -> None:
             tensors[b] = tensors[key].new_zeros(tensors[key].shape[0])
 
 
+def dropped_by_stock_diffusers(keys) -> list[str]:
+    """The keys of a LoRA file (names as written, any layout) that stock diffusers' ``load_lora_weights`` does not
+    apply, sorted: what :func:`diffusers_loadable` leaves out, by name: every full delta ``.diff`` (norms, Wan
+    modulation, a ComfyUI file's patch embedding) and each ``.diff_b`` of a module without a LoRA pair. diffusers' Wan
+    converter drops them with an INFO (norms: DEBUG) log; ``rcm_diffusers.load_full_lora`` applies them."""
+    keys = list(keys)
+    paired = {k.rsplit(".", 2)[0] for k in keys if k.endswith((".lora_down.weight", ".lora_A.weight"))}
+    return sorted(k for k in keys if k.endswith(".diff") or (k.endswith(".diff_b") and k[: -len(".diff_b")] not in paired))
+
+
 def diffusers_loadable(state_dict, arch: str | None = None):
     """Split any-layout LoRA into what ``load_lora_weights`` applies and what it cannot.
 
@@ -215,10 +227,12 @@ def save_lora(path, state_dict, arch: str | None = None, format: str = "diffuser
     return summary
 
 
-def lora_problems(state_dict) -> list[str]:
+def lora_problems(state_dict, arch: str | None = None) -> list[str]:
     """What makes a LoRA unusable, whatever the target model (any naming): tensors holding NaN or inf, ``lora_A``
     without ``lora_B`` (or the reverse), rank 0, matrices that are not 2-D (convolutions: trailing 1s), ranks of
-    ``lora_A`` and ``lora_B`` that differ, an ``alpha`` that is not one finite number. Empty when usable."""
+    ``lora_A`` and ``lora_B`` that differ, an ``alpha`` that is not one finite number. With ``arch`` ("wan" / "flux")
+    and a diffusers-named dict (``load_lora``'s), also the shapes against the target architecture where it is known:
+    :func:`architecture_problems`. Empty when usable."""
     bad = sorted(k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all())
     problems = [f"{len(bad)} LoRA tensor(s) hold NaN or inf: {bad[:10]}"] if bad else []
     for target, g in lora_modules(state_dict).items():
@@ -238,13 +252,75 @@ def lora_problems(state_dict) -> list[str]:
                             f"lora_B {tuple(B.shape)} has {B.shape[1]}")
         if "alpha" in g and (g["alpha"].numel() != 1 or not math.isfinite(float(g["alpha"].reshape(-1)[0]))):
             problems.append(f"{target}: alpha {tuple(g['alpha'].shape)} is not one finite number")
+    if arch is not None and not problems:
+        problems = architecture_problems(state_dict, arch)
     return problems
 
 
-def check_lora(state_dict, what: str = "the LoRA") -> None:
-    """Raise ValueError naming every problem ``lora_problems`` finds (the same check for convert, merge, extract's
-    output and the trainers' exports)."""
-    problems = lora_problems(state_dict)
+@functools.lru_cache(maxsize=None)
+def _shipped_shapes(name: str) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes (diffusers names) of the shipped architecture ``name``, from a model built on the meta device."""
+    import diffusers
+
+    from ..arch import arch_config, arch_meta
+
+    with torch.device("meta"):
+        model = getattr(diffusers, arch_meta(name)["class_name"])(**arch_config(name))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _fits_in_one_dimension(group: dict, w: tuple) -> bool:
+    """The target's output size or (for a matrix) its input width equals the weight's: the model this LoRA is for."""
+    if "lora_A.weight" in group and "lora_B.weight" in group:
+        out, inp = group["lora_B.weight"].shape[0], math.prod(group["lora_A.weight"].shape[1:])
+    else:
+        d = next((group[k] for k in ("diff", "weight", "", "scale", "diff_b", "bias") if k in group), None)
+        if d is None or d.dim() == 0:
+            return True  # nothing shaped to compare (e.g. an alpha alone)
+        out, inp = d.shape[0], (math.prod(d.shape[1:]) if d.dim() >= 2 else None)
+    return out == w[0] or (inp is not None and len(w) >= 2 and inp == math.prod(w[1:]))
+
+
+def architecture_problems(state_dict, arch: str) -> list[str]:
+    """Mismatches of a diffusers-named LoRA against the architecture it targets, where that is known: a shipped
+    architecture of the family ``arch`` (``rcm_diffusers/arch_configs``: Wan 2.1 / 2.2, FLUX.1) that has every target
+    and agrees with each in its output size or input width. The LoRA fits when one such architecture takes it whole
+    (``keys.model_mismatches``, the check merge and the ComfyUI loader run against a real model); otherwise the lines of
+    the closest one, each naming it. Empty when the LoRA fits, or when no shipped architecture is its target (a model
+    of another size: then only a model to merge into can tell)."""
+    from ..arch import arch_config, arch_names
+    from .keys import model_mismatches
+
+    groups = lora_modules(state_dict)
+    widths = {d for g in groups.values() for v in g.values() for d in v.shape}
+    found = []
+    for name in arch_names():
+        if not name.startswith(arch):
+            continue
+        cfg = arch_config(name)
+        if cfg.get("num_attention_heads", 0) * cfg.get("attention_head_dim", 0) not in widths:
+            continue  # its hidden size appears nowhere in the LoRA: not this model (no model built)
+        try:
+            shapes = _shipped_shapes(name)
+        except (AttributeError, TypeError, ValueError):  # a diffusers without this class or these config keys
+            continue
+        weights = [shapes.get(f"{t}.weight", shapes.get(f"{t}.scale", shapes.get(t))) for t in groups]
+        if any(w is None for w in weights) or not all(_fits_in_one_dimension(g, w) for g, w in zip(groups.values(), weights)):
+            continue
+        problems = model_mismatches(state_dict, shapes)
+        if not problems:
+            return []
+        found.append((len(problems), name, problems))
+    if not found:
+        return []
+    _, name, problems = min(found)
+    return [f"{p} in {name}" for p in problems]
+
+
+def check_lora(state_dict, what: str = "the LoRA", arch: str | None = None) -> None:
+    """Raise ValueError naming every problem ``lora_problems`` finds (the same check for convert, merge, inspect,
+    extract's output and the trainers' exports; ``arch``: also against the target architecture where known)."""
+    problems = lora_problems(state_dict, arch)
     if problems:
         more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ValueError(f"{what} is broken: " + "; ".join(problems[:10]) + more)

@@ -41,6 +41,7 @@ __all__ = [
     "to_comfy_keys",
     "from_any",
     "check_against_model",
+    "model_mismatches",
     "lora_modules",
 ]
 
@@ -190,9 +191,10 @@ def _unmatched_error(unmatched: list[str], arch: str, src: str) -> ValueError:
 
 def _scale(group: dict) -> float:
     """alpha / rank of one LoRA group (1.0 when alpha is absent)."""
-    if "alpha" not in group:
+    rank = group["lora_A.weight"].shape[0] if "lora_A.weight" in group else 0
+    if "alpha" not in group or rank == 0:  # rank 0 adds nothing whatever the scale (and the LoRA check refuses it)
         return 1.0
-    return float(group["alpha"]) / group["lora_A.weight"].shape[0]
+    return float(group["alpha"]) / rank
 
 
 def _alpha_like(group_alpha: torch.Tensor | None, value: float) -> torch.Tensor:
@@ -352,7 +354,7 @@ def _split_fused_lora(group: dict, sizes: list[int]) -> list[dict | None]:
     disjoint = all(not (sets[a] & sets[b]) for a in range(len(sets)) for b in range(a + 1, len(sets)))
     out: list[dict | None] = []
     for b, c in zip(blocks, cols):
-        if disjoint:
+        if disjoint and A.shape[0] > 0:  # rank 0: every member keeps its empty pair, for the LoRA check to name
             if c.numel() == 0:
                 out.append(None)  # exactly zero delta on this member
                 continue
@@ -568,8 +570,18 @@ def check_against_model(state_dict, model_state_dict, prefix: str = "") -> None:
     """Check every LoRA/delta target against a model's parameter names and shapes (same layout).
 
     ``model_state_dict`` maps names (optionally under ``prefix``) to tensors or shapes.
-    Raises ValueError listing missing targets and shape mismatches.
+    Raises ValueError listing missing targets and shape mismatches (:func:`model_mismatches`).
     """
+    problems = model_mismatches(state_dict, model_state_dict, prefix)
+    if problems:
+        shown = "; ".join(problems[:20])
+        more = f" (+{len(problems) - 20} more)" if len(problems) > 20 else ""
+        raise ValueError(f"{len(problems)} LoRA key(s) do not match the model: {shown}{more}")
+
+
+def model_mismatches(state_dict, model_state_dict, prefix: str = "") -> list[str]:
+    """The LoRA/delta targets of ``state_dict`` missing from a model or of another shape, one line each (empty when
+    every target fits); ``model_state_dict`` as for :func:`check_against_model`."""
     shapes = {}
     for k, v in model_state_dict.items():
         if k.startswith(prefix):
@@ -599,7 +611,4 @@ def check_against_model(state_dict, model_state_dict, prefix: str = "") -> None:
                 b = shapes.get(f"{target}.bias")
                 if b is None or tuple(g[k].shape) != b:
                     problems.append(f"{target}.{k}: shape {tuple(g[k].shape)} vs model bias {b}")
-    if problems:
-        shown = "; ".join(problems[:20])
-        more = f" (+{len(problems) - 20} more)" if len(problems) > 20 else ""
-        raise ValueError(f"{len(problems)} LoRA key(s) do not match the model: {shown}{more}")
+    return problems
