@@ -1,9 +1,8 @@
-"""``training/rcm.py`` with each optimizer step's gradients written to ``$GRAD_OUT/rank{r}-step{n}.safetensors``;
+"""The rCM trainer with each optimizer step's gradients written to ``$GRAD_OUT/rank{r}-step{n}.safetensors``;
 with ``REPLAY_WORLD=P`` (one process, ``batch_size`` = P x the per-rank batch) every student / fake-score step runs
-as P per-rank halves, each with that rank's rows of the global batch and that rank's noise generator, and each
+as P per-rank parts, each with that rank's rows of the global batch and that rank's noise generator, and each
 term scaled by 1/P: the gradient DDP's all-reduce average should give. Used by tests/test_train_ddp.py."""
 
-import importlib.util
 import os
 import sys
 
@@ -12,11 +11,11 @@ from safetensors.torch import save_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from rcm_diffusers.distill import rcm_trainer as M  # noqa: E402
 from rcm_diffusers.distill.data import step_generator  # noqa: E402
+from rcm_diffusers.distill.terms import StudentBatch  # noqa: E402
+
 OUT, WORLD = os.environ["GRAD_OUT"], int(os.environ.get("REPLAY_WORLD", "0"))
-spec = importlib.util.spec_from_file_location("rcm_train", os.path.join(REPO, "training", "rcm.py"))
-M = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(M)
 calls = [0]
 adamw_step = torch.optim.AdamW.step
 
@@ -41,19 +40,20 @@ def rank_rows(obj, r: int, B: int):
     return obj
 
 
-def student_replay(nets, x0, cond, uncond, plan, cfg, generator, backward, noise_multiplier=1.0, pairs=None):
-    """``trainer.student_step`` once per replayed rank: its rows (and ODE pairs), its generator, its terms scaled by 1/P."""
-    B, logs = x0.shape[0] // WORLD, {}
+def student_replay(terms, nets, batch, generator, backward):
+    """``terms.run_student_terms`` once per replayed rank: its rows (and ODE pairs), its generator, its terms scaled by 1/P."""
+    B, logs = batch.B // WORLD, {}
     for r in range(WORLD):
-        logs = student(nets, rank_rows(x0, r, B), rank_rows(cond, r, B), rank_rows(uncond, r, B), plan, cfg,
-                       step_generator(cfg.seed, plan.i, r), lambda loss, last: backward(loss / WORLD, last),
-                       noise_multiplier=noise_multiplier,
-                       pairs=None if pairs is None else tuple(rank_rows(v, r, B) for v in pairs))
+        part = StudentBatch(rank_rows(batch.x0, r, B), rank_rows(batch.cond, r, B), rank_rows(batch.uncond, r, B),
+                            batch.plan, batch.noise_multiplier,
+                            None if batch.pairs is None else tuple(rank_rows(v, r, B) for v in batch.pairs))
+        logs = student(terms, nets, part, step_generator(terms[0].cfg.seed, batch.plan.i, r),
+                       lambda loss, last: backward(loss / WORLD, last))
     return logs
 
 
 def fake_replay(nets, x0_shape, cond, plan, cfg, generator, backward, device):
-    """``trainer.fake_step`` once per replayed rank, as ``student_replay``."""
+    """``terms.fake_step`` once per replayed rank, as ``student_replay``."""
     B, logs = x0_shape[0] // WORLD, {}
     for r in range(WORLD):
         logs = fake(nets, (B, *x0_shape[1:]), rank_rows(cond, r, B), plan, cfg, step_generator(cfg.seed, plan.i, r),
@@ -62,7 +62,7 @@ def fake_replay(nets, x0_shape, cond, plan, cfg, generator, backward, device):
 
 
 torch.optim.AdamW.step = dumping_step
-student, fake = M.T.student_step, M.T.fake_step
+student, fake = M.run_student_terms, M.fake_step
 if WORLD:
-    M.T.student_step, M.T.fake_step = student_replay, fake_replay
-M.main(sys.argv[1:])
+    M.run_student_terms, M.fake_step = student_replay, fake_replay
+M.main(sys.argv[1:], default_config=os.path.join(REPO, "training", "configs", "digits.yaml"))

@@ -37,6 +37,18 @@ def test_help_lists_every_option_and_no_test_aid():
     assert p.returncode == 0 and "--regression_weight (0.0)" in p.stdout and "exit_after_step" not in p.stdout
 
 
+def test_the_installed_package_trains_without_a_clone():
+    """``accelerate launch -m rcm_diffusers.distill.rcm_trainer`` / ``rcm-distill`` (pip users have no training/):
+    the module answers --help and, without a teacher, refuses in one line with exit status 2 (bad input)."""
+    for module, usage in (("rcm_diffusers.distill.rcm_trainer", "training/rcm.py"), ("rcm_diffusers.distill.qad_trainer",
+                                                                                      "training/qad.py")):
+        p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd="/")
+        assert p.returncode == 0 and usage in p.stdout and "--lora_rank (" in p.stdout, p.stderr[-2000:]
+        p = subprocess.run([sys.executable, "-m", module, "--max_steps", "3"], capture_output=True, text=True, cwd="/")
+        assert p.returncode == 2 and p.stderr.strip() == ("error: config option pretrained = '': set the teacher "
+                                                          "pipeline directory or hub id"), p.stderr[-2000:]
+
+
 def test_qad_shares_the_common_options_with_its_own_defaults():
     common = set(CommonOptions.model_fields)
     assert common <= set(RCMConfig.model_fields) and common <= set(QADConfig.model_fields)

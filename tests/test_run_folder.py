@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -416,7 +417,7 @@ def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
     # the whole script: one plain line, no traceback (training/qad.py uses the same helper)
     p = subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), "--pretrained", "p", "--data_dir", "d",
                         "--lora_rank", "0"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]  # bad input: exit status 2
     assert p.stderr.count("config option lora_rank = 0: must be >= 1") == 1
 
 
@@ -627,3 +628,187 @@ def test_a_run_folder_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write " + str(tmp_path / "metrics.jsonl") + " (Read-only file system)" in err
+
+
+def _finished_run(out):
+    """A run folder with three exports, a log and a checkpoint file, and the final.json a run writes."""
+    for rel in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors",
+                "scheduler/scheduler_config.json", "checkpoints/step-00000002/state.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(os.urandom(64))
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "final.json").write_text(json.dumps({"step": 3, "files": RF.export_files(str(out)),
+                                                "run_entries": RF.run_entries(str(out))}))
+    assert RF.verify_run(str(out)) == (3, [])
+    return out
+
+
+def test_verify_reports_links_and_never_follows_them(tmp_path):
+    """An export replaced by a link to an identical file outside, a linked ema/ folder (to an identical copy), a
+    linked final.json, ``scheduler -> /`` and a link inside checkpoints/: each is named as a link, none is read
+    through (the link to / gives one line, not a walk of the file system)."""
+    import shutil
+
+    out = _finished_run(tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(out / "pytorch_lora_weights.safetensors", outside / "lora.safetensors")
+    os.remove(out / "pytorch_lora_weights.safetensors")
+    os.symlink(outside / "lora.safetensors", out / "pytorch_lora_weights.safetensors")
+    shutil.copytree(out / "ema", outside / "ema")
+    shutil.rmtree(out / "ema")
+    os.symlink(outside / "ema", out / "ema")
+    shutil.rmtree(out / "scheduler")
+    os.symlink("/", out / "scheduler")
+    os.symlink(outside / "lora.safetensors", out / "checkpoints" / "step-00000002" / "extra.safetensors")
+    n, problems = RF.verify_run(str(out))
+    lora = outside / "lora.safetensors"
+    links = [("checkpoints/step-00000002/extra.safetensors", lora), ("ema", outside / "ema"),
+             ("pytorch_lora_weights.safetensors", lora), ("scheduler", "/")]
+    assert sorted(problems) == sorted(f"{rel}: a symbolic link (to {to}); not followed (a run writes no links)"
+                                      for rel, to in links), problems
+    shutil.move(str(out / "final.json"), str(outside / "final.json"))
+    os.symlink(outside / "final.json", out / "final.json")
+    assert RF.verify_run(str(out)) == (0, [f"final.json: a symbolic link (to {outside / 'final.json'}); not followed "
+                                           "(a run writes no links)"])
+
+
+def test_verify_names_an_extra_file_anywhere_and_says_when_a_file_cannot_be_read(tmp_path, monkeypatch, capsys):
+    """A file at the top of the run folder that the run did not write is named (as one inside an export folder is);
+    the run's logs and checkpoints are not exports and pass; an export that cannot be read gets a read message
+    (exit status 1), not a write one. Root reads any file, so the refusal is simulated at the open."""
+    out = _finished_run(tmp_path / "run")
+    (out / "extra.safetensors").write_bytes(b"x")
+    (out / "scheduler" / "stray.json").write_text("{}")
+    os.mkfifo(out / "pipe")
+    _, problems = RF.verify_run(str(out))
+    assert problems == ["extra.safetensors: not listed in final.json (not written by this run)",
+                        "pipe: not listed in final.json (not written by this run)",
+                        "scheduler/stray.json: not listed in final.json (not written by this run)"], problems
+    for n in ("extra.safetensors", "scheduler/stray.json", "pipe"):
+        os.remove(out / n)
+    real_open = os.open
+
+    def refuse(path, flags, *a, **kw):
+        if str(path).endswith("ema/pytorch_lora_weights.safetensors"):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", refuse)
+    capsys.readouterr()
+    assert RF.verify_main([str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: ema/pytorch_lora_weights.safetensors: cannot read it (Permission denied)\n", err
+
+
+def _forge(ck, name, change):
+    """Rewrite ``name`` of checkpoint ``ck`` through ``change(tensors)`` and the manifest to match (a forgery)."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(os.path.join(ck, name))
+    change(t)
+    save_file(t, os.path.join(ck, name))
+    _rewrite_manifest(ck)
+
+
+FORGED = {
+    "trainable: a key the model lacks": ("trainable.safetensors", lambda t: t.update({"extra": torch.zeros(2)}),
+                                         r"trainable.safetensors names 1 key\(s\) the model does not have \(extra\)"),
+    "trainable: a key missing": ("trainable.safetensors", lambda t: t.pop("student::2.bias"),
+                                 r"trainable.safetensors lacks 1 key\(s\) the model has \(student::2.bias\)"),
+    "optimizer: state of no parameter": ("optimizer-student.safetensors",
+                                         lambda t: t.update({"ghost.weight::exp_avg": torch.zeros(3)}),
+                                         r"optimizer-student.safetensors names 1 key\(s\) the model does not have "
+                                         r"\(ghost.weight\)"),
+    "optimizer: an entry missing": ("optimizer-student.safetensors", lambda t: t.pop("0.weight::exp_avg"),
+                                    "parameters hold different state entries"),
+    "EMA: a key missing": ("ema.safetensors", lambda t: t.pop(sorted(t)[0]), r"ema.safetensors lacks 1 key\(s\)"),
+    "trainable: another shape": ("trainable.safetensors", lambda t: t.update({"fake::bias": torch.zeros(3)}),
+                                 r"fake::bias has shape \[3\], the model's is \[2\]"),
+}
+
+
+@pytest.mark.parametrize("kind", list(FORGED))
+def test_a_checkpoint_whose_keys_differ_from_the_model_is_damage(tmp_path, kind):
+    """A (re-checksummed) checkpoint whose trainable weights, optimizer states or EMA name keys the model does not
+    have, or lack keys it has: ``load`` refuses it before changing anything; the session falls back to the previous
+    intact checkpoint with ``--resume latest`` (the forged one renamed ``*.damaged``) and stops with one line,
+    exit status 2, with ``--resume PATH``."""
+    from rcm_diffusers.distill.session import RunSession
+
+    name, change, match = FORGED[kind]
+    out = tmp_path / "run"
+    run, first, newest = _two_checkpoints(out)
+    _forge(newest, name, change)
+    C.verify_checkpoint(newest)  # the files match the manifest: only the keys give it away
+    other = Run(seed=5)
+    before = other.weights()
+    with pytest.raises(C.CheckpointError, match=match):
+        other.ck.load(newest)
+    after = other.weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    class Acc(FakeAccelerator):
+        def __init__(self):
+            self.logs = []
+
+        def print(self, *a):
+            self.logs.append(" ".join(map(str, a)))
+
+    session = object.__new__(RunSession)
+    session.cfg = RCMConfig(pretrained="p", data_dir="d", output_dir=str(out), resume="latest")
+    session.acc, session.main, session.ckpt = Acc(), True, newest
+    assert session._matching_checkpoint(other.ck) == first and session.ckpt == first
+    assert os.path.isdir(newest + ".damaged") and re.search(match, session.acc.logs[0]), session.acc.logs
+    assert session.saved["train_state"]["step"] == 2
+    other.ck.load(first)
+    os.replace(newest + ".damaged", newest)
+    session.cfg, session.ckpt = RCMConfig(pretrained="p", data_dir="d", output_dir=str(out), resume=newest), newest
+    with pytest.raises(SystemExit) as e:
+        session._matching_checkpoint(Run(seed=6).ck)
+    assert e.value.code == 2 and re.search(match, str(e.value))
+
+
+def test_a_checkpoint_that_resolves_outside_the_run_folder_is_refused(tmp_path):
+    """The newest checkpoint folder a link to a (valid) copy outside the run: skipped as damaged; checkpoints/ itself
+    a link outside: no checkpoint is used (refused, exit status 2); ``--resume PATH`` naming a link: refused."""
+    import shutil
+
+    out = tmp_path / "run"
+    run, first, newest = _two_checkpoints(out)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(newest, elsewhere)
+    os.symlink(elsewhere, newest)
+    C.verify_checkpoint(str(elsewhere))  # intact where it lies
+    logs = []
+    assert RF.choose_start(_cfg(out, resume="latest"), logs.append) == first
+    assert "is a symbolic link" in logs[0] and os.path.islink(newest + ".damaged")
+    with pytest.raises(SystemExit) as e:
+        RF.choose_start(_cfg(out, resume=newest + ".damaged"))
+    assert e.value.code == 2 and "is a symbolic link" in str(e.value)
+    ckdir = out / "checkpoints"
+    shutil.move(str(ckdir), str(tmp_path / "ck_outside"))
+    os.symlink(tmp_path / "ck_outside", ckdir)
+    logs = []
+    with pytest.raises(SystemExit) as e:
+        RF.choose_start(_cfg(out, resume="latest"), logs.append)
+    assert e.value.code == 2 and "no intact checkpoint" in str(e.value)
+    assert any("outside the run folder" in m for m in logs), logs
+
+
+def test_a_refused_start_leaves_no_folder_and_no_lock(tmp_path):
+    """``--resume`` of a checkpoint that does not exist into a new --output_dir: refused with exit status 2 after the
+    lock was taken, and the folders the session created (lock file included) are gone again."""
+    from rcm_diffusers.distill.session import RunSession
+
+    class Acc(FakeAccelerator):
+        def print(self, *a):
+            pass
+
+    out = tmp_path / "new" / "run"
+    cfg = RCMConfig(pretrained="p", data_dir="d", output_dir=str(out), resume=str(tmp_path / "nope"),
+                    check_data_values=False)
+    with pytest.raises(SystemExit) as e:
+        RunSession(cfg, Acc(), "rcm")
+    assert e.value.code == 2 and "nope is not a checkpoint directory" in str(e.value)
+    assert not (tmp_path / "new").exists()

@@ -146,11 +146,11 @@ def test_a_used_run_folder_is_never_mixed(wan, full_run):
              (("--resume", "latest", "--pretrained", str(wan[2] / "missing")), "no such folder")]
     for extra, msg in cases:
         p = run_script(_args(wan, full_run, *extra))
-        assert p.returncode == 1 and p.stderr.count(msg) == 1 and "Traceback" not in p.stderr, (extra, p.stderr[-3000:])
+        assert p.returncode == 2 and p.stderr.count(msg) == 1 and "Traceback" not in p.stderr, (extra, p.stderr[-3000:])
     lock = RunLock(str(full_run))
     p = run_script(_args(wan, full_run, "--resume", "latest"))
     lock.release()
-    assert p.returncode == 1 and f"is in use by pid {os.getpid()}" in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 2 and f"is in use by pid {os.getpid()}" in p.stderr, p.stderr[-3000:]
     assert listing() == before
 
 
@@ -166,6 +166,8 @@ def test_changed_lr_and_ema_rate_apply_on_resume(wan, full_run):
 
 
 def test_training_on_nan_latents_fails(wan):
+    """NaN latents are refused before the run folder (exit 2, one line); with the value scan off
+    (check_data_values false) training on them stops at the skipped-step limit, without exports."""
     from safetensors.torch import save_file
 
     data = wan[2] / "nan_data"
@@ -174,8 +176,13 @@ def test_training_on_nan_latents_fails(wan):
     lat["latents"] = torch.full_like(lat["latents"], float("nan"))
     save_file(lat, data / "shard-00000.safetensors")
     out = wan[2] / "run_nan"
-    p = run_trainer(["--config", CONFIG, "--pretrained", wan[0], "--data_dir", str(data), "--output_dir", str(out),
-                     "--max_steps", "10"], check=False)
+    args = ["--config", CONFIG, "--pretrained", wan[0], "--data_dir", str(data), "--output_dir", str(out),
+            "--max_steps", "10"]
+    p = run_script(args)
+    assert p.returncode == 2 and p.stderr.count("error: ") == 1, p.stderr[-3000:]
+    assert "latents of sample 0 holds NaN or inf" in p.stderr, p.stderr[-3000:]
+    assert not out.exists()
+    p = run_trainer([*args, "--check_data_values", "false"], check=False)
     assert p.returncode != 0 and "non-finite gradient and were skipped" in p.stderr, p.stderr[-3000:]
     assert "gradient norm is nan, optimizer step skipped" in p.stdout
     assert not (out / "final.json").exists() and not (out / "pytorch_lora_weights.safetensors").exists()

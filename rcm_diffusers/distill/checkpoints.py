@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "Checkpointer", "checkpoint_step", "list_checkpoints", "verify_checkpoint",
-           "find_resumable", "prune_checkpoints", "read_state", "check_state", "check_rng", "FORMAT"]
+           "find_resumable", "prune_checkpoints", "read_state", "check_state", "check_rng", "check_inside", "FORMAT"]
 
 FORMAT = "rcm-diffusers-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -175,11 +175,27 @@ def check_rng(tensors: dict, meta, where: str) -> None:
         raise CheckpointError(f"{where}: bad NumPy random state")
 
 
-def verify_checkpoint(path: str) -> dict:
+def check_inside(path: str, run_dir: str | None = None) -> None:
+    """A checkpoint folder is read where it lies: not through a symbolic link, and (``run_dir`` given) not resolving
+    outside that run folder (a ``checkpoints/`` that links elsewhere included). Raises ``CheckpointError``."""
+    p = os.path.abspath(path).rstrip(os.sep) or os.sep
+    real = os.path.realpath(p)
+    if os.path.islink(p):
+        raise CheckpointError(f"{path} is a symbolic link (to {real}); a checkpoint is read only where it lies, "
+                              "inside its run folder")
+    if run_dir is not None:
+        root = os.path.realpath(run_dir)
+        if os.path.commonpath([root, real]) != root:
+            raise CheckpointError(f"{path} resolves to {real}, outside the run folder {run_dir}")
+
+
+def verify_checkpoint(path: str, run_dir: str | None = None) -> dict:
     """Check ``path`` against its manifest (format, step, every file a regular file with its size and SHA-256, the
     files a resume reads all listed) and the values of ``state.json`` and the random states (types, sizes,
-    ranges); returns the manifest or raises ``CheckpointError`` naming the first problem."""
+    ranges); the folder must not be a link nor resolve outside ``run_dir`` (``check_inside``). Returns the manifest
+    or raises ``CheckpointError`` naming the first problem."""
     man_path = os.path.join(path, MANIFEST)
+    check_inside(path, run_dir)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint directory")
     if not os.path.lexists(man_path):
@@ -246,12 +262,16 @@ def _listed(path: str, name: str, files: dict) -> str:
     return p
 
 
-def find_resumable(output_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """Newest intact checkpoint of a run and the newer ones that failed verification, ``(path, [(path, why)])``."""
+def find_resumable(output_dir: str, check=None) -> tuple[str | None, list[tuple[str, str]]]:
+    """Newest intact checkpoint of a run and the newer ones that failed verification, ``(path, [(path, why)])``;
+    ``check(path)``, if given, is a further test (``Checkpointer.mismatch``: a problem string or ``None``)."""
     damaged = []
     for _, p in reversed(list_checkpoints(output_dir)):
         try:
-            verify_checkpoint(p)
+            verify_checkpoint(p, output_dir)
+            problem = check(p) if check is not None else None
+            if problem:
+                raise CheckpointError(problem)
             return p, damaged
         except CheckpointError as e:
             damaged.append((p, str(e)))
@@ -431,6 +451,26 @@ def _write_json(obj, path: str) -> None:
         json.dump(obj, f, indent=1, allow_nan=True)
 
 
+def _shapes(path: str, what: str) -> dict:
+    """``{key: shape}`` of a safetensors file from its header (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types; any failure = unusable
+        raise CheckpointError(f"{what}: {path} is not a readable safetensors file ({e})") from None
+
+
+def _key_problem(where: str, got, want) -> str | None:
+    extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    if not extra and not missing:
+        return None
+    parts = ([f"names {len(extra)} key(s) the model does not have ({', '.join(extra[:3])})"] if extra else []) + \
+            ([f"lacks {len(missing)} key(s) the model has ({', '.join(missing[:3])})"] if missing else [])
+    return f"{where} {' and '.join(parts)}"
+
+
 def _load_tensors(path: str, what: str) -> tuple[dict, dict]:
     from safetensors import safe_open
 
@@ -487,10 +527,13 @@ class Checkpointer:
     def save(self, output_dir: str, step: int, config: dict, total_limit: int = 0, protect: str | None = None) -> str:
         """Write ``checkpoints/step-XXXXXXXX`` atomically (all ranks call), then prune to ``total_limit``."""
 
+        from . import watchdog
+
         acc = self.acc
         d = os.path.join(output_dir, "checkpoints")
         final = os.path.join(d, f"step-{step:08d}")
         tmp = final + ".tmp"
+        watchdog.check()  # the launcher or a peer gone: no checkpoint from here on
         try:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -526,6 +569,7 @@ class Checkpointer:
                     files[n] = {"bytes": os.path.getsize(p), "sha256": _sha256(p)}
                 _write_json({"format": FORMAT, "step": step, "files": files}, os.path.join(tmp, MANIFEST))
                 _fsync(os.path.join(tmp, MANIFEST))
+                watchdog.check()
                 shutil.rmtree(final, ignore_errors=True)
                 os.replace(tmp, final)
                 _fsync(d)
@@ -541,12 +585,79 @@ class Checkpointer:
         acc.wait_for_everyone()
         return final
 
+    # -- what a checkpoint must hold for this model, checked before anything is loaded
+    def mismatch(self, path: str) -> str | None:
+        """What in ``path`` does not fit the model being resumed, from the file headers and ``state.json`` (nothing
+        is loaded): the trainable weights, each optimizer's parameters and state keys, the EMA, each key set exactly
+        the model's and each shape the parameter's. ``None`` when it fits; a problem counts as damage."""
+        try:
+            files = _manifest_files(path)
+            st = read_state(path, {"files": files})
+            models, names = self.trainable
+            want = {f"{name}::{k}": tuple(_full_shape(p)) for name, m in zip(names, models)
+                    for k, p in m.named_parameters() if p.requires_grad}
+            got = _shapes(_listed(path, "trainable.safetensors", files), "trainable weights")
+            problem = _key_problem(f"{path}: trainable.safetensors", got, want)
+            if problem:
+                return problem
+            bad = [k for k in want if got[k] != want[k]]
+            if bad:
+                return (f"{path}: trainable.safetensors: {bad[0]} has shape {list(got[bad[0]])}, the model's is "
+                        f"{list(want[bad[0]])}")
+            for r, (o, named) in self.optimizers.items():
+                meta = (st.get("optimizers") or {}).get(r)
+                if not isinstance(meta, dict):
+                    return f"{path}: no optimizer state for {r!r}"
+                o = getattr(o, "optimizer", o)
+                name_of = {id(p): n for n, p in named.items()}
+                now = [[name_of.get(id(p)) for p in g["params"]] for g in o.param_groups]
+                saved = [n for g in meta.get("params", []) for n in g]
+                problem = _key_problem(f"{path}: {STATE}, optimizer {r!r}", saved, [n for g in now for n in g])
+                if problem or meta.get("params") != now:
+                    return problem or f"{path}: {STATE}, optimizer {r!r}: the parameter groups differ from the model's"
+                shapes = _shapes(_listed(path, f"optimizer-{r}.safetensors", files), "optimizer")
+                per = {}
+                for key in [*shapes, *meta.get("scalars", {})]:
+                    pn, sep, k = key.rpartition("::")
+                    per.setdefault(pn if sep else key, set()).add(k)
+                problem = _key_problem(f"{path}: optimizer-{r}.safetensors", per, named)
+                if problem and set(per) - set(named):  # state of no parameter of the model
+                    return problem
+                kinds = {frozenset(ks) for ks in per.values()}
+                if len(kinds) > 1:  # every parameter with state holds the same entries (step, moments, ...)
+                    return (f"{path}: optimizer-{r}.safetensors: parameters hold different state entries "
+                            f"({sorted(map(sorted, kinds))[:2]})")
+                for key, shape in shapes.items():
+                    pn = key.rpartition("::")[0]
+                    if len(shape) and shape != tuple(_full_shape(named[pn])):
+                        return (f"{path}: optimizer-{r}.safetensors: {key} has shape {list(shape)}, the parameter "
+                                f"{list(_full_shape(named[pn]))}")
+            if self.ema is not None:
+                if not st.get("ema"):
+                    return f"{path}: holds no EMA (the run had ema_rate 0)"
+                got = _shapes(_listed(path, "ema.safetensors", files), "EMA")
+                want = {k: tuple(v.shape) for k, v in self.ema.shadow.items()}
+                problem = _key_problem(f"{path}: ema.safetensors", got, want)
+                if problem:
+                    return problem
+                bad = [k for k in want if got[k] != want[k]]
+                if bad:
+                    return (f"{path}: ema.safetensors: {bad[0]} has shape {list(got[bad[0]])}, the model's is "
+                            f"{list(want[bad[0]])}")
+        except CheckpointError as e:
+            return str(e)
+        return None
+
     # -- load
     def load(self, path: str, verify: bool = True) -> dict:
-        """Restore everything from ``path`` (verified first); returns the saved ``state.json``."""
+        """Restore everything from ``path`` (verified first, and ``mismatch`` before anything is changed); returns
+        the saved ``state.json``."""
 
         if verify:
             verify_checkpoint(path)
+        problem = self.mismatch(path)
+        if problem:
+            raise CheckpointError(problem)
         fresh = self._hyper()
         files = _manifest_files(path)
         st = read_state(path, {"files": files})

@@ -43,13 +43,16 @@ def take_fsdp_request(environ=None) -> dict | None:
     if env.get("ACCELERATE_USE_FSDP", "false").lower() not in _TRUE:
         return None
     version = env.get("FSDP_VERSION", "1")
+    from .errors import user_error  # a refused setting: one line, exit status 2
+
     if version != "2":
-        raise SystemExit(f"FSDP version {version}: the rCM trainer supports FSDP2 only; set fsdp_version: 2 in the accelerate config "
-                         "(see training/accelerate/fsdp2_8gpu.yaml)")
+        user_error(f"FSDP version {version}: the rCM trainer supports FSDP2 only; set fsdp_version: 2 in the "
+                   "accelerate config (see training/accelerate/fsdp2_8gpu.yaml)")
     if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() in _TRUE:
-        raise SystemExit("fsdp_offload_params is not supported by the rCM trainer's FSDP2 path; set it to false")
+        user_error("fsdp_offload_params is not supported by the rCM trainer's FSDP2 path; set it to false")
     if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() in _TRUE:
-        raise SystemExit("fsdp_activation_checkpointing: use the trainer's --gradient_checkpointing instead (set it to false in the accelerate config)")
+        user_error("fsdp_activation_checkpointing: use the trainer's --gradient_checkpointing instead (set it to false "
+                   "in the accelerate config)")
     classes = [c.strip() for c in env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip()]
     opts = {"layer_classes": classes, "reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in _TRUE}
     for k in FSDP_ENV:

@@ -7,18 +7,21 @@ See docs/training.md for what a run folder holds and what resume restores.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 
 from .checkpoints import CheckpointError, _sha256, checkpoint_step, find_resumable, list_checkpoints, verify_checkpoint
-from .errors import fail
+from .errors import user_error
 
 __all__ = ["RunLock", "choose_start", "broadcast_start", "resume_changes", "remove_run_files", "env_sessions",
-           "export_files", "verify_run", "verify_main", "LOCK", "EXPORT_FILES", "RUN_FILES"]
+           "export_files", "run_entries", "verify_run", "verify_main", "LOCK", "EXPORT_FILES", "RUN_FILES",
+           "TOOL_FILES"]
 
 LOCK = ".rcm-run.lock"
 # what the trainers export at the end (each listed with its size and SHA-256 in final.json, ``export_files``)
@@ -47,8 +50,8 @@ class RunLock:
             holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(self.fd)
             self.fd = None
-            fail(f"{output_dir} is in use by {holder}: two trainers must not write one run folder. Wait for it to "
-                 "finish or stop it (a killed launcher can leave its worker running), or choose another --output_dir.")
+            user_error(f"{output_dir} is in use by {holder}: two trainers must not write one run folder. Wait for it "
+                       "to finish or stop it, or choose another --output_dir.")
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
 
@@ -102,8 +105,8 @@ def choose_start(cfg, log=print) -> str | None:
     what = f"{out} already holds a training run ({', '.join(found[:6])}{', ...' if len(found) > 6 else ''})"
     if not cfg.resume:
         if found and not cfg.overwrite:
-            fail(f"{what}. Pass --resume latest to continue it, --overwrite true to delete it and start again, "
-                 "or choose another --output_dir.")
+            user_error(f"{what}. Pass --resume latest to continue it, --overwrite true to delete it and start again, "
+                       "or choose another --output_dir.")
         if found:
             log(f"--overwrite: removed {', '.join(remove_run_files(out)) or 'nothing'}")
         return None
@@ -113,10 +116,10 @@ def choose_start(cfg, log=print) -> str | None:
             log(f"warning: checkpoint {p} is damaged, skipped: {why}")
         if path is None:
             if damaged and not cfg.overwrite:
-                fail(f"no intact checkpoint in {out} (all {len(damaged)} failed verification, see above); "
-                     "--overwrite true starts again from scratch")
+                user_error(f"no intact checkpoint in {out} (all {len(damaged)} failed verification, see above); "
+                           "--overwrite true starts again from scratch")
             if any(os.path.exists(os.path.join(out, n)) for n in EXPORTS) and not cfg.overwrite:
-                fail(f"{what} with exports but no checkpoint to continue from; --overwrite true starts again")
+                user_error(f"{what} with exports but no checkpoint to continue from; --overwrite true starts again")
             if found:  # an attempt that stopped before its first checkpoint: its logs would mix with the new ones
                 gone = remove_run_files(out)
                 log(f"--resume latest: no checkpoint in {out}, starting fresh" + (f" (removed {', '.join(gone)})" if gone else ""))
@@ -127,23 +130,25 @@ def choose_start(cfg, log=print) -> str | None:
             log(f"resuming from the newest intact checkpoint {path} (damaged ones renamed *.damaged)")
         return path
     path = os.path.abspath(os.path.expanduser(cfg.resume))
-    try:
-        verify_checkpoint(path)
-    except CheckpointError as e:
-        fail(f"--resume {cfg.resume}: {e}")
     ckpt_dir = os.path.abspath(os.path.join(out, "checkpoints"))
+    try:  # a checkpoint of this run must lie inside it; another run's, inside its own folder
+        verify_checkpoint(path, out if os.path.dirname(path) == ckpt_dir else os.path.dirname(os.path.dirname(path)))
+    except CheckpointError as e:
+        user_error(f"--resume {cfg.resume}: {e}")
     if os.path.dirname(path) == ckpt_dir:
         k = checkpoint_step(path)
         newer = [p for s, p in list_checkpoints(out) if s > k]
         if newer and not cfg.overwrite:
-            fail(f"{out} has checkpoints after {os.path.basename(path)} ({', '.join(os.path.basename(p) for p in newer)}); "
-                 "continuing from an older one would mix two histories. Resume the newest (--resume latest), or "
-                 "pass --overwrite true to delete the later checkpoints and the exports.")
+            later = ", ".join(os.path.basename(p) for p in newer)
+            user_error(f"{out} has checkpoints after {os.path.basename(path)} ({later}); "
+                       "continuing from an older one would mix two histories. Resume the newest (--resume latest), or "
+                       "pass --overwrite true to delete the later checkpoints and the exports.")
         if newer or cfg.overwrite:
             log(f"--overwrite: removed {', '.join(remove_run_files(out, keep_checkpoints_upto=k)) or 'nothing'}")
         return path
     if found and not cfg.overwrite:
-        fail(f"{what}; resuming the checkpoint {path} of another run needs an empty --output_dir (or --overwrite true)")
+        user_error(f"{what}; resuming the checkpoint {path} of another run needs an empty --output_dir "
+                   "(or --overwrite true)")
     if found:
         log(f"--overwrite: removed {', '.join(remove_run_files(out)) or 'nothing'}")
     return path
@@ -171,11 +176,11 @@ def resume_changes(saved: dict, cfg, step: int) -> dict:
     if "ema_rate" in saved and (saved["ema_rate"] > 0) != (new.get("ema_rate", 0) > 0):
         bad.append(f"ema_rate {saved['ema_rate']!r} -> {new['ema_rate']!r} (the EMA cannot be switched on or off mid-run)")
     if bad:
-        fail("cannot change on resume: " + "; ".join(bad) + ". Resume with the old values, or start a new run "
-             "(another --output_dir, or --overwrite true).")
+        user_error("cannot change on resume: " + "; ".join(bad) + ". Resume with the old values, or start a new run "
+                   "(another --output_dir, or --overwrite true).")
     if cfg.max_steps < step:
-        fail(f"--max_steps {cfg.max_steps} is below the checkpoint's step {step}; a run cannot be shortened on resume "
-             f"(resume an earlier checkpoint with --resume PATH, or use max_steps >= {step})")
+        user_error(f"--max_steps {cfg.max_steps} is below the checkpoint's step {step}; a run cannot be shortened "
+                   f"on resume (resume an earlier checkpoint with --resume PATH, or use max_steps >= {step})")
     # an option newer than the checkpoint counts as its default there (the behaviour before the option existed)
     old = {n: f.get_default(call_default_factory=True) for n, f in type(cfg).model_fields.items()} | saved
     return {k: [old.get(k), v] for k, v in new.items() if policy[k][0] == "applied" and old.get(k) != v}
@@ -212,33 +217,120 @@ def export_files(output_dir: str) -> dict:
             for r in _export_paths(output_dir)}
 
 
+# written next to a run by this repository's tools (training/demo_digits.py, training/eval_digits.py): not exports
+TOOL_FILES = ("train.log", "report.md", "results.json", "samples.png", "demo_timing.json")
+
+
+def run_entries(output_dir: str) -> list[str]:
+    """The top-level names of ``output_dir`` that are not exports (logs, checkpoints, samples, a tracker's folder):
+    ``final.json`` records them, and ``--verify`` accepts them unlisted."""
+    return sorted(n for n in os.listdir(output_dir) if n not in EXPORT_FILES and n != "final.json")
+
+
+def _scan(run_dir: str):
+    """Everything under ``run_dir`` without following a link: ``(regular files, links {rel: target}, other
+    entries, unreadable folders {rel: why})``, relative paths."""
+    files, links, other, unreadable = [], {}, [], {}
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        try:
+            with os.scandir(os.path.join(run_dir, rel_dir)) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            unreadable[rel_dir or "."] = e.strerror or str(e)
+            continue
+        for e in entries:
+            rel = os.path.join(rel_dir, e.name) if rel_dir else e.name
+            if e.is_symlink():
+                try:
+                    links[rel] = os.readlink(e.path)
+                except OSError:
+                    links[rel] = "?"
+            elif e.is_dir(follow_symlinks=False):
+                stack.append(rel)
+            elif e.is_file(follow_symlinks=False):
+                files.append(rel)
+            else:
+                other.append(rel)
+    return files, links, other, unreadable
+
+
+def _read_regular(path: str):
+    """Open ``path`` for reading only if it is a regular file reached without a link (``O_NOFOLLOW``)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _digest(path: str) -> tuple[int, str]:
+    h, n = hashlib.sha256(), 0
+    with _read_regular(path) as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+            n += len(block)
+    return n, h.hexdigest()
+
+
 def verify_run(run_dir: str) -> tuple[int, list[str]]:
     """Check a finished run's exports against the sizes and SHA-256 in its ``final.json``: ``(files checked,
-    problems)``; a missing ``final.json`` or one without the list is one problem."""
+    problems)``. Only regular files inside ``run_dir`` are read: a symbolic link anywhere in the run folder (file
+    or folder) is reported and never followed, as is anything that is not a regular file; a file that cannot be
+    read gets a read message; every file besides the run's own logs and checkpoints (``run_entries``, recorded in
+    ``final.json``) must be listed, and one that is not is named. A missing ``final.json`` or one without the list
+    is one problem."""
     path = os.path.join(run_dir, "final.json")
-    if not os.path.isfile(path):
+    if os.path.islink(path):
+        return 0, [f"final.json: a symbolic link (to {os.readlink(path)}); not followed (a run writes no links)"]
+    if not os.path.lexists(path):
         return 0, [f"{run_dir}: no final.json (not a finished run)"]
     try:
-        with open(path) as f:
-            listed = json.load(f).get("files")
-    except (OSError, ValueError, RecursionError, AttributeError) as e:
+        with _read_regular(path) as f:
+            final = json.loads(f.read(64 * 2**20))
+        listed = final.get("files")
+    except OSError as e:
+        return 0, [f"{path}: cannot read it ({e.strerror or e})"]
+    except (ValueError, RecursionError, AttributeError) as e:
         return 0, [f"{path}: unreadable ({type(e).__name__}: {e})"]
     if not isinstance(listed, dict):
         return 0, [f"{path}: lists no exported files (written by an older version: nothing to verify against)"]
-    problems = []
+    files, links, other, unreadable = _scan(run_dir)
+    files_set, other_set = set(files), set(other)
+    problems = [f"{rel}/: cannot read the folder ({why})" for rel, why in sorted(unreadable.items())]
+    problems += [f"{rel}: a symbolic link (to {t}); not followed (a run writes no links)"
+                 for rel, t in sorted(links.items())]
+
+    def under_link(rel):
+        parts = rel.split("/")
+        return any("/".join(parts[:i]) in links for i in range(1, len(parts) + 1))
+
     for rel, meta in sorted(listed.items()):
-        p = os.path.join(run_dir, rel)
         if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.split("/") or not isinstance(meta, dict):
             problems.append(f"{path}: bad entry {rel!r}")
-        elif not os.path.exists(p):
-            problems.append(f"{rel}: missing")
-        elif not os.path.isfile(p):
+        elif under_link(rel):
+            continue  # reported above
+        elif rel in other_set:
             problems.append(f"{rel}: not a regular file")
-        elif os.path.getsize(p) != meta.get("bytes"):
-            problems.append(f"{rel}: {os.path.getsize(p)} bytes, final.json says {meta.get('bytes')}")
-        elif _sha256(p) != meta.get("sha256"):
-            problems.append(f"{rel}: SHA-256 differs from final.json (the file was changed or damaged)")
-    problems += [f"{rel}: not listed in final.json (not written by this run)" for rel in _export_paths(run_dir) if rel not in listed]
+        elif rel not in files_set:
+            problems.append(f"{rel}: missing")
+        else:
+            try:
+                size, digest = _digest(os.path.join(run_dir, rel))
+            except OSError as e:
+                problems.append(f"{rel}: cannot read it ({e.strerror or e})")
+                continue
+            if size != meta.get("bytes"):
+                problems.append(f"{rel}: {size} bytes, final.json says {meta.get('bytes')}")
+            elif digest != meta.get("sha256"):
+                problems.append(f"{rel}: SHA-256 differs from final.json (the file was changed or damaged)")
+    recorded = final.get("run_entries")
+    own = set(recorded if isinstance(recorded, list) else RUN_FILES) | {*NEUTRAL_FILES, *TOOL_FILES, "final.json"}
+    own -= set(EXPORT_FILES)
+    for rel in sorted([*files, *other]):
+        if rel not in listed and rel.split("/")[0] not in own:
+            problems.append(f"{rel}: not listed in final.json (not written by this run)")
     return len(listed), problems
 
 

@@ -18,6 +18,7 @@ import torch
 
 from . import run_folder as RF
 from .checkpoints import read_state
+from .errors import user_error
 from .guards import check_learned, param_checksum
 
 __all__ = ["TrainState", "MetricsWriter", "RunSession", "env_snapshot", "merge_logs", "peak_memory_mb",
@@ -138,6 +139,30 @@ def write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _missing_dirs(path: str) -> list[str]:
+    """The folders ``os.makedirs(path)`` would create, deepest first."""
+    out, p = [], os.path.abspath(path)
+    while not os.path.exists(p):
+        out.append(p)
+        p = os.path.dirname(p)
+    return out
+
+
+def _remove_new(lock, dirs: list[str]) -> None:
+    """Undo the run folder a refused start created: its lock file and the folders (only while they are empty)."""
+    if lock is not None:
+        try:
+            os.remove(lock.path)
+        except OSError:
+            pass
+        lock.release()
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
 class RunSession:
     """The run folder of one trainer process. ``open`` takes the lock (main process), chooses fresh / resume /
     overwrite and reads the checkpoint's config for the resume policy; ``start`` loads the checkpoint into the
@@ -146,19 +171,72 @@ class RunSession:
     caller's exports, ``write_final`` writes ``final.json``."""
 
     def __init__(self, cfg, accelerator, name: str):
+        from . import watchdog
+        from .inputs import scan_data_values
+
         self.cfg, self.acc, self.name = cfg, accelerator, name
         self.main = accelerator.is_main_process
-        self.lock = RF.RunLock(cfg.output_dir) if self.main else None  # held until the process exits
-        self.ckpt = RF.broadcast_start(accelerator, RF.choose_start(cfg, accelerator.print) if self.main else None)
-        self.saved = read_state(self.ckpt) if self.ckpt else None
-        self.changed = RF.resume_changes(self.saved["config"], cfg, self.saved["train_state"]["step"]) if self.ckpt else {}
-        world = accelerator.num_processes
-        if self.ckpt and self.saved.get("world_size") != world:
-            self.changed["world_size"] = [self.saved.get("world_size"), world]  # the data shards change from here on
+        watchdog.guard_launcher()  # (done by check_inputs already when the trainer was built the usual way)
+        scan_data_values(cfg, accelerator)  # NaN / inf in the data: refused before the run folder is touched
+        new_dirs = _missing_dirs(cfg.output_dir)
+        self.lock = None
+        try:
+            self.lock = RF.RunLock(cfg.output_dir) if self.main else None  # held until the process exits
+            self.ckpt = RF.broadcast_start(accelerator, RF.choose_start(cfg, accelerator.print) if self.main else None)
+            self._resumed_from(self.ckpt)
+        except SystemExit:  # refused: leave no folder (nor lock file) that this process created
+            if self.main and new_dirs:
+                _remove_new(self.lock, new_dirs)
+            raise
+        watchdog.watch_peers(accelerator)  # a peer rank on this machine gone: stop (docs/training.md)
         self.state = TrainState()
         self.metrics = None
         self.checkpointer = None
         self.exit_after = int(os.environ.get(EXIT_AFTER_STEP_ENV, "-1"))
+
+    def _resumed_from(self, ckpt: str | None) -> None:
+        """``saved`` and ``changed`` (the resume policy) of the checkpoint ``ckpt`` (``None``: a fresh start)."""
+        cfg, world = self.cfg, self.acc.num_processes
+        self.ckpt = ckpt
+        self.saved = read_state(ckpt) if ckpt else None
+        self.changed = RF.resume_changes(self.saved["config"], cfg, self.saved["train_state"]["step"]) if ckpt else {}
+        if ckpt and self.saved.get("world_size") != world:
+            self.changed["world_size"] = [self.saved.get("world_size"), world]  # the data shards change from here on
+
+    def _matching_checkpoint(self, checkpointer) -> str | None:
+        """The checkpoint chosen at ``__init__``, or the newest older one, that also fits the model built since
+        (``Checkpointer.mismatch``: keys and shapes of the trainable weights, optimizer states and EMA). A misfit is
+        damage: with ``--resume latest`` it is named, renamed ``*.damaged`` and the previous intact checkpoint is
+        taken (none: refused, or a fresh start with ``--overwrite true``, as ``run_folder.choose_start``); with
+        ``--resume PATH`` the run stops with one line. Decided by the main process."""
+        from .checkpoints import find_resumable
+
+        cfg, out, path = self.cfg, self.cfg.output_dir, self.ckpt
+        if self.main:
+            problem = checkpointer.mismatch(path)
+            while problem:
+                if cfg.resume != "latest":
+                    user_error(f"--resume {cfg.resume}: {problem}")
+                self.acc.print(f"warning: checkpoint {path} is damaged, skipped: {problem}")
+                os.replace(path, path + ".damaged")
+                path, damaged = find_resumable(out, checkpointer.mismatch)
+                for p, why in damaged:
+                    self.acc.print(f"warning: checkpoint {p} is damaged, skipped: {why}")
+                    os.replace(p, p + ".damaged")
+                if path is None:
+                    if not cfg.overwrite:
+                        user_error(f"no intact checkpoint in {out} (each failed verification, see above); "
+                                   "--overwrite true starts again from scratch")
+                    gone = RF.remove_run_files(out)
+                    self.acc.print("--overwrite: no intact checkpoint, starting fresh "
+                                   f"(removed {', '.join(gone) or 'nothing'})")
+                    break
+                self.acc.print(f"resuming from the newest intact checkpoint {path} (damaged ones renamed *.damaged)")
+                problem = None
+        path = RF.broadcast_start(self.acc, path if self.main else None)
+        if path != self.ckpt:
+            self._resumed_from(path)
+        return path
 
     @property
     def fresh(self) -> bool:
@@ -175,7 +253,9 @@ class RunSession:
         self.checkpointer = checkpointer
         state.init_checksum = param_checksum(student_params)
         if self.ckpt:
-            checkpointer.load(self.ckpt, verify=False)  # verified by choose_start
+            self._matching_checkpoint(checkpointer)
+        if self.ckpt:
+            checkpointer.load(self.ckpt, verify=False)  # verified by choose_start, matched just above
             acc.print(f"resumed from {self.ckpt} at iteration {state.step}")
             if self.changed:
                 acc.print("settings changed on resume, applied from iteration {}: {}".format(
@@ -248,11 +328,15 @@ class RunSession:
     def write_final(self, sums: list[float], extra: dict | None = None) -> None:
         """``final.json`` (main process): steps, skipped steps, per-rank checksums, ``extra``, and every exported file
         with its size and SHA-256 (``--verify`` checks them); then wait for every process and end the trackers."""
+        from . import watchdog
+
+        watchdog.stop_watching_peers()  # the last checkpoint is written; peers may exit once past the barrier below
         if self.main:
             s = self.state
             final = {"step": s.step, "skipped": s.skipped, "skipped_steps": s.skipped_steps,
                      "skipped_fraction": s.skipped / max(1, s.step), "student_checksum_per_rank": sums, **(extra or {})}
             final["files"] = RF.export_files(self.cfg.output_dir)
+            final["run_entries"] = RF.run_entries(self.cfg.output_dir)  # logs, checkpoints: --verify accepts them
             write_json(self.path("final.json"), final)
         self.acc.wait_for_everyone()
         self.acc.end_training()

@@ -95,7 +95,8 @@ class Term:
 
     @property
     def weight(self) -> float:
-        return getattr(self.cfg, self.name + "_weight")
+        """``<name>_weight`` of the config (0 = off; a partial config without it, as in unit tests, means off)."""
+        return getattr(self.cfg, self.name + "_weight", 0.0)
 
     def runs(self, nets, batch: StudentBatch) -> bool:
         return self.weight > 0
