@@ -2,9 +2,12 @@
 Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev at their training shapes, LoRA vs full three-network mode,
 the batch x LoRA-rank dependence for Wan2.1-14B 480p, what fits one 24 GB / 48 GB card under each checkpointing policy,
 and 8 x 80 GB with FSDP2 and Ulysses context parallelism 1/2/4/8 for the 14B models at 480p/720p x 81 frames against a
-72 GiB per-rank budget, with full and selective gradient checkpointing (GC) and without. Prints markdown; CPU, seconds.
+72 GiB per-rank budget, with full and selective gradient checkpointing (GC) and without; and the cheapest one-card
+setting (base format, blocks swapped to the host, activation offload, LoRA rank) that fits a 24 GB or 48 GB card,
+with its predicted step-time slowdown from host transfers on PCIe 4.0 x16. Prints markdown; CPU, seconds.
 
-    python benchmarks/memory_table.py
+    python benchmarks/memory_table.py            # all tables
+    python benchmarks/memory_table.py --one-card # the one-card table only
 """
 
 import os
@@ -12,14 +15,62 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rcm_diffusers.distill.memory import GiB, TrainSetup, fits, per_rank, predict_training  # noqa: E402
+from rcm_diffusers.distill.memory import (CARDS, GiB, TrainSetup, cheapest_fitting, fits, per_rank,  # noqa: E402
+                                          predict_training)
 
 
 def g(x) -> str:
     return f"{x / GiB:.1f}"
 
 
+ONE_CARD_MODELS = (("Wan2.1-T2V-1.3B", "wan2.1-t2v-1.3b", 1, 5), ("Wan2.1-T2V-14B", "wan2.1-t2v-14b", 1, 10),
+                   ("Wan2.2-A14B, both experts", "wan2.2-i2v-a14b", 2, 10))
+ONE_CARD_SHAPES = (("480p x 33", 9 * 30 * 52), ("480p x 81", 21 * 30 * 52), ("720p x 81", 21 * 45 * 80))
+
+
+def one_card_rows():
+    """``(model, shape, tokens, card, best, fp8)`` per row: ``best`` = ``cheapest_fitting`` over the weight_dtype and
+    fp8 bases, ``fp8`` = the same restricted to an fp8 base; each ``(setup, prediction, step time)`` or ``None``."""
+    for label, arch, experts, freq in ONE_CARD_MODELS:
+        for res, tok in ONE_CARD_SHAPES:
+            s = TrainSetup.from_arch(arch, tokens=tok, text_tokens=512, lora_rank=64, experts=experts,
+                                     student_update_freq=freq, max_simulation_steps=4)
+            for card in CARDS:
+                kw = dict(card=card, link="PCIe 4.0 x16", ranks=[64, 32, 16, 8])
+                yield (label, res, tok, card, cheapest_fitting(s, CARDS[card]["memory"], formats=["weight_dtype", "fp8"], **kw),
+                       cheapest_fitting(s, CARDS[card]["memory"], formats=["fp8"], **kw))
+
+
+def one_card_table() -> None:
+    print("One card: the cheapest setting that fits 90 % of the card (bf16 weights under bf16 autocast, shared LoRA, "
+          "fd_type 0, batch 1, GC full, student_update_freq 5 (1.3B) / 10 (14B, A14B), max_simulation_steps 4): "
+          "least predicted step time on PCIe 4.0 x16 (25 GB/s), then least host memory; LoRA rank lowered from 64 only "
+          "where nothing fits at it")
+    print()
+    print("| model | shape (tokens) | card | base | blocks on host | activation offload | LoRA rank | device GiB | host GiB | "
+          "slowdown | with an fp8 base: blocks on host, offload, rank, device / host GiB, slowdown |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, res, tok, card, best, fp8 in one_card_rows():
+        short = card.split(" (")[0]
+        if best is None:
+            print(f"| {label} | {res} ({tok}) | {short} | does not fit at rank >= 8 | | | | | | | |")
+            continue
+        c, p, t = best
+        base = "bf16" if c.base_dtype == "weight_dtype" else c.base_dtype
+        if fp8 is None:
+            alt = "does not fit"
+        else:
+            f, fp, ft = fp8
+            alt = (f"{f.blocks_to_swap}, {'yes' if f.activation_offload else 'no'}, r{f.lora_rank}, "
+                   f"{fp['total'] / GiB:.1f} / {fp['host'] / GiB:.1f}, {ft['slowdown']:.2f}x")
+        print(f"| {label} | {res} ({tok}) | {short} | {base} | {c.blocks_to_swap} | {'yes' if c.activation_offload else 'no'} "
+              f"| {c.lora_rank} | {p['total'] / GiB:.1f} | {p['host'] / GiB:.1f} | {t['slowdown']:.2f}x | {alt} |")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--one-card"]:
+        one_card_table()
+        return
     rows = [("Wan2.1-T2V-1.3B", "wan2.1-t2v-1.3b", "480p x 81", 21*30*52, 512),
             ("Wan2.1-T2V-14B", "wan2.1-t2v-14b", "480p x 81", 21*30*52, 512),
             ("Wan2.1-T2V-14B", "wan2.1-t2v-14b", "720p x 81", 21*45*80, 512),
@@ -95,6 +146,8 @@ def main() -> None:
                     p = per_rank(s, 8)
                     cells += [g(p["activations"]), g(p["total"]), "yes" if p["total_gib"] <= 72 else "no"]
                 print(f"| {label} | {res} ({tok}) | {cp} | {-(-tok // cp)} | " + " | ".join(cells) + " |")
+    print()
+    one_card_table()
 
 
 if __name__ == "__main__":

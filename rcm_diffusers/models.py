@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep", "velocity_fn", "denoiser", "compute_dtype"]
+__all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep", "velocity_fn", "denoiser", "compute_dtype",
+           "transformer_blocks"]
 
 #: timestep passed to the transformer = r * TIMESTEP_SCALE[class name]
 TIMESTEP_SCALE = {
@@ -156,3 +157,12 @@ def denoiser(transformer, model_dtype: torch.dtype | None = None, time_input: st
 
     dtype = model_dtype or compute_dtype(transformer)
     return TrigFlowDenoiser(velocity_fn(transformer, time_input), model_dtype=dtype)
+
+
+#: the repeated transformer blocks of the supported families, by class name
+BLOCK_CLASSES = ("WanTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock")
+
+
+def transformer_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of one diffusers transformer, in the order its forward runs them."""
+    return [m for m in net.modules() if type(m).__name__ in BLOCK_CLASSES]

@@ -77,6 +77,9 @@ class CommonOptions(BaseModel):
     # data
     data_dir: str = opt("", "latent dataset directory (rcm_diffusers.distill.data; make one with "
                         "training/prepare_data.py)", group="data")
+    check_data_values: bool = opt(True, "before the run folder is touched, read every value of the datasets once and "
+                                  "refuse NaN / inf (the processes share the read; its cost: docs/training.md)",
+                                  group="data", resume="free", strict=True)
     # optimisation
     lr: float = opt(1e-4, "learning rate of the trained weights (LoRA needs larger rates than a full fine-tune)",
                     group="optimisation", **POS)
@@ -215,6 +218,23 @@ class RCMConfig(CommonOptions):
         "backward; 'selective' = also keep the outputs of the matrix products and attention kernels, recompute the "
         "rest (norms, RoPE, modulation, GELU, residual adds, LoRA up-projections): more memory than full, less "
         "recompute (the official rCM mm_only mode)", group="model")
+    # training on one card (rcm_diffusers.distill.lowmem; docs/training.md, "Training on one card")
+    base_dtype: Literal["weight_dtype", "fp8", "int8"] = opt(
+        "weight_dtype", "format of the frozen base's Linear weights inside the transformer blocks, dequantized to "
+        "weight_dtype in each call: 'weight_dtype' = as loaded; 'fp8' = FP8 E4M3 with one scale per row and 128 inputs; "
+        "'int8' = INT8 with one scale per output channel. Norms, biases, modulation, embeddings, the head and the LoRA "
+        "adapters keep their dtypes", group="memory", resume="fixed",
+        why="the adapters were trained on the old base's weights")
+    blocks_to_swap: int = opt(0, "frozen Linear weights of this many transformer blocks per network (the last ones) "
+                              "live in host memory (pinned on CUDA) and are copied to the device just before each "
+                              "use, the next block prefetched; LoRA weights stay on the device", group="memory", ge=0)
+    activation_offload: bool = opt(False, "with gradient_checkpointing: the checkpointed block inputs wait for the "
+                                   "backward in host memory (pinned on CUDA) instead of the device", group="memory",
+                                   strict=True)
+    device_memory_gb: float = opt(0.0, "card memory (GB, 1e9 bytes) the start-up check plans for: it prints the "
+                                  "predicted peak and refuses a setting that cannot fit, naming the cheapest that "
+                                  "would (0 = the card's own; on a machine without a GPU the check only prints)",
+                                  group="memory", resume="free", ge=0, allow_inf_nan=False)
     # data (docs/math.md §8)
     regression_data_dir: str = opt("", "ODE pairs for regression_weight: a latent dataset whose 'latents' are teacher "
                                    "ODE samples and whose 'noise' is the noise each started from (training/"
@@ -292,6 +312,13 @@ class RCMConfig(CommonOptions):
     def _rcm(self):
         if self.checkpointing_policy != "full" and not self.gradient_checkpointing:
             _bad(self, "checkpointing_policy", "applies with gradient_checkpointing true; set it too")
+        if self.activation_offload and not self.gradient_checkpointing:
+            _bad(self, "activation_offload", "keeps the checkpointed block inputs on the host: set gradient_checkpointing "
+                                             "true too")
+        if self.mode == "full":
+            for key in ("base_dtype", "blocks_to_swap", "activation_offload"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    _bad(self, key, "applies to the frozen base of mode shared; mode full trains every weight")
         if self.dcm_skipping_interval_steps >= self.dcm_total_steps:
             _bad(self, "dcm_skipping_interval_steps", f"must lie in [1, dcm_total_steps - 1 = {self.dcm_total_steps - 1}]")
         if self.dmd_fix_timesteps:

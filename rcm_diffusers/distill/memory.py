@@ -56,7 +56,9 @@ import torch
 
 __all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "checkpoint_held", "checkpoint_held_bytes",
            "held_bytes", "working_set", "allocation_trace", "AllocationTrace", "WORKING_SETS", "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS",
-           "JVP_COEFFS", "JVP_CPU_ATTENTION", "jvp_bytes"]
+           "JVP_COEFFS", "JVP_CPU_ATTENTION", "jvp_bytes", "weight_parts", "linear_weight_bytes",
+           "host_activation_bytes", "CARDS", "LINKS", "PASS_COST", "passes_per_iteration", "block_flops", "step_time",
+           "with_lora_rank", "setting_text", "cheapest_fitting"]
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -154,15 +156,30 @@ class TrainSetup:
     head_dim: int = 128  # attention head dimension (selective: the log-sum-exp per head; Wan RoPE tables)
     text_dim: int = 4096  # width of the text encoder states the condition embedder projects (Wan: umT5)
     cpu_attention_chunk: int = 1024  # query rows per chunk of the CPU attention JVP (counted with device="cpu" only)
+    # training on one card (rcm_diffusers.distill.lowmem): the format of the frozen block Linear weights, the blocks
+    # per network whose frozen Linear weights live on the host, the checkpointed block inputs on the host
+    base_dtype: str = "weight_dtype"  # "weight_dtype" | "fp8" | "int8"
+    blocks_to_swap: int = 0
+    activation_offload: bool = False
+    block_linears: tuple = ()  # per block, the (out, in) of its frozen Linears (from_config fills it; the weight terms)
+    # the schedule of an iteration (the time model, ``step_time``): student every this many iterations, backward
+    # simulation of 1..max_simulation_steps student steps, the DMD term and the fake score on or off
+    student_update_freq: int = 5
+    max_simulation_steps: int = 4
+    use_dmd: bool = True
 
     @classmethod
     def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
                     weight_dtype: str = "bfloat16", gradient_checkpointing: bool = True, fd_type: int = 0, mode: str = "shared",
                     ema: bool = True, experts: int = 1, context_parallel: int = 1,
-                    gradient_accumulation_steps: int = 1, checkpointing_policy: str = "full") -> "TrainSetup":
-        """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact."""
+                    gradient_accumulation_steps: int = 1, checkpointing_policy: str = "full",
+                    **one_card) -> "TrainSetup":
+        """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact.
+        ``one_card``: ``base_dtype``, ``blocks_to_swap``, ``activation_offload`` and the schedule fields."""
         flux = class_name.startswith("Flux")
-        counts = _counts(class_name, tuple(sorted((k, _hashable(v)) for k, v in config.items())), lora_rank)
+        items = tuple(sorted((k, _hashable(v)) for k, v in config.items()))
+        counts = _counts(class_name, items, lora_rank)
+        one_card.setdefault("block_linears", _block_linears(class_name, items))
         D = config["num_attention_heads"] * config["attention_head_dim"]
         return cls(family="flux" if flux else "wan", dim=D, ffn_dim=4 * D if flux else config["ffn_dim"],
                    num_layers=config["num_layers"], num_single_layers=config.get("num_single_layers", 0) if flux else 0,
@@ -171,7 +188,7 @@ class TrainSetup:
                    fd_type=fd_type, mode=mode, ema=ema, experts=experts, context_parallel=context_parallel,
                    gradient_accumulation_steps=gradient_accumulation_steps, checkpointing_policy=checkpointing_policy,
                    lora_rank=lora_rank if mode == "shared" else 0, head_dim=config["attention_head_dim"],
-                   text_dim=config.get("text_dim", config.get("joint_attention_dim", 4096)))
+                   text_dim=config.get("text_dim", config.get("joint_attention_dim", 4096)), **one_card)
 
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
@@ -201,6 +218,20 @@ def _counts(class_name: str, items: tuple, lora_rank: int) -> tuple[int, int, in
     lora = sum(lora_rank * (mod.in_features + mod.out_features) for name, mod in m.named_modules()
                if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
     return base, lora, lora
+
+
+@functools.lru_cache(maxsize=64)
+def _block_linears(class_name: str, items: tuple) -> tuple:
+    """Per transformer block, the ``(out, in)`` of its ``nn.Linear`` layers (the meta-device build)."""
+    import diffusers
+
+    from ..models import transformer_blocks
+
+    cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in items}
+    with torch.device("meta"):
+        m = getattr(diffusers, class_name)(**cfg)
+    return tuple(tuple((mod.out_features, mod.in_features) for mod in b.modules() if type(mod) is torch.nn.Linear)
+                 for b in transformer_blocks(m))
 
 
 def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
@@ -252,15 +283,31 @@ def checkpoint_held(s: TrainSetup) -> float:
         raise ValueError(f"checkpointing_policy must be one of {POLICIES}, got {s.checkpointing_policy!r}")
     if s.checkpointing_policy == "selective" and s.family != "wan":
         raise ValueError("the selective checkpointing policy is modelled for Wan only")
-    mb = DTYPE_BYTES[s.weight_dtype]
-    n_tok = _stream_tokens(s)
     blocks = s.num_layers + s.num_single_layers
-    held = blocks * s.batch * n_tok * s.dim * mb  # each block's input hidden states
-    if s.family == "wan":  # text states, RoPE cos / sin (float32, per token and head dim), modulation (6 D, float32)
-        held += s.batch * (s.text_tokens * s.dim * mb + 6 * s.dim * 4) + 2 * _rank_tokens(s) * s.head_dim * 4
+    held = 0.0 if s.activation_offload else _checkpoint_inputs(s)  # activation_offload: on the host instead
+    if s.family == "wan":  # RoPE cos / sin (float32, per token and head dim): a non-tensor block argument, kept as is
+        held += 2 * _rank_tokens(s) * s.head_dim * 4
     if s.checkpointing_policy == "selective":
         held += blocks * _selective_block_bytes(s)
     return float(held)
+
+
+def _checkpoint_inputs(s: TrainSetup, blocks: int | None = None) -> float:
+    """The tensor inputs the checkpointed blocks keep: each block's input hidden states and (Wan) the text states and
+    the float32 modulation input (6 D) that every block shares; ``blocks`` of them (default all)."""
+    mb = DTYPE_BYTES[s.weight_dtype]
+    n = s.num_layers + s.num_single_layers if blocks is None else blocks
+    held = n * s.batch * _stream_tokens(s) * s.dim * mb
+    if s.family == "wan":
+        held += s.batch * (s.text_tokens * s.dim * mb + 6 * s.dim * 4)
+    return float(held)
+
+
+def host_activation_bytes(s: TrainSetup) -> float:
+    """Bytes ``activation_offload`` keeps on the host per grad-enabled forward (0 without it): every block's input
+    hidden states, the shared text states and modulation input once (one copy per distinct tensor), and the output
+    head's saved input (``rcm_diffusers.distill.lowmem.HostActivations``)."""
+    return _checkpoint_inputs(s) + _head_bytes(s) if s.activation_offload else 0.0
 
 
 def activation_bytes(s: TrainSetup) -> tuple[float, float]:
@@ -280,7 +327,9 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
         # output that its consumer saves: outside the blocks, a Wan forward saves the RoPE tables alone)
         rope = 2 * s.batch * _rank_tokens(s) * s.head_dim * 4 if s.family == "wan" else 0
         return float(sum(sizes) + rope), one
-    held = checkpoint_held(s) + _head_bytes(s)
+    held = held_bytes(s)
+    if s.activation_offload:  # the block the backward recomputes has its inputs back on the device
+        held += _checkpoint_inputs(s, 1)
     if s.checkpointing_policy == "selective":  # the recompute re-uses the kept outputs of the block it runs
         return held + max(one - _selective_block_bytes(s), 0.0), one
     return held + one, one
@@ -296,14 +345,20 @@ def working_set(s: TrainSetup, name: str) -> float:
 def held_bytes(s: TrainSetup) -> float:
     """Bytes a grad-enabled forward leaves for its backward: all saved activations without checkpointing; with it,
     ``checkpoint_held`` and the output head's saved input (the recompute comes in the backward)."""
-    return checkpoint_held(s) + _head_bytes(s) if s.gradient_checkpointing else activation_bytes(s)[0]
+    if not s.gradient_checkpointing:
+        if s.activation_offload:
+            raise ValueError("activation_offload keeps the checkpointed block inputs on the host: it needs gradient "
+                             "checkpointing")
+        return activation_bytes(s)[0]
+    return checkpoint_held(s) + (0.0 if s.activation_offload else _head_bytes(s))
 
 
 def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     """Bytes per process of one rCM training step of setup ``s`` (see the module docstring for the
     parts); ``total_gib`` is their sum. ``device`` picks the runtime overhead (``cuda`` | ``cpu``)."""
     wb = DTYPE_BYTES[s.weight_dtype]
-    out = {"weights": s.params * wb * s.experts}
+    parts = weight_parts(s)
+    out = {"weights": parts["device"], "dequant": parts["dequant"]}
     if s.mode == "shared":
         stu, fake = s.lora_params_student * s.experts, s.lora_params_fake * s.experts
     elif s.mode == "full":
@@ -332,6 +387,8 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     # term's grad-enabled forward (losses.scm_loss)
     out["step_peak"] = max(saved + max(out["backward"], out["forward"]) + exchange, held + out["nograd"] + exchange,
                            out["jvp"] + exchange)
+    out["prefetch"] = parts["prefetch"]  # part of "weights"
+    out["host"] = parts["host"] + host_activation_bytes(s)  # host memory (pinned on CUDA), not in the total
     return _with_total(out)
 
 
@@ -369,7 +426,8 @@ def _jvp_weight_copies(s: TrainSetup) -> float:
 def _with_total(out: dict) -> dict:
     """``out`` plus ``total`` (static parts + grads + the largest phase + overhead) and ``total_gib``."""
     res = {k: float(v) for k, v in out.items() if k not in ("total", "total_gib")}
-    res["total"] = sum(res[k] for k in ("weights", "trainable", "grads", "optimizer", "ema", "step_peak", "overhead"))
+    res["total"] = sum(res.get(k, 0.0) for k in ("weights", "dequant", "trainable", "grads", "optimizer", "ema",
+                                                  "step_peak", "overhead"))
     res["total_gib"] = res["total"] / GiB
     return res
 
@@ -381,11 +439,185 @@ def per_rank(s: TrainSetup, world: int, device: str = "cuda") -> dict:
     must divide ``world``."""
     if world % s.context_parallel:
         raise ValueError(f"context_parallel {s.context_parallel} does not divide {world} processes")
+    if world > 1 and (s.base_dtype != "weight_dtype" or s.blocks_to_swap or s.activation_offload):
+        raise ValueError("base_dtype, blocks_to_swap and activation_offload are for one card: FSDP2 shards the base instead")
     out = predict_training(s, device)
     blocks = s.num_layers + s.num_single_layers
     full = out["weights"]
     out["weights"] = full / world + (2 * full / (blocks * s.experts) if world > 1 else 0.0)  # one expert runs at a time
     return _with_total(out)
+
+
+# ----------------------------------------------------------------------------- training on one card
+
+
+#: inputs per scale of the fp8 base (``rcm_diffusers.distill.lowmem.FP8_BLOCK``) and swapped blocks on the device at
+#: once (``lowmem.PREFETCH_BLOCKS``)
+FP8_BLOCK, PREFETCH_BLOCKS = 128, 2
+BASE_DTYPES = ("weight_dtype", "fp8", "int8")
+
+
+def linear_weight_bytes(out: int, k: int, base_dtype: str, weight_dtype: str) -> int:
+    """Bytes of one frozen Linear weight ``[out, k]`` as stored (``lowmem.quantize_weight``): ``weight_dtype``; ``fp8``
+    1 byte per element of the input dimension padded to whole blocks and a float32 scale per row and block; ``int8``
+    1 byte per element and a float32 scale per row."""
+    if base_dtype == "weight_dtype":
+        return out * k * DTYPE_BYTES[weight_dtype]
+    if base_dtype == "fp8":
+        nb = -(-k // FP8_BLOCK)
+        return out * nb * FP8_BLOCK + 4 * out * nb
+    if base_dtype == "int8":
+        return out * k + 4 * out
+    raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {base_dtype!r}")
+
+
+def weight_parts(s: TrainSetup) -> dict:
+    """The frozen base's bytes: ``device`` (everything outside the block Linears in ``weight_dtype``, the resident
+    blocks' Linear weights in ``base_dtype``, and the prefetch buffer: up to ``PREFETCH_BLOCKS`` swapped blocks),
+    ``host`` (the swapped blocks), ``prefetch`` and ``dequant`` (a quantized base: the largest Linear dequantized in
+    ``weight_dtype``, while one Linear runs). Per network, times ``experts``.
+    Without ``block_linears`` (a hand-made setup) the whole base counts as ``weight_dtype``."""
+    wb = DTYPE_BYTES[s.weight_dtype]
+    if not s.block_linears:
+        if s.base_dtype != "weight_dtype" or s.blocks_to_swap:
+            raise ValueError("base_dtype / blocks_to_swap need the block shapes: build the setup with from_config")
+        return {"device": float(s.params * wb * s.experts), "host": 0.0, "prefetch": 0.0, "dequant": 0.0}
+    L, N = len(s.block_linears), s.blocks_to_swap
+    if not 0 <= N <= L:
+        raise ValueError(f"blocks_to_swap {N}: the model has {L} blocks")
+    linear_numel = sum(o * k for b in s.block_linears for o, k in b)
+    blocks = [sum(linear_weight_bytes(o, k, s.base_dtype, s.weight_dtype) for o, k in b) for b in s.block_linears]
+    rest = (s.params - linear_numel) * wb
+    resident, swapped = sum(blocks[:L - N]), blocks[L - N:]
+    prefetch = float(min(N * s.experts, PREFETCH_BLOCKS) * max(swapped)) if N else 0.0
+    biggest = max((o * k for b in s.block_linears for o, k in b), default=0)
+    dequant = float(biggest * wb) if s.base_dtype != "weight_dtype" else 0.0
+    return {"device": float(s.experts * (rest + resident) + prefetch), "host": float(s.experts * sum(swapped)),
+            "prefetch": prefetch, "dequant": dequant}
+
+
+#: cards of the one-card tables: usable bytes (as ``DEVICES``), an achieved dense bf16 matrix rate (FLOP/s: about 60 %
+#: of the data sheet's dense rate with float32 accumulation) and memory bandwidth (bytes/s, data sheet)
+CARDS = {"24 GB (RTX 4090)": {"memory": 24e9, "flops": 100e12, "hbm": 1.0e12},
+         "48 GB (L40S / RTX 6000 Ada)": {"memory": 48e9, "flops": 200e12, "hbm": 0.86e12}}
+#: host links, bytes/s of pinned host -> device copies (about 80 % of the line rate)
+LINKS = {"PCIe 3.0 x16": 12.5e9, "PCIe 4.0 x16": 25e9, "PCIe 5.0 x16": 50e9}
+#: cost of a pass through the network in forward-pass units: no-grad, the JVP pass (primal and tangent), a
+#: grad-enabled pass with checkpointing (forward, recompute, backward to the inputs: the base has no weight gradient)
+PASS_COST = {"nograd": 1.0, "jvp": 2.0, "grad": 3.5, "grad_no_checkpointing": 2.5}
+#: device-memory bytes moved per weight element by a dequantization, beyond ``weight_dtype`` bytes ``b``: the 1-byte
+#: value read, the cast written, read and the product written back (``1 + 3 b``; the matrix product's own read is in
+#: its FLOPs)
+DEQUANT_BYTES = {"float32": 13, "bfloat16": 7, "float16": 7}
+
+
+def passes_per_iteration(s: TrainSetup) -> dict:
+    """Mean network passes of one iteration (``student_update_freq`` alternation, ``n`` uniform in 1..``max_simulation_
+    steps``): a student iteration runs the sCM term (teacher with CFG: 2 no-grad, the JVP pass for fd_type 0/1, one
+    grad pass) and, with DMD, the backward simulation (``n - 1`` no-grad student calls and one grad pass), the fake
+    score and the guided teacher at the simulated sample (3 no-grad); a fake-score iteration the simulation (``n``
+    no-grad) and one grad pass."""
+    n = (s.max_simulation_steps + 1) / 2
+    jvp = 1.0 if s.fd_type in (0, 1) else 0.0
+    scm_nograd = 2.0 + (1.0 if s.fd_type == 2 else 0.0)  # fd_type 2: a second no-grad student call
+    if not s.use_dmd:
+        return {"nograd": scm_nograd, "jvp": jvp, "grad": 1.0}
+    f = 1.0 / s.student_update_freq
+    student = {"nograd": scm_nograd + (n - 1) + 3, "jvp": jvp, "grad": 2.0}
+    fake = {"nograd": n, "jvp": 0.0, "grad": 1.0}
+    return {k: f * student[k] + (1 - f) * fake[k] for k in student}
+
+
+def block_flops(s: TrainSetup) -> float:
+    """FLOPs of one block's forward on one sample (Wan: the linears on video and text tokens, self- and
+    cross-attention; Flux: every token through the linears and the joint attention)."""
+    T, Tt, D = _rank_tokens(s), s.text_tokens, s.dim
+    if s.family == "wan":
+        linear = 2 * T * (6 * D * D + 2 * D * s.ffn_dim) + 2 * Tt * 2 * D * D
+        attn = 4 * T * s.tokens * D + 4 * T * Tt * D  # each rank's queries against all keys
+    else:
+        n = T + Tt
+        linear = 2 * n * (4 * D * D + 2 * D * s.ffn_dim)
+        attn = 4 * n * (s.tokens + Tt) * D
+    return float(s.batch * (linear + attn))
+
+
+def step_time(s: TrainSetup, card: str = "24 GB (RTX 4090)", link: str = "PCIe 4.0 x16") -> dict:
+    """Predicted seconds of an average iteration on ``card`` over ``link`` (names in ``CARDS`` / ``LINKS``, or a dict
+    with ``flops`` and ``hbm`` and a bandwidth in bytes/s): ``compute`` (the
+    blocks' FLOPs of ``passes_per_iteration`` at the card's rate), ``transfer`` (the part of the swapped blocks'
+    copies the previous block's compute does not hide: each swapped block is copied once per pass and once more in
+    the backward of a grad pass), ``dequant`` (device-memory traffic of dequantizing the resident and swapped
+    Linears at every use: once per pass, three times in a grad pass), ``offload`` (``activation_offload``'s copies
+    out and back, not overlapped), ``total``, ``slowdown`` = total / compute, and ``h2d_bytes`` per iteration."""
+    c = CARDS[card] if isinstance(card, str) else card  # or {"flops": ..., "hbm": ...} of a measured card
+    bw = LINKS[link] if isinstance(link, str) else float(link)  # or bytes/s
+    p = passes_per_iteration(s)
+    L = len(s.block_linears) or (s.num_layers + s.num_single_layers)
+    c1 = block_flops(s) / c["flops"]  # one block, one forward
+    grad_cost = PASS_COST["grad"] if s.gradient_checkpointing else PASS_COST["grad_no_checkpointing"]
+    compute = L * c1 * (p["nograd"] * PASS_COST["nograd"] + p["jvp"] * PASS_COST["jvp"] + p["grad"] * grad_cost)
+    parts = weight_parts(s) if s.block_linears else {"prefetch": 0.0}
+    N = s.blocks_to_swap
+    block = parts["prefetch"] / min(N * s.experts, PREFETCH_BLOCKS) if N else 0.0
+    x = block / bw  # one swapped block's copy
+    exposed = lambda hide: max(0.0, x - hide)  # noqa: E731
+    transfer = N * (p["nograd"] * exposed(c1) + p["jvp"] * exposed(PASS_COST["jvp"] * c1)
+                    + p["grad"] * (exposed(c1) + exposed((grad_cost - 1) * c1)))
+    loads = N * (p["nograd"] + p["jvp"] + 2 * p["grad"])
+    dequant = 0.0
+    if s.base_dtype != "weight_dtype":
+        numel = sum(o * k for b in s.block_linears for o, k in b)
+        uses = p["nograd"] + p["jvp"] + (3 if s.gradient_checkpointing else 2) * p["grad"]
+        dequant = uses * numel * DEQUANT_BYTES[s.weight_dtype] / c["hbm"]
+    offload = 2 * p["grad"] * host_activation_bytes(s) / bw
+    total = compute + transfer + dequant + offload
+    return {"compute": compute, "transfer": transfer, "dequant": dequant, "offload": offload, "total": total,
+            "slowdown": total / compute, "h2d_bytes": loads * block + p["grad"] * host_activation_bytes(s)}
+
+
+def with_lora_rank(s: TrainSetup, rank: int) -> TrainSetup:
+    """``s`` with LoRA rank ``rank`` (adapter parameters scale with the rank)."""
+    f = rank / s.lora_rank
+    return dataclasses.replace(s, lora_rank=rank, lora_params_student=int(round(s.lora_params_student * f)),
+                               lora_params_fake=int(round(s.lora_params_fake * f)))
+
+
+def setting_text(s: TrainSetup) -> str:
+    """The one-card options of ``s`` as the trainer's command line spells them."""
+    return (f"--base_dtype {s.base_dtype} --blocks_to_swap {s.blocks_to_swap} "
+            f"--activation_offload {str(s.activation_offload).lower()} --lora_rank {s.lora_rank}")
+
+
+def cheapest_fitting(s: TrainSetup, capacity: float, card: str = "24 GB (RTX 4090)", link: str = "PCIe 4.0 x16",
+                     margin: float = 0.9, formats=None, ranks=None):
+    """The setting that fits ``margin x capacity`` bytes at the least predicted slowdown (``step_time``), or
+    ``None``: over base formats (``formats``, default ``s.base_dtype`` and ``fp8``), activation offload (with
+    checkpointing), 0..all blocks swapped, and LoRA ranks (``ranks``, default ``s.lora_rank``; lower ranks only when
+    nothing fits at it). Ties (slowdown within 0.01) go to fewer host bytes (pinned memory is the host's too),
+    then to the higher-precision format.
+    Returns ``(setup, predict_training(setup), step_time(setup))``."""
+    formats = list(dict.fromkeys(formats or [s.base_dtype, "fp8"]))
+    ranks = list(ranks or [s.lora_rank])
+    L = len(s.block_linears)
+    for r in ranks:
+        base = with_lora_rank(s, r) if r != s.lora_rank else s
+        best = None
+        for fmt in formats:
+            for off in ([False, True] if s.gradient_checkpointing else [False]):
+                for n in range(L + 1):
+                    c = dataclasses.replace(base, base_dtype=fmt, blocks_to_swap=n, activation_offload=off)
+                    pred = predict_training(c)
+                    if pred["total"] > margin * capacity:
+                        continue
+                    t = step_time(c, card, link)
+                    key = (round(t["slowdown"] / 0.01), round(pred["host"] / 2**28), BASE_DTYPES.index(fmt))
+                    if best is None or key < best[0]:
+                        best = (key, c, pred, t)
+                    break  # more blocks swapped only costs more
+        if best is not None:
+            return best[1:]
+    return None
 
 
 def fits(total_bytes: float, margin: float = 0.9) -> dict[str, bool]:
