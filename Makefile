@@ -28,7 +28,7 @@ test: setup
 # tests that exercise them. CI runs this after `make test`: 263 s from a fresh clone on 2 shared cores (157 s to
 # build the venv, 106 s of tests; measured 2026-12-03).
 FLOORS_VENV := .venv-floors
-FLOORS_TESTS := tests/test_schedulers.py tests/test_pipelines.py $(wildcard tests/test_lora_*.py)
+FLOORS_TESTS := tests/test_schedulers.py tests/test_pipelines.py tests/test_flow_pipelines.py $(wildcard tests/test_lora_*.py)
 
 $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 	python3 -m venv $(FLOORS_VENV)

@@ -3,8 +3,8 @@
 Rows per shape (B=1, D=128, bf16, self-attention of length S):
   sdpa_fwd      F.scaled_dot_product_attention forward (flash on H100/H200), 2 matmuls
   fused_jvp     rcm_diffusers jvp_attention: O, tO, LSE in one pass, 6 matmuls
-  func_jvp_ours torch.func.jvp through rcm_diffusers.attention.attention (the path the processors
-                take; shows the forward-AD protocol adds no second primal)
+  func_jvp_ours torch.func.jvp through rcm_diffusers.attention.attention (the path every SDPA call of a
+                JVP pass takes; shows the forward-AD protocol adds no second primal)
   func_jvp_math torch.func.jvp through math SDPA (materialises S x S; stops after its first OOM)
 TFLOP/s counts 2 matmuls for sdpa_fwd and 6 for the JVP rows (4 B H S^2 D flops per 2 matmuls).
 Time is the median over --reps CUDA-event timings after warm-up (and Triton autotuning).

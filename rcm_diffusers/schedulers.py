@@ -11,8 +11,9 @@ Conventions shared by the three:
   float64 ``r``. ``timesteps`` are what the pipeline hands the transformer: ``r * num_train_timesteps``,
   for ``RCMScheduler(time_input="bf16")`` (default) rounded to bfloat16 as the official rCM sampler feeds it.
 - ``set_timesteps(sigmas=[...])`` takes *explicit RF times*, used as given (no shift); a final 0 is appended.
-  ``set_timesteps(timesteps=[...])`` likewise, divided by ``num_train_timesteps``. FluxPipeline always passes
-  ``sigmas``: its default ``linspace(1, 1/n, n)`` is recognised and read as ``num_inference_steps=n``.
+  ``set_timesteps(timesteps=[...])`` likewise, divided by ``num_train_timesteps``. Many pipelines always pass
+  times; their default grid (``linspace(1, 1/n, n)`` in float64 or float32, ``linspace(1, 0, n+1)[:-1]``,
+  CogView4's ``linspace(1000, 1, n)`` timesteps with their sigmas) is read as ``num_inference_steps=n``.
 - Config keys: our own EDM-scale limits are stored as ``rcm_sigma_max`` / ``teacher_sigma_max`` /
   ``teacher_sigma_min`` (``sigma_max=`` / ``sigma_min=`` are accepted as arguments), because stock
   schedulers read ``sigma_max`` / ``sigma_min`` from any config they are built from. Every key of a stock
@@ -62,13 +63,44 @@ def _check_finite_positive(name: str, value: float) -> None:
 _OUR_CLASSES = ("RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler")
 
 
-def _is_flux_default_grid(sigmas) -> bool:
-    """True for FluxPipeline's own default ``np.linspace(1.0, 1 / n, n)`` (what it passes when the user gave none)."""
-    if sigmas is None or isinstance(sigmas, torch.Tensor):
-        return False
-    arr = np.asarray(sigmas, dtype=np.float64).reshape(-1)
-    n = arr.size
-    return n >= 1 and np.array_equal(arr, np.linspace(1.0, 1 / n, n))
+#: How far a pipeline's default grid may lie from the exact ``k / n``: pipelines build it with ``np.linspace``
+#: (float64) or ``torch.linspace`` (float32, also as ``.tolist()``), as ``linspace(1, 1/n, n)`` or
+#: ``linspace(1, 0, n+1)[:-1]``; float32 values in (0, 1] are within a few ulps (2**-24 each) of ``k / n``
+#: (measured <= 6e-8 for n <= 64), float64 within 1e-16. A grid meant as explicit times differs by far more.
+DEFAULT_GRID_ATOL = 1e-6
+
+
+def _as_float64(values) -> np.ndarray | None:
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    try:
+        return np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        return None  # validate_rf_times reports it
+
+
+def _default_grid_steps(r: np.ndarray | None, num_train_timesteps: float) -> int | None:
+    """``n`` when the RF times ``r`` are a pipeline's own ``n``-step default grid (what it passes when the user gave
+    no times), else ``None``. Two forms, each with an optional final 0, to float32 round-off (``DEFAULT_GRID_ATOL``):
+
+    - ``1, (n-1)/n, ..., 1/n``: ``np.linspace(1, 1/n, n)`` (FLUX.1, FLUX.2, Qwen-Image, Chroma, LTX-2, ...),
+      ``np.linspace(1, 0, n+1)[:-1]`` (HunyuanVideo-1.5), float32 ``torch.linspace(1, 1/n, n).tolist()`` (Z-Image);
+    - ``linspace(T, 1, n) / T`` with ``T = num_train_timesteps``, each ``T r`` possibly cut to a whole number
+      (CogView4's timesteps and sigmas)."""
+    if r is None or r.size == 0 or not np.all(np.isfinite(r)):
+        return None
+    if r.size > 1 and r[-1] == 0.0:
+        r = r[:-1]
+    n = r.size
+    k = np.arange(n, dtype=np.float64)
+    if np.all(np.abs(r - (n - k) / n) <= DEFAULT_GRID_ATOL):
+        return n
+    T = float(num_train_timesteps)
+    if n > 1 and T > 1 and np.all(np.abs(r - (T - k * (T - 1) / (n - 1)) / T) <= 1 / T + DEFAULT_GRID_ATOL):
+        return n
+    return None
 
 
 class _FlowTimesMixin:
@@ -113,20 +145,32 @@ class _FlowTimesMixin:
     def _explicit_rf(self, num_inference_steps, sigmas, timesteps) -> np.ndarray | None:
         """Parse ``sigmas`` / ``timesteps`` given by a caller into float64 RF times ending at 0.
 
-        FluxPipeline's default ``linspace(1, 1/n, n)`` (passed when the user gave no sigmas) returns ``None``
-        and sets ``self._flux_default_steps = n``."""
+        A pipeline's own default grid (:func:`_default_grid_steps`, passed when the user gave no times) returns
+        ``None`` and sets ``self._flux_default_steps = n``. Both ``sigmas`` and ``timesteps``
+        (CogView4 always passes both): the ``sigmas`` are the RF times; the ``timesteps`` must be a default grid
+        (then they are ignored) or ``sigmas * num_train_timesteps`` to within 1 (CogView4 cuts them to whole
+        numbers)."""
         self._flux_default_steps = None
-        if sigmas is not None and timesteps is not None:
-            raise ValueError("pass either `sigmas` (RF times) or `timesteps` (RF times x num_train_timesteps), not both.")
         if sigmas is None and timesteps is None:
             return None
-        if num_inference_steps is None and _is_flux_default_grid(sigmas):
-            self._flux_default_steps = int(np.asarray(sigmas).size)
+        T = self.config.num_train_timesteps
+        s, t = _as_float64(sigmas), _as_float64(timesteps)
+        if sigmas is not None and timesteps is not None:
+            t_default = t is not None and _default_grid_steps(t / T, T) is not None
+            if s is None or t is None or not (t_default or (s.size == t.size and np.all(np.abs(t - s * T) <= 1.0))):
+                raise ValueError(
+                    f"sigmas (RF times) and timesteps disagree: timesteps must be sigmas x num_train_timesteps ({T}); "
+                    "pass one of them."
+                )
+            timesteps = None
+        n = _default_grid_steps(s if sigmas is not None else (None if t is None else t / T), T)
+        if n is not None and num_inference_steps in (None, n):
+            self._flux_default_steps = n
             return None
         if sigmas is not None:
             r = validate_rf_times(_to_list(sigmas), name="sigmas")
         else:
-            r = validate_rf_times(np.asarray(_to_list(timesteps), dtype=np.float64) / self.config.num_train_timesteps, name="timesteps")
+            r = validate_rf_times(np.asarray(_to_list(timesteps), dtype=np.float64) / T, name="timesteps")
         if num_inference_steps is not None and num_inference_steps != len(r) - 1:
             raise ValueError(
                 f"num_inference_steps={num_inference_steps} disagrees with the {len(r) - 1} times given; "

@@ -207,3 +207,102 @@ def test_benchmark_smoke_mode(capsys):
     assert [r["method"] for r in rows[:4]] == ["sdpa_fwd", "fused_jvp", "func_jvp_ours", "func_jvp_math"]
     assert len(rows) == 8 and all(r["ms"] > 0 for r in rows)
     assert all(r["note"] == "fused calls/iter 1" for r in rows if r["method"] == "func_jvp_ours")
+
+
+# ----------------------------------------------------------------------------- masks and SDPA's arguments
+
+
+def masked_reference(q, k, v, t_q, t_k, t_v, bias):
+    """float64 ``(O, tO)`` of ``softmax(scale Q K^T + bias) V`` (a row with every key masked: 0, as SDPA), tangent by
+    torch.func.jvp; ``bias`` additive, broadcastable to ``[B, H, Lq, Lk]``."""
+    q, k, v, t_q, t_k, t_v = (x.double() for x in (q, k, v, t_q, t_k, t_v))
+    bias = bias.double()
+
+    def attn(q, k, v):
+        S = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5 + bias
+        alive = torch.isfinite(S).any(-1, keepdim=True)
+        P = torch.where(alive, torch.softmax(torch.where(alive, S, 0.0), dim=-1), 0.0)
+        return torch.einsum("bhqk,bkhd->bqhd", P, v)
+
+    return torch.func.jvp(attn, (q, k, v), (t_q, t_k, t_v))
+
+
+def _masks(B, H, Lq, Lk, g):
+    """(name, mask, additive bias): key padding (bool, [B, 1, 1, Lk]), a full boolean mask with a row masked
+    completely, an additive float mask broadcast over the batch with -inf and finite entries."""
+    pad = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+    pad[0, ..., -3:] = False
+    full = torch.rand(B, H, Lq, Lk, generator=g) > 0.3
+    full[..., 0] = True
+    full[1, 0, 2] = False  # a query with every key masked
+    add = torch.randn(1, 1, Lq, Lk, generator=g)
+    add[..., 1] = float("-inf")
+    as_bias = lambda m: torch.zeros(m.shape).masked_fill(~m, float("-inf"))  # noqa: E731
+    return [("key padding", pad, as_bias(pad)), ("full with a dead row", full, as_bias(full)), ("additive", add, add)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masks_match_float64_reference(backend, dtype):
+    """Boolean and additive masks (broadcast over batch, heads or query rows), a query whose keys are all masked
+    (output and tangent 0, as SDPA), Lq != Lk over several 16-wide tiles."""
+    B, Lq, Lk, H, D = 2, 19, 37, 2, 32
+    q, k, v, tq, tk, tv = inputs(B, Lq, Lk, H, D, dtype, seed=21)
+    for name, mask, bias in _masks(B, H, Lq, Lk, torch.Generator().manual_seed(4)):
+        o, t_o = jvp_attention(q, k, v, tq, tk, tv, backend=backend, attn_mask=mask.to(DEV))
+        o_r, t_o_r = masked_reference(q, k, v, tq, tk, tv, bias.to(DEV))
+        assert rel_err(o, o_r) < RTOL[dtype] and rel_err(t_o, t_o_r) < RTOL[dtype], name
+        if name.startswith("full"):
+            assert o[1, 2, 0].abs().max() == 0 and t_o[1, 2, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sdpa_arguments_match_forward_ad_through_math_sdpa(backend):
+    """``sdpa_jvp`` (SDPA's layout and arguments) against torch.func.jvp of math SDPA in float64: masks, is_causal,
+    a scale, grouped-query heads, 3-D inputs; the primal runs once per call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rcm_diffusers.attention import sdpa_jvp
+
+    g = torch.Generator().manual_seed(8)
+
+    def r(*s):
+        return torch.randn(*s, generator=g).to(DEV)
+
+    B, H, Lq, Lk, D = 2, 4, 21, 21, 16
+    cases = [
+        ("bool mask", dict(attn_mask=(torch.rand(B, 1, Lq, Lk, generator=g) > 0.4).to(DEV)), (B, H), (B, H)),
+        ("float mask", dict(attn_mask=r(1, H, 1, Lk)), (B, H), (B, H)),
+        ("causal + scale", dict(is_causal=True, scale=0.2), (B, H), (B, H)),
+        ("gqa", dict(enable_gqa=True), (B, H), (B, 2)),
+        ("3-D", {}, (B * H,), (B * H,)),
+    ]
+    for name, kw, qlead, kvlead in cases:
+        q, tq = r(*qlead, Lq, D), r(*qlead, Lq, D)
+        k, v, tk, tv = (r(*kvlead, Lk, D) for _ in range(4))
+        with sdpa_kernel(SDPBackend.MATH):
+            o_r, t_r = torch.func.jvp(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                a, b, c, **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in kw.items()}),
+                (q.double(), k.double(), v.double()), (tq.double(), tk.double(), tv.double()))
+        before = dict(STATS)
+        o, t = torch.func.jvp(lambda a, b, c: sdpa_jvp(a, b, c, **kw, backend=backend), (q, k, v), (tq, tk, tv))
+        assert STATS["fused_calls"] == before["fused_calls"] + 1 and STATS["jvp_recomputes"] == before["jvp_recomputes"]
+        assert o.shape == q.shape and rel_err(o, o_r) < 1e-5 and rel_err(t, t_r) < 1e-5, name
+
+
+def test_sdpa_refusals_are_one_line():
+    from rcm_diffusers.attention import sdpa_jvp
+
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="dropout_p=0.1 in a JVP pass; run the model in eval"):
+        sdpa_jvp(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="either attn_mask or is_causal"):
+        sdpa_jvp(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="2 query heads and 3 key/value heads"):
+        torch.func.jvp(lambda a: sdpa_jvp(a, torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16)), (q,), (q,))
+    with pytest.raises(ValueError, match="does not broadcast to"):
+        torch.func.jvp(lambda a: sdpa_jvp(a, q, q, attn_mask=torch.ones(3, 4, dtype=torch.bool)), (q,), (q,))
+    with pytest.raises(ValueError, match="boolean or floating point"):
+        torch.func.jvp(lambda a: sdpa_jvp(a, q, q, attn_mask=torch.ones(4, 4, dtype=torch.long)), (q,), (q,))
+    with pytest.raises(ValueError, match="mask carries a tangent"):
+        torch.func.jvp(lambda a, m: sdpa_jvp(a, q, q, attn_mask=m), (q, torch.zeros(4, 4)), (q, torch.ones(4, 4)))

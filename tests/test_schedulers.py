@@ -73,7 +73,7 @@ def test_explicit_rf_times_and_timesteps():
         ({}, dict(sigmas=[1.5, 0.5]), r"\(0, 1\]"),
         ({}, dict(timesteps=[float("inf"), 10.0]), "NaN or inf"),
         ({}, dict(num_inference_steps=3, sigmas=[0.9, 0.5]), "disagrees"),
-        ({}, dict(sigmas=[0.9], timesteps=[900.0]), "not both"),
+        ({}, dict(sigmas=[0.9], timesteps=[500.0]), "sigmas .RF times. and timesteps disagree"),
     ],
 )
 def test_rcm_set_timesteps_bad_input(kwargs, call, match):

@@ -1,140 +1,38 @@
-"""diffusers attention processors for Wan and Flux whose attention has a forward-AD rule (docs/math.md §5),
+"""``enable_jvp_attention``: forward-mode AD through the attention of any diffusers transformer (docs/math.md §5),
 and a float32 switch for the time embedding in JVP passes (docs/math.md §4.1).
 
-Outside a JVP pass each processor calls diffusers' ``dispatch_attention_fn`` with the same
-arguments as the stock processor, so outputs and gradients are the stock ones. When the query,
-key or value carries a forward-mode tangent, attention goes through ``attention`` (one fused
-primal + tangent pass). ``enable_jvp_attention`` / ``disable_jvp_attention`` swap them in and out.
+The model keeps its stock attention processors. ``enable_jvp_attention`` wraps its ``forward``: a call whose inputs
+carry a forward-mode tangent (the JVP pass of ``torch.func.jvp``) runs under ``JVPAttentionMode``
+(``attention/sdpa.py``), which routes every ``scaled_dot_product_attention`` call with a tangent through our fused
+kernel; any other call is the stock forward, untouched. One path for every model whose attention reaches PyTorch's
+SDPA (diffusers' default "native" backend and its ``_native_*`` variants, and processors that call SDPA themselves);
+attention written as plain matrix products (Sana's linear attention) has PyTorch's own forward-AD rule.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb as _flux_rotary
-from diffusers.models.transformers import transformer_flux, transformer_wan
+from torch.utils._pytree import tree_leaves
 
-from .function import attention, has_tangent
+from .function import has_tangent
+from .sdpa import JVPAttentionMode
 
-__all__ = [
-    "WanJVPAttnProcessor",
-    "FluxJVPAttnProcessor",
-    "enable_jvp_attention",
-    "disable_jvp_attention",
-    "time_embedding_fp32",
-]
+__all__ = ["enable_jvp_attention", "disable_jvp_attention", "time_embedding_fp32", "check_jvp_servable"]
 
 WAN_TEXT_TOKENS = 512  # Wan I2V: the last 512 context tokens are text, the ones before are image
 
+#: the time-embedding modules of diffusers' flow-matching transformers (LTX-2 has one per modality)
+_TIME_EMBEDDING = ("condition_embedder", "time_text_embed", "time_guidance_embed", "time_condition_embed", "time_embed",
+                   "audio_time_embed", "t_embedder", "time_step_embed", "time_caption_embed")
 
-class _JVPAttend:
-    """Route one attention call: stock dispatch without tangents, fused JVP attention with them."""
-
-    _attention_backend = None
-    _parallel_config = None
-
-    def __init__(self, backend: str = "auto", stock=None):
-        self.backend = backend
-        self.stock = stock  # the processor this one replaced, put back by disable_jvp_attention
-        if stock is not None:
-            self._attention_backend = getattr(stock, "_attention_backend", None)
-            self._parallel_config = getattr(stock, "_parallel_config", None)
-
-    def _attend(self, q, k, v, attn_mask=None, parallel_config=None):
-        if not has_tangent(q, k, v):
-            return dispatch_attention_fn(
-                q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
-                backend=self._attention_backend, parallel_config=parallel_config,
-            )
-        if attn_mask is not None:
-            raise ValueError("JVP attention takes no attention mask; Wan and Flux call attention without one")
-        if parallel_config is not None:
-            raise NotImplementedError("JVP attention under context parallelism is not implemented (docs/math.md §5, Ulysses)")
-        return attention(q, k, v, backend=self.backend)
-
-
-def _wan_rotary(x, freqs_cos, freqs_sin):
-    """Wan RoPE on interleaved pairs ``(x[2i], x[2i+1])``: rotate each by the angle of its frequency."""
-    x_even, x_odd = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
-
-
-class WanJVPAttnProcessor(_JVPAttend):
-    """Wan attention (self-attn with RoPE, text cross-attn, I2V image-context branch) with a JVP rule.
-
-    Same computation as diffusers' ``WanAttnProcessor``; attention by ``_attend`` (docs/math.md §5).
-    """
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        context_img = None
-        if attn.add_k_proj is not None:  # I2V: split image tokens off the front of the context
-            n_img = encoder_hidden_states.shape[1] - WAN_TEXT_TOKENS
-            if n_img <= 0:  # the stock processor would silently take text tokens for image tokens
-                raise ValueError(f"Wan I2V attention takes the last {WAN_TEXT_TOKENS} context tokens as text and the ones before as "
-                                 f"image tokens (as diffusers' WanAttnProcessor), but the context has {encoder_hidden_states.shape[1]} "
-                                 f"tokens: encode prompts padded to max_sequence_length={WAN_TEXT_TOKENS} (the WanPipeline default)")
-            context_img = encoder_hidden_states[:, :n_img]
-            encoder_hidden_states = encoder_hidden_states[:, n_img:]
-
-        q, k, v = transformer_wan._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
-        if rotary_emb is not None:
-            q, k = _wan_rotary(q, *rotary_emb), _wan_rotary(k, *rotary_emb)
-
-        out_img = None
-        if context_img is not None:
-            k_img, v_img = transformer_wan._get_added_kv_projections(attn, context_img)
-            k_img = attn.norm_added_k(k_img).unflatten(2, (attn.heads, -1))
-            v_img = v_img.unflatten(2, (attn.heads, -1))
-            out_img = self._attend(q, k_img, v_img).flatten(2, 3).type_as(q)
-
-        parallel = self._parallel_config if encoder_hidden_states is None else None
-        group = getattr(self, "cp_group", None) if encoder_hidden_states is None else None
-        if group is not None:  # Ulysses (attention/ulysses.py installs cp_group and its all_to_all as cp_exchange):
-            a2a = self.cp_exchange  # token shards -> head shards, attend, and back
-            q, k, v = (a2a(x, group, 2, 1) for x in (q, k, v))
-            out = a2a(self._attend(q, k, v, attention_mask, parallel), group, 1, 2).flatten(2, 3).type_as(q)
-        else:
-            out = self._attend(q, k, v, attention_mask, parallel).flatten(2, 3).type_as(q)
-        if out_img is not None:
-            out = out + out_img
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-class FluxJVPAttnProcessor(_JVPAttend):
-    """Flux attention (joint text+image blocks and single blocks, RoPE) with a JVP rule.
-
-    Same computation as diffusers' ``FluxAttnProcessor``; attention by ``_attend`` (docs/math.md §5).
-    """
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        q, k, v, eq, ek, ev = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        q, k, v = (x.unflatten(-1, (-1, attn.head_dim)) for x in (q, k, v))
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        if attn.added_kv_proj_dim is not None:  # joint block: text tokens first, then image tokens
-            eq, ek, ev = (x.unflatten(-1, (-1, attn.head_dim)) for x in (eq, ek, ev))
-            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
-            q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
-        if image_rotary_emb is not None:
-            q = _flux_rotary(q, image_rotary_emb, sequence_dim=1)
-            k = _flux_rotary(k, image_rotary_emb, sequence_dim=1)
-
-        out = self._attend(q, k, v, attention_mask, self._parallel_config).flatten(2, 3).to(q.dtype)
-        if encoder_hidden_states is None:
-            return out
-        n_txt = encoder_hidden_states.shape[1]
-        txt, img = out[:, :n_txt], out[:, n_txt:]
-        img = attn.to_out[1](attn.to_out[0](img.contiguous()))
-        return img, attn.to_add_out(txt.contiguous())
-
-
-_JVP_PROCESSOR_FOR = {"WanAttnProcessor": WanJVPAttnProcessor, "FluxAttnProcessor": FluxJVPAttnProcessor}
-_TIME_EMBEDDING = ("condition_embedder", "time_text_embed")  # Wan, Flux
+#: diffusers attention backends whose attention is a torch ``scaled_dot_product_attention`` call (the others run
+#: kernels without a forward-mode rule: flash-attn, sage, xformers, flex, NPU / XLA ops)
+SDPA_BACKENDS = ("native", "_native_math", "_native_efficient", "_native_flash", "_native_cudnn")
+#: attention processors that call kernels without a forward-mode rule instead of SDPA
+_FOREIGN_PROCESSORS = ("XFormers", "Flash", "Sage", "NPU", "XLA", "Flex")
 
 
 def _base(transformer):
@@ -150,53 +48,142 @@ def _parts(transformer) -> list:
     return list(experts.values()) if isinstance(experts, dict) else [model]
 
 
+def _backend_name(backend) -> str | None:
+    return None if backend is None else str(getattr(backend, "value", backend))
+
+
+def _active_backend() -> str | None:
+    """diffusers' active attention backend (``attention_backend(...)``, ``DIFFUSERS_ATTN_BACKEND``), if it has one."""
+    try:
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    except ImportError:
+        return None
+    return _backend_name(getattr(_AttentionBackendRegistry, "_active_backend", None))
+
+
+def check_jvp_servable(model) -> None:
+    """Refuse (``ValueError``, one line) a model the JVP attention cannot run: not a ``torch.nn.Module``, or an attention
+    whose kernel has no forward-mode rule (a non-SDPA diffusers attention backend, an xformers / flash / sage
+    processor). Checked at ``enable_jvp_attention`` and, for the global backend, at each JVP pass."""
+    name = type(model).__name__
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"JVP attention needs a torch.nn.Module (a diffusers transformer), got {name}")
+    for sub_name, sub in model.named_modules():
+        proc = getattr(sub, "processor", None)
+        if proc is None:
+            continue
+        pname = type(proc).__name__
+        backend = _backend_name(getattr(proc, "_attention_backend", None))
+        if backend is not None and backend not in SDPA_BACKENDS:
+            raise ValueError(f"{name}: attention backend {backend!r} at {sub_name} has no forward-mode rule; JVP attention "
+                             f"runs through torch's scaled_dot_product_attention: call {name}.reset_attention_backend() "
+                             f"or set_attention_backend('native')")
+        if any(tag in pname for tag in _FOREIGN_PROCESSORS):
+            raise ValueError(f"{name}: attention processor {pname} at {sub_name} calls a kernel without a forward-mode "
+                             f"rule; JVP attention runs through torch's scaled_dot_product_attention: use the model's "
+                             f"default processors")
+    _check_active_backend(name)
+
+
+def _check_active_backend(name: str) -> None:
+    backend = _active_backend()
+    if backend is not None and backend not in SDPA_BACKENDS:
+        raise ValueError(f"{name}: diffusers' active attention backend is {backend!r}, which has no forward-mode rule; "
+                         f"JVP attention runs through torch's scaled_dot_product_attention: use 'native' for the JVP "
+                         f"pass (diffusers.attention_backend('native'), or unset DIFFUSERS_ATTN_BACKEND)")
+
+
+def _wan_i2v_inputs(model, args, kwargs) -> None:
+    """diffusers' Wan I2V attention takes the last 512 context tokens as text and the ones before as image tokens;
+    any other text length would silently mix them."""
+    image = kwargs.get("encoder_hidden_states_image")
+    text = kwargs.get("encoder_hidden_states", args[2] if len(args) > 2 else None)
+    if image is not None and text is not None and text.shape[1] != WAN_TEXT_TOKENS:
+        raise ValueError(f"Wan I2V attention takes the last {WAN_TEXT_TOKENS} context tokens as text and the ones before "
+                         f"as image tokens (as diffusers' WanAttnProcessor), but the text has {text.shape[1]} tokens: "
+                         f"encode prompts padded to max_sequence_length={WAN_TEXT_TOKENS} (the WanPipeline default)")
+
+
+def _hidream_moe(model) -> None:
+    """HiDream's mixture-of-experts layers route eval-mode tokens through ``moe_infer`` (no_grad, NumPy indices), which
+    no JVP can pass; their training-mode routing computes the same outputs differentiably."""
+    if any(hasattr(m, "moe_infer") and not m.training for m in model.modules()):
+        raise ValueError(f"{type(model).__name__}: the mixture-of-experts layers in eval() mode route tokens through "
+                         "moe_infer (no_grad, NumPy indices), which a JVP cannot pass; call model.train() for the JVP "
+                         "pass (training-mode routing computes the same outputs)")
+
+
+_INPUT_CHECKS = {"WanTransformer3DModel": _wan_i2v_inputs}
+_JVP_CHECKS = {"HiDreamImageTransformer2DModel": _hidream_moe}
+
+
 def enable_jvp_attention(transformer, backend: str = "auto", fp32_time_embedding: bool = True):
-    """Install ``WanJVPAttnProcessor`` / ``FluxJVPAttnProcessor`` on every attention of ``transformer``
-    so ``torch.func.jvp`` runs through it (docs/math.md §5); with ``fp32_time_embedding`` the time embedding
-    runs in float32 whenever its input carries a tangent (docs/math.md §4.1). Returns ``transformer``."""
+    """Make ``torch.func.jvp`` run through ``transformer`` (any diffusers transformer; peft-wrapped, or a two-expert
+    switch: every expert), docs/math.md §5: each forward whose inputs carry a tangent routes every SDPA call through the
+    fused JVP kernel (``backend``: ``"auto"``, ``"triton"``, ``"torch"``); other calls are the stock forward. With
+    ``fp32_time_embedding`` the time embedding runs in float32 whenever its input carries a tangent (docs/math.md §4.1).
+    A model it cannot serve is refused in one line (``check_jvp_servable``). Returns ``transformer``."""
     for model in _parts(transformer):
-        _enable(model, backend, fp32_time_embedding)
+        check_jvp_servable(model)
+        _install_forward(model, backend)
+        if fp32_time_embedding:
+            _install_fp32(model, jvp_only=True)
     return transformer
 
 
-def _enable(model, backend: str, fp32_time_embedding: bool) -> None:
-    new = {}
-    for name, proc in model.attn_processors.items():
-        if isinstance(proc, _JVPAttend):
-            proc.backend = backend
-            new[name] = proc
-            continue
-        cls = _JVP_PROCESSOR_FOR.get(type(proc).__name__)
-        if cls is None:
-            raise ValueError(
-                f"no JVP processor for {type(proc).__name__} at {name}; supported: {sorted(_JVP_PROCESSOR_FOR)}"
-            )
-        new[name] = cls(backend, stock=proc)
-    model.set_attn_processor(new)
-    if fp32_time_embedding:
-        _install_fp32(model, jvp_only=True)
+def _install_forward(model, backend: str) -> None:
+    if "_rcm_jvp" in model.__dict__:
+        model._rcm_jvp["backend"] = backend
+        return
+    state = {"backend": backend}
+    stock = model.forward
+    check = _INPUT_CHECKS.get(type(model).__name__)
+    jvp_check = _JVP_CHECKS.get(type(model).__name__)
+    name = type(model).__name__
+
+    def forward(*args, **kwargs):
+        if check is not None:
+            check(model, args, kwargs)
+        if not has_tangent(*[x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]):
+            return stock(*args, **kwargs)
+        _check_active_backend(name)
+        if jvp_check is not None:
+            jvp_check(model)
+        with JVPAttentionMode(state["backend"]):
+            return stock(*args, **kwargs)
+
+    model.forward = forward
+    model._rcm_jvp = state
 
 
 def disable_jvp_attention(transformer):
-    """Put back the processors ``enable_jvp_attention`` replaced and the stock time embedding."""
+    """Undo ``enable_jvp_attention``: the stock forward and the stock time embedding."""
     for model in _parts(transformer):
-        procs = {n: (p.stock if isinstance(p, _JVPAttend) and p.stock is not None else p) for n, p in model.attn_processors.items()}
-        model.set_attn_processor(procs)
+        if "_rcm_jvp" in model.__dict__:
+            del model.forward, model._rcm_jvp
         _remove_fp32(model)
     return transformer
 
 
-def _time_embedding(model):
-    for name in _TIME_EMBEDDING:
-        if isinstance(getattr(model, name, None), torch.nn.Module):
-            return getattr(model, name)
-    raise ValueError(f"{type(model).__name__} has none of the time-embedding modules {_TIME_EMBEDDING}")
+def _time_embeddings(model, required: bool) -> list:
+    found = [getattr(model, n) for n in _TIME_EMBEDDING if isinstance(getattr(model, n, None), torch.nn.Module)]
+    if not found and required:
+        raise ValueError(f"{type(model).__name__} has none of the time-embedding modules {_TIME_EMBEDDING}")
+    return found
 
 
 def _install_fp32(model, jvp_only: bool):
     """Replace the time embedding's forward by one that runs with float32 weights, autocast off,
     and casts floating outputs back to the weights' dtype; ``jvp_only``: only when an input has a tangent."""
-    module = _time_embedding(model)
+    modules = _time_embeddings(model, required=not jvp_only)
+    if not modules:
+        warnings.warn(f"{type(model).__name__}: no time-embedding module among {_TIME_EMBEDDING}; its time embedding "
+                      "keeps the model's dtype in JVP passes", stacklevel=3)
+    for module in modules:
+        _install_fp32_module(module, jvp_only)
+
+
+def _install_fp32_module(module, jvp_only: bool):
     if "_rcm_fp32" in module.__dict__:
         module._rcm_fp32["jvp_only"] = jvp_only
         return
@@ -204,10 +191,11 @@ def _install_fp32(model, jvp_only: bool):
     stock_forward = module.forward
 
     def forward(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         # the model dtype: diffusers may keep parts (Wan's time_embedder) in float32 already
         dtype = next((p.dtype for p in module.parameters() if p.dtype != torch.float32), torch.float32)
-        if state["inside"] or dtype == torch.float32 or (state["jvp_only"] and not has_tangent(*tensors)):
+        low = dtype in (torch.bfloat16, torch.float16)  # float32 / float64 models: nothing to widen
+        if state["inside"] or not low or not tensors or (state["jvp_only"] and not has_tangent(*tensors)):
             return stock_forward(*args, **kwargs)
 
         def up(x):
@@ -232,9 +220,9 @@ def _install_fp32(model, jvp_only: bool):
 
 
 def _remove_fp32(model):
-    module = _time_embedding(model)
-    if "_rcm_fp32" in module.__dict__:
-        del module.forward, module._rcm_fp32
+    for module in _time_embeddings(model, required=False):
+        if "_rcm_fp32" in module.__dict__:
+            del module.forward, module._rcm_fp32
 
 
 @contextlib.contextmanager
@@ -243,14 +231,14 @@ def time_embedding_fp32(transformer):
     e.g. for the finite-difference passes of ``fd_type`` 1 and 2, which carry no tangent."""
     saved = []
     for model in _parts(transformer):
-        module = _time_embedding(model)
-        saved.append((model, module, dict(module._rcm_fp32) if "_rcm_fp32" in module.__dict__ else None))
-        _install_fp32(model, jvp_only=False)
+        for module in _time_embeddings(model, required=True):
+            saved.append((module, dict(module._rcm_fp32) if "_rcm_fp32" in module.__dict__ else None))
+            _install_fp32_module(module, jvp_only=False)
     try:
         yield transformer
     finally:
-        for model, module, before in saved:
+        for module, before in saved:
             if before is None:
-                _remove_fp32(model)
+                del module.forward, module._rcm_fp32
             else:
                 module._rcm_fp32.update(before)

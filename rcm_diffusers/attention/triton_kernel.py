@@ -5,7 +5,9 @@ keeping per row the running max ``m`` and the accumulators of docs/math.md §5 (
 ``l = sum P~``, ``O~ = P~ V``, ``A~ = P~ tV``, ``r = sum H~``, ``B~ = H~ V`` with ``H~ = P~ * tS``.
 Six matrix products per tile: ``Q K^T``, ``tQ K^T``, ``Q tK^T``, ``P~ V``, ``P~ tV``, ``H~ V``
 (the tangent products are skipped at compile time when a tangent is absent).
-Softmax runs in base 2 (``exp2``) with ``log2(e)`` folded into the score scale.
+Softmax runs in base 2 (``exp2``) with ``log2(e)`` folded into the score scale. An additive mask (``BIAS``, any
+broadcast strides, ``-inf`` masks a key) is added to the scores; a row whose keys are all masked gives ``O = tO = 0``
+and ``LSE = -inf``, as PyTorch's SDPA.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _jvp_attn_fwd(
-    Q, K, V, TQ, TK, TV, O, TO, LSE,
+    Q, K, V, TQ, TK, TV, O, TO, LSE, BIAS,
     sq_b, sq_s, sq_h, stq_b, stq_s, stq_h,
     sk_b, sk_s, sk_h, stk_b, stk_s, stk_h,
     sv_b, sv_s, sv_h, stv_b, stv_s, stv_h,
     so_b, so_s, so_h, sto_b, sto_s, sto_h,
+    sb_b, sb_h, sb_m, sb_n,
     H, Lq, Lk, D, scale,
-    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -82,6 +86,10 @@ def _jvp_attn_fwd(
 
         # scores S = scale Q K^T (log2 units) and tangent tS = scale (tQ K^T + Q tK^T)
         s = _dot(q, kT, IEEE, UPCAST) * qk_scale
+        if HAS_BIAS:
+            bias = tl.load(BIAS + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + cols[None, :] * sb_n,
+                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
         s = tl.where(col_ok[None, :], s, float("-inf"))
         ts = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if HAS_TQ:
@@ -91,10 +99,12 @@ def _jvp_attn_fwd(
             ts += _dot(q, tl.trans(tk), IEEE, UPCAST)
         ts = ts * scale
 
-        # online softmax: new max, rescale every accumulator by exp(m_old - m_new)
+        # online softmax: new max, rescale every accumulator by exp(m_old - m_new); a row masked so far keeps
+        # m = -inf and takes its exponentials against 0 (all of them 0)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])  # P~ (0 on masked columns)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])  # P~ (0 on masked columns)
         hh = p * ts  # H~ = P~ * tS
         l_i = l_i * alpha + tl.sum(p, axis=1)
         r_i = r_i * alpha + tl.sum(hh, axis=1)
@@ -105,10 +115,11 @@ def _jvp_attn_fwd(
             acc_a = acc_a * alpha[:, None] + _dot(p.to(tv.dtype), tv, IEEE, UPCAST)
         m_i = m_new
 
-    # epilogue: O = O~/l, tO = (A~ + B~)/l - (r/l) O, LSE = m + log l (natural log)
-    o = acc_o / l_i[:, None]
-    t_o = (acc_a + acc_b) / l_i[:, None] - (r_i / l_i)[:, None] * o
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    # epilogue: O = O~/l, tO = (A~ + B~)/l - (r/l) O, LSE = m + log l (natural log); l = 0: every key masked
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc_o / l_safe[:, None]
+    t_o = (acc_a + acc_b) / l_safe[:, None] - (r_i / l_safe)[:, None] * o
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], o.to(O.dtype.element_ty), mask=qmask)
     tl.store(TO + b * sto_b + h * sto_h + offs_m[:, None] * sto_s + offs_d[None, :], t_o.to(TO.dtype.element_ty), mask=qmask)
     tl.store(LSE + pid_bh * Lq + offs_m, lse, mask=row_ok)
@@ -132,14 +143,15 @@ def _autotuned(small_d: bool):
     """Autotuned launcher, built on first use on a GPU; key: head dim, lengths bucket, tangents present."""
     if small_d not in _AUTOTUNED:
         _AUTOTUNED[small_d] = triton.autotune(
-            configs=_configs(small_d), key=["D", "Lq", "Lk", "HAS_TQ", "HAS_TK", "HAS_TV", "IEEE", "UPCAST"]
+            configs=_configs(small_d), key=["D", "Lq", "Lk", "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_BIAS", "IEEE", "UPCAST"]
         )(_jvp_attn_fwd)
     return _AUTOTUNED[small_d]
 
 
-def jvp_attention_triton(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, block=None):
+def jvp_attention_triton(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, block=None, bias=None):
     """Fused ``(O, tO, LSE)`` of docs/math.md §5 on ``[B, S, H, D]``; inputs already validated.
 
+    ``bias``: an additive mask broadcastable to ``[B, H, Lq, Lk]`` (read through broadcast strides, not expanded).
     ``block=(BLOCK_M, BLOCK_N)`` fixes the tile (default: autotuned on GPU, 16x16 in the interpreter).
     """
     B, Lq, H, D = q.shape
@@ -153,21 +165,24 @@ def jvp_attention_triton(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, bloc
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     t_o = torch.empty_like(o)
     lse = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(B, H, Lq, Lk)
 
     def strides(x, like):
         return (x if x is not None else like).stride()[:3]
 
     args = (
         q, k, v, t_q if t_q is not None else q, t_k if t_k is not None else k, t_v if t_v is not None else v,
-        o, t_o, lse,
+        o, t_o, lse, bias if bias is not None else lse,
         *q.stride()[:3], *strides(t_q, q),
         *k.stride()[:3], *strides(t_k, k),
         *v.stride()[:3], *strides(t_v, v),
         *o.stride()[:3], *t_o.stride()[:3],
+        *(bias.stride() if bias is not None else (0, 0, 0, 0)),
         H, Lq, Lk, D, scale,
     )
     flags = dict(
-        HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None,
+        HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None, HAS_BIAS=bias is not None,
         IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     if block is None and not interpreting():

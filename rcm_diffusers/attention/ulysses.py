@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_to_all", "gather_seq", "enable_context_parallel", "disable_context_parallel", "context_parallel_groups",
+           "WanUlyssesAttnProcessor",
            "cp_group_of", "check_context_parallel"]
 
 
@@ -153,15 +154,75 @@ def cp_group_of(model):
 
 def enable_context_parallel(transformer, group):
     """Run the diffusers ``WanTransformer3DModel`` ``transformer`` (peft-wrapped or a two-expert switch: every expert)
-    Ulysses-parallel over ``group``; its attention processors must be ours (``enable_jvp_attention`` first). Hooks
-    shard the RoPE angles and the patch embedding's tokens (as copies) and gather ``proj_out``'s output; the processors
-    exchange around self-attention. Refuses (``ValueError``, one line) head counts not divisible by the group size
-    and non-Wan models; a token count not divisible is refused at the call. Returns ``transformer``."""
+    Ulysses-parallel over ``group``. Installs ``WanUlyssesAttnProcessor`` on every attention (the stock computation
+    with the exchange around self-attention; with ``enable_jvp_attention`` its JVP passes take the fused kernel as any
+    SDPA call does); hooks shard the RoPE angles and the patch embedding's tokens (as copies) and gather
+    ``proj_out``'s output. Refuses (``ValueError``, one line) head counts not divisible by the group size and non-Wan
+    models; a token count not divisible is refused at the call. Returns ``transformer``."""
     from .processors import _parts
 
     for model in _parts(transformer):
         _enable(model, group)
     return transformer
+
+
+WAN_TEXT_TOKENS = 512  # Wan I2V: the last 512 context tokens are text, the ones before are image
+
+
+def _wan_rotary(x, freqs_cos, freqs_sin):
+    """Wan RoPE on interleaved pairs ``(x[2i], x[2i+1])``: rotate each by the angle of its frequency."""
+    x_even, x_odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class WanUlyssesAttnProcessor:
+    """diffusers' ``WanAttnProcessor`` computation (self-attention with RoPE, text cross-attention, the I2V image
+    branch) with the Ulysses exchange around self-attention: token shards -> head shards, attend, and back. Attention
+    goes through diffusers' ``dispatch_attention_fn`` as in the stock processor. ``stock``: the processor it
+    replaced, put back by ``disable_context_parallel``."""
+
+    def __init__(self, stock, group):
+        self.stock, self.cp_group = stock, group
+        self._attention_backend = getattr(stock, "_attention_backend", None)
+
+    def _attend(self, q, k, v, attn_mask=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
+                                     backend=self._attention_backend)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        from diffusers.models.transformers import transformer_wan
+
+        context_img = None
+        if attn.add_k_proj is not None:  # I2V: split image tokens off the front of the context
+            n_img = encoder_hidden_states.shape[1] - WAN_TEXT_TOKENS
+            context_img = encoder_hidden_states[:, :n_img]
+            encoder_hidden_states = encoder_hidden_states[:, n_img:]
+
+        q, k, v = transformer_wan._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (x.unflatten(2, (attn.heads, -1)) for x in (q, k, v))
+        if rotary_emb is not None:
+            q, k = _wan_rotary(q, *rotary_emb), _wan_rotary(k, *rotary_emb)
+
+        out_img = None
+        if context_img is not None:
+            k_img, v_img = transformer_wan._get_added_kv_projections(attn, context_img)
+            k_img = attn.norm_added_k(k_img).unflatten(2, (attn.heads, -1))
+            v_img = v_img.unflatten(2, (attn.heads, -1))
+            out_img = self._attend(q, k_img, v_img).flatten(2, 3).type_as(q)
+
+        if encoder_hidden_states is None:  # self-attention: token shards -> head shards, attend, and back
+            q, k, v = (all_to_all(x, self.cp_group, 2, 1) for x in (q, k, v))
+            out = all_to_all(self._attend(q, k, v, attention_mask), self.cp_group, 1, 2).flatten(2, 3).type_as(q)
+        else:
+            out = self._attend(q, k, v, attention_mask).flatten(2, 3).type_as(q)
+        if out_img is not None:
+            out = out + out_img
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 def check_context_parallel(transformer, size: int) -> None:
@@ -179,15 +240,10 @@ def check_context_parallel(transformer, size: int) -> None:
 
 
 def _enable(model, group) -> None:
-    from .processors import WanJVPAttnProcessor
-
     check_context_parallel(model, dist.get_world_size(group))
-    procs = model.attn_processors
-    if not all(isinstance(p, WanJVPAttnProcessor) for p in procs.values()):
-        raise ValueError("enable_context_parallel needs rcm_diffusers' Wan attention processors: call enable_jvp_attention first")
     _disable(model)
-    for p in procs.values():
-        p.cp_group, p.cp_exchange = group, all_to_all
+    procs = model.attn_processors
+    model.set_attn_processor({n: WanUlyssesAttnProcessor(p, group) for n, p in procs.items()})
 
     # The shards are copies: a view would keep the full tensor's storage alive on every rank (the RoPE tables through
     # the blocks that use them; the token embedding through the first block's checkpoint, which holds its argument),
@@ -229,6 +285,5 @@ def _disable(model) -> None:
         return
     for h in state["handles"]:
         h.remove()
-    for p in model.attn_processors.values():
-        if hasattr(p, "cp_group"):
-            p.cp_group = p.cp_exchange = None
+    model.set_attn_processor({n: (p.stock if isinstance(p, WanUlyssesAttnProcessor) else p)
+                              for n, p in model.attn_processors.items()})
