@@ -45,8 +45,9 @@ def saved(dtype, layers: int, heads: int, ffn: int, frames: int, text: int, rank
     the JVP attention processors the trainer installs."""
     from rcm_diffusers.attention import enable_jvp_attention
 
-    m = build_transformer("wan2.1-t2v-1.3b", dtype=dtype, keep_fp32=True, num_layers=layers, num_attention_heads=heads,
-                          ffn_dim=ffn)
+    m = build_transformer(
+        "wan2.1-t2v-1.3b", dtype=dtype, keep_fp32=True, num_layers=layers, num_attention_heads=heads, ffn_dim=ffn
+    )
     enable_jvp_attention(m)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, m.config.in_channels, frames, 16, 16, generator=g).to(dtype)
@@ -58,40 +59,74 @@ def saved_flux(dtype, double: int, single: int, heads: int, hw: int, text: int, 
     """Bytes autograd saves in one student forward of a Flux with ``double`` / ``single`` blocks (``hw`` x ``hw`` latent)."""
     from rcm_diffusers.distill.data import _flux_img_ids
 
-    m = build_transformer("flux.1-dev", dtype=dtype, keep_fp32=True, num_layers=double, num_single_layers=single,
-                          num_attention_heads=heads)
+    m = build_transformer(
+        "flux.1-dev",
+        dtype=dtype,
+        keep_fp32=True,
+        num_layers=double,
+        num_single_layers=single,
+        num_attention_heads=heads,
+    )
     cfg, g = m.config, torch.Generator().manual_seed(0)
     x = torch.randn(1, hw * hw // 4, cfg.in_channels, generator=g).to(dtype)
-    cond = {"encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g).to(dtype),
-            "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
-            "txt_ids": torch.zeros(text, 3), "img_ids": _flux_img_ids(hw, hw), "guidance": torch.full((1,), 3.5)}
+    cond = {
+        "encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g).to(dtype),
+        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
+        "txt_ids": torch.zeros(text, 3),
+        "img_ids": _flux_img_ids(hw, hw),
+        "guidance": torch.full((1,), 3.5),
+    }
     return student_saved_bytes(m, dtype, x, cond, rank)
 
 
 def flux_rows(a) -> None:
     """Per token of either stream, one double and one single block (differences of block counts)."""
-    print("| dtype | D | block | per image token: measured / model, bytes | per text token: measured |\n|---|---|---|---|---|")
+    print(
+        "| dtype | D | block | per image token: measured / model, bytes | per text token: measured |\n|---|---|---|---|---|"
+    )
     for dt in a.dtypes.split(","):
         dtype = getattr(torch, dt)
         for heads in (int(v) for v in a.widths.split(",")):
             for kind, (one, two) in {"double": ((1, 0), (2, 0)), "single": ((1, 1), (1, 2))}.items():
-                blk = {(hw, text): saved_flux(dtype, *two, heads, hw, text, a.lora_rank) - saved_flux(dtype, *one, heads, hw, text, a.lora_rank)
-                       for hw, text in ((16, 16), (24, 16), (16, 48))}  # 64 / 144 image tokens, 16 / 48 text tokens
+                blk = {
+                    (hw, text): saved_flux(dtype, *two, heads, hw, text, a.lora_rank)
+                    - saved_flux(dtype, *one, heads, hw, text, a.lora_rank)
+                    for hw, text in ((16, 16), (24, 16), (16, 48))
+                }  # 64 / 144 image tokens, 16 / 48 text tokens
                 per_img, per_txt = (blk[24, 16] - blk[16, 16]) / 80, (blk[16, 48] - blk[16, 16]) / 32
-                s = TrainSetup(family="flux", dim=128 * heads, ffn_dim=4 * 128 * heads, num_layers=1, num_single_layers=0,
-                               params=0, lora_params_student=0, lora_params_fake=0, tokens=0, text_tokens=0, weight_dtype=dt,
-                               lora_rank=a.lora_rank)
+                s = TrainSetup(
+                    family="flux",
+                    dim=128 * heads,
+                    ffn_dim=4 * 128 * heads,
+                    num_layers=1,
+                    num_single_layers=0,
+                    params=0,
+                    lora_params_student=0,
+                    lora_params_fake=0,
+                    tokens=0,
+                    text_tokens=0,
+                    weight_dtype=dt,
+                    lora_rank=a.lora_rank,
+                )
                 c = ACT_COEFFS["flux_" + kind]
                 model = _block_bytes(c, s, 1, 0) - _block_bytes(c, s, 0, 0)
-                print(f"| {dt} | {128 * heads} | {kind} | {per_img:.0f} / {model:.0f} ({per_img / model:.3f}) | {per_txt:.0f} |", flush=True)
+                print(
+                    f"| {dt} | {128 * heads} | {kind} | {per_img:.0f} / {model:.0f} ({per_img / model:.3f}) | {per_txt:.0f} |",
+                    flush=True,
+                )
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--family", default="wan", choices=["wan", "flux"], help="Wan blocks or Flux double / single blocks")
-    p.add_argument("--widths", default=None,
-                   help="Wan: comma-separated HEADS:FFN pairs (width D = 128 x heads; default 4:1024,12:8960,24:8960,40:13824, "
-                        "12:8960 is Wan2.1-1.3B, 40:13824 the 14B); Flux: comma-separated head counts (default 4,12,24; 24 is FLUX.1-dev)")
+    p.add_argument(
+        "--widths",
+        default=None,
+        help="Wan: comma-separated HEADS:FFN pairs (width D = 128 x heads; default 4:1024,12:8960,24:8960,40:13824, "
+        "12:8960 is Wan2.1-1.3B, 40:13824 the 14B); Flux: comma-separated head counts (default 4,12,24; 24 is FLUX.1-dev)",
+    )
     p.add_argument("--dtypes", default="bfloat16,float32", help="weight dtypes (bfloat16: under bf16 autocast)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -105,24 +140,41 @@ def main(argv=None):
         a.widths = a.widths or "4,12,24"
         return flux_rows(a)
     a.widths = a.widths or "4:1024,12:8960,24:8960,40:13824"
-    print("| dtype | D | F | per video token: measured / model | per text token: measured / model |\n|---|---|---|---|---|")
+    print(
+        "| dtype | D | F | per video token: measured / model | per text token: measured / model |\n|---|---|---|---|---|"
+    )
     for dt in a.dtypes.split(","):
         dtype = getattr(torch, dt)
         for pair in a.widths.split(","):
             heads, ffn = (int(v) for v in pair.split(":"))
             block = {}
             for frames, text in ((1, 16), (2, 16), (1, 64)):  # 64 / 128 video tokens, 16 / 64 text tokens
-                block[frames, text] = (saved(dtype, 2, heads, ffn, frames, text, a.lora_rank)
-                                       - saved(dtype, 1, heads, ffn, frames, text, a.lora_rank))
+                block[frames, text] = saved(dtype, 2, heads, ffn, frames, text, a.lora_rank) - saved(
+                    dtype, 1, heads, ffn, frames, text, a.lora_rank
+                )
             per_tok = (block[2, 16] - block[1, 16]) / 64
             per_txt = (block[1, 64] - block[1, 16]) / 48
-            s = TrainSetup(family="wan", dim=128 * heads, ffn_dim=ffn, num_layers=1, num_single_layers=0, params=0,
-                           lora_params_student=0, lora_params_fake=0, tokens=0, text_tokens=0, weight_dtype=dt,
-                           lora_rank=a.lora_rank)
+            s = TrainSetup(
+                family="wan",
+                dim=128 * heads,
+                ffn_dim=ffn,
+                num_layers=1,
+                num_single_layers=0,
+                params=0,
+                lora_params_student=0,
+                lora_params_fake=0,
+                tokens=0,
+                text_tokens=0,
+                weight_dtype=dt,
+                lora_rank=a.lora_rank,
+            )
             model_tok = _block_bytes(ACT_COEFFS["wan"], s, 1, 0) - _block_bytes(ACT_COEFFS["wan"], s, 0, 0)
             model_txt = _block_bytes(ACT_COEFFS["wan"], s, 0, 1) - _block_bytes(ACT_COEFFS["wan"], s, 0, 0)
-            print(f"| {dt} | {128 * heads} | {ffn} | {per_tok:.0f} / {model_tok:.0f} ({per_tok / model_tok:.3f}) | "
-                  f"{per_txt:.0f} / {model_txt:.0f} ({per_txt / model_txt:.3f}) |", flush=True)
+            print(
+                f"| {dt} | {128 * heads} | {ffn} | {per_tok:.0f} / {model_tok:.0f} ({per_tok / model_tok:.3f}) | "
+                f"{per_txt:.0f} / {model_txt:.0f} ({per_txt / model_txt:.3f}) |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def main(argv=None):
     p.add_argument("out", help="output directory of training/demo_experts_digits.py")
     p.add_argument("--seeds", default="0,1,2", help="training seeds whose runs to sample")
     p.add_argument("--methods", default="two-experts,one-lora-both", help="run prefixes")
-    p.add_argument("--noise", type=int, default=999, help="noise seed of the samples (the protocol's 1234 is for results)")
+    p.add_argument(
+        "--noise", type=int, default=999, help="noise seed of the samples (the protocol's 1234 is for results)"
+    )
     p.add_argument("--steps", type=int, default=4, help="sampler steps")
     p.add_argument("--sigma_max", type=float, default=5000.0)
     p.add_argument("--mid_t", nargs="+", default=["1.0,0.6,0.3", "1.5,1.4,0.8"], help="angle lists to compare")
@@ -42,18 +44,33 @@ def main(argv=None):
     sw, emb = D.load_teacher(tdir)
     te = ev.evaluate(D.sample_teacher(sw, emb, labels, steps=50, solver="euler", seed=a.noise), labels)
     print(f"teacher (50 Euler steps, noise {a.noise}): FD {te['fd']:.3f}, pixel FD {te['fd_pixel']:.3f}\n")
-    print("| method | seed | mid_t | FD | pixel FD | FD / teacher | pixel FD / teacher |\n|---|---|---|---|---|---|---|")
+    print(
+        "| method | seed | mid_t | FD | pixel FD | FD / teacher | pixel FD / teacher |\n|---|---|---|---|---|---|---|"
+    )
     rows = []
     for method in a.methods.split(","):
         for seed in a.seeds.split(","):
-            model, emb = two_expert_student(tdir, os.path.join(a.out, f"{method}-s{seed}", "ema"), reuse=method == "one-lora-both")
+            model, emb = two_expert_student(
+                tdir, os.path.join(a.out, f"{method}-s{seed}", "ema"), reuse=method == "one-lora-both"
+            )
             for mid in a.mid_t:
-                x = D.sample_student(model, emb, labels, a.steps, seed=a.noise, sigma_max=a.sigma_max, mid_t=parse_mid_t(mid),
-                                     time_input="float")
+                x = D.sample_student(
+                    model,
+                    emb,
+                    labels,
+                    a.steps,
+                    seed=a.noise,
+                    sigma_max=a.sigma_max,
+                    mid_t=parse_mid_t(mid),
+                    time_input="float",
+                )
                 m = ev.evaluate(x, labels)
                 rows.append({"method": method, "seed": int(seed), "mid_t": mid, **m})
-                print(f"| {method} | {seed} | {mid} | {m['fd']:.3f} | {m['fd_pixel']:.3f} | {m['fd'] / te['fd']:.2f} | "
-                      f"{m['fd_pixel'] / te['fd_pixel']:.2f} |", flush=True)
+                print(
+                    f"| {method} | {seed} | {mid} | {m['fd']:.3f} | {m['fd_pixel']:.3f} | {m['fd'] / te['fd']:.2f} | "
+                    f"{m['fd_pixel'] / te['fd_pixel']:.2f} |",
+                    flush=True,
+                )
     if a.json:
         D.atomic_write_text(a.json, json.dumps({"teacher": te, "rows": rows}, indent=1))
 

@@ -34,10 +34,16 @@ def main(argv=None):
     p.add_argument("--weights", choices=["ema", "live"], default="ema")
     p.add_argument("--seed", type=int, default=999, help="noise seed of the samples")
     p.add_argument("--samples", type=int, default=1000)
-    p.add_argument("--sigma_max", default=",".join(f"{v:g}" for v in SIGMA_MAX), help="comma-separated sigma_max values")
+    p.add_argument(
+        "--sigma_max", default=",".join(f"{v:g}" for v in SIGMA_MAX), help="comma-separated sigma_max values"
+    )
     p.add_argument("--mid_2", default=",".join(f"{v:g}" for v in MID_2), help="comma-separated angles for 2 steps")
-    p.add_argument("--mid_4", nargs="+", default=[",".join(f"{v:g}" for v in m) for m in MID_4],
-                   help="angle lists for 4 steps, each comma-separated")
+    p.add_argument(
+        "--mid_4",
+        nargs="+",
+        default=[",".join(f"{v:g}" for v in m) for m in MID_4],
+        help="angle lists for 4 steps, each comma-separated",
+    )
     p.add_argument("--steps", default="1,2,4", help="comma-separated step counts of the grid (1, 2, 4)")
     p.add_argument("--out", default="", help="also write the rows as JSON lines here")
     a = p.parse_args(argv)
@@ -49,16 +55,25 @@ def main(argv=None):
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
     tr, emb = D.load_student(D.TEACHER_DIR, os.path.join(a.run, "ema") if a.weights == "ema" else a.run)
-    grid = [(1, sm, None) for sm in sigmas] + [(2, sm, [float(m)]) for sm in sigmas for m in a.mid_2.split(",")] + \
-        [(4, sm, parse_mid_t(m)) for sm in sigmas for m in a.mid_4]
+    grid = (
+        [(1, sm, None) for sm in sigmas]
+        + [(2, sm, [float(m)]) for sm in sigmas for m in a.mid_2.split(",")]
+        + [(4, sm, parse_mid_t(m)) for sm in sigmas for m in a.mid_4]
+    )
     grid = [g for g in grid if g[0] in steps]
     rows = []
-    print("| steps | sigma_max | mid_t | FD | pixel FD | accuracy | diversity |\n|---:|---:|---|---:|---:|---:|---:|", flush=True)
+    print(
+        "| steps | sigma_max | mid_t | FD | pixel FD | accuracy | diversity |\n|---:|---:|---|---:|---:|---:|---:|",
+        flush=True,
+    )
     for n, sm, mid in grid:
         x = D.sample_student(tr, emb, labels, n, a.seed, sm, mid, time_input=time_input)
         m = ev.evaluate(x, labels)
         rows.append({"steps": n, "sigma_max": sm, "mid_t": mid, **m})
-        print(f"| {n} | {sm:g} | {mid or '-'} | {m['fd']:.2f} | {m['fd_pixel']:.3f} | {m['accuracy']:.3f} | {m['diversity']:.2f} |", flush=True)
+        print(
+            f"| {n} | {sm:g} | {mid or '-'} | {m['fd']:.2f} | {m['fd_pixel']:.3f} | {m['accuracy']:.3f} | {m['diversity']:.2f} |",
+            flush=True,
+        )
     if a.out:
         D.atomic_write_text(a.out, "".join(json.dumps(r) + "\n" for r in rows))
     return rows

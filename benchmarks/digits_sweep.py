@@ -45,8 +45,8 @@ def teacher_fd(ev, labels, seed: int, cache: str) -> dict:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    train_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    train_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", required=True, help="variant name = run directory under --out")
     p.add_argument("--out", default="outputs/sweep", help="sweep directory")
@@ -54,7 +54,11 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1234, help="evaluation seed")
     p.add_argument("--eval_only", action="store_true", help="evaluate an existing run")
-    p.add_argument("--extra_ema", default="", help="comma-separated extra power-EMA rates kept during training (one run, every rate)")
+    p.add_argument(
+        "--extra_ema",
+        default="",
+        help="comma-separated extra power-EMA rates kept during training (one run, every rate)",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     run = os.path.abspath(os.path.join(a.out, a.name))
@@ -64,11 +68,29 @@ def main(argv=None):
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         t0 = time.perf_counter()
         if a.extra_ema:  # a fresh run: the extra shadows are not checkpointed
-            cmd = [os.path.join(REPO, "benchmarks", "train_extra_ema.py"), a.extra_ema, "--", *train_args, "--output_dir", run,
-                   "--progress", "false", "--overwrite", "true"]
+            cmd = [
+                os.path.join(REPO, "benchmarks", "train_extra_ema.py"),
+                a.extra_ema,
+                "--",
+                *train_args,
+                "--output_dir",
+                run,
+                "--progress",
+                "false",
+                "--overwrite",
+                "true",
+            ]
         else:
-            cmd = [os.path.join(REPO, "training", "rcm.py"), *train_args, "--output_dir", run, "--progress", "false",
-                   "--resume", "latest"]
+            cmd = [
+                os.path.join(REPO, "training", "rcm.py"),
+                *train_args,
+                "--output_dir",
+                run,
+                "--progress",
+                "false",
+                "--resume",
+                "latest",
+            ]
         with open(os.path.join(run, "train.log"), "w") as log:
             subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
         train_s = time.perf_counter() - t0
@@ -76,15 +98,34 @@ def main(argv=None):
         cfg = json.load(f)["config"]
     ev = D.Evaluator()
     labels = torch.arange(a.samples) % D.NUM_CLASSES
-    ref = teacher_fd(ev, labels, a.seed, os.path.join(os.path.abspath(a.out), f"teacher50_seed{a.seed}_n{a.samples}.json"))
-    rec = {"name": a.name, "args": train_args, "train_s": train_s, "time_input": cfg.get("time_input", "float"),
-           "teacher_fd": ref["fd"], "teacher_fd_pixel": ref["fd_pixel"]}
+    ref = teacher_fd(
+        ev, labels, a.seed, os.path.join(os.path.abspath(a.out), f"teacher50_seed{a.seed}_n{a.samples}.json")
+    )
+    rec = {
+        "name": a.name,
+        "args": train_args,
+        "train_s": train_s,
+        "time_input": cfg.get("time_input", "float"),
+        "teacher_fd": ref["fd"],
+        "teacher_fd_pixel": ref["fd_pixel"],
+    }
     emas = sorted(d for d in os.listdir(run) if d.startswith("ema-") and os.path.isdir(os.path.join(run, d)))
     for which, d in [("ema", os.path.join(run, "ema")), ("live", run)] + [(e, os.path.join(run, e)) for e in emas]:
         tr, emb = D.load_student(D.TEACHER_DIR, d)
         for n in [int(v) for v in a.steps.split(",")]:
-            m = ev.evaluate(D.sample_student(tr, emb, labels, n, a.seed, float(cfg.get("sigma_max", 80.0)),
-                                             cfg.get("mid_t") or None, time_input=rec["time_input"]), labels)
+            m = ev.evaluate(
+                D.sample_student(
+                    tr,
+                    emb,
+                    labels,
+                    n,
+                    a.seed,
+                    float(cfg.get("sigma_max", 80.0)),
+                    cfg.get("mid_t") or None,
+                    time_input=rec["time_input"],
+                ),
+                labels,
+            )
             rec[f"{which}_fd{n}"] = round(m["fd"], 3)
             rec[f"{which}_ratio{n}"] = round(m["fd"] / ref["fd"], 3)
             rec[f"{which}_pixfd{n}"] = round(m["fd_pixel"], 4)

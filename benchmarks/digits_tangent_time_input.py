@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rcm_diffusers import digits as D  # noqa: E402
-from rcm_diffusers.distill import losses as L  # noqa: E402
 from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
+from rcm_diffusers.distill import losses as L  # noqa: E402
 from rcm_diffusers.distill.data import LatentDataset  # noqa: E402
 from rcm_diffusers.models import denoiser  # noqa: E402
 from rcm_diffusers.trigflow import sample_p_G, trigflow_noise  # noqa: E402
@@ -60,7 +60,9 @@ def main(argv=None):
     with torch.no_grad():
         F_T = {ti: F(ti)(x_t, t).to(F64) for ti in den}  # the teacher sees the same time input as the student
     dT = (F_T["bf16"] - F_T["float"]).flatten(1).norm(dim=1) / F_T["float"].flatten(1).norm(dim=1)
-    res = {"teacher_F_bf16_vs_float": {"rel_change_median": float(dT.median()), "rel_change_p90": float(dT.quantile(0.9))}}
+    res = {
+        "teacher_F_bf16_vs_float": {"rel_change_median": float(dT.median()), "rel_change_p90": float(dT.quantile(0.9))}
+    }
     print(json.dumps(res))
     dFs = {}
     for fd, ti in ((0, "float"), (0, "bf16"), (2, "float"), (2, "bf16")):
@@ -73,8 +75,15 @@ def main(argv=None):
         rel = (dF - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
         gv = L.normalize_g(-(cs * x_t + dF))
         cos = (gv * g_ref).flatten(1).sum(1) / (gv.flatten(1).norm(dim=1) * g_ref.flatten(1).norm(dim=1))
-        row = {"fd_type": fd, "time_input": ti, "rel_err_median": float(rel.median()), "rel_err_p90": float(rel.quantile(0.9)),
-               "rel_err_max": float(rel.max()), "g_cos_mean": float(cos.mean()), "g_cos_min": float(cos.min())}
+        row = {
+            "fd_type": fd,
+            "time_input": ti,
+            "rel_err_median": float(rel.median()),
+            "rel_err_p90": float(rel.quantile(0.9)),
+            "rel_err_max": float(rel.max()),
+            "g_cos_mean": float(cos.mean()),
+            "g_cos_min": float(cos.min()),
+        }
         if fd == 2:
             ts0 = (1000 * trig_to_rf(t)).to(torch.bfloat16)
             ts1 = (1000 * trig_to_rf(t - a.h)).to(torch.bfloat16)

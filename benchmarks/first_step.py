@@ -52,14 +52,22 @@ def run_wan(mode: str) -> torch.Tensor:
     noise = torch.randn(4, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
     latents = pipe.scheduler.scale_initial_noise(noise) if mode == "exact" else noise
     return pipe(
-        prompt_embeds=wan_embeds(4), num_inference_steps=4, guidance_scale=1.0, latents=latents,
-        height=32, width=32, num_frames=9, output_type="latent",
+        prompt_embeds=wan_embeds(4),
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        latents=latents,
+        height=32,
+        width=32,
+        num_frames=9,
+        output_type="latent",
     ).frames.double()
 
 
 def main() -> None:
     s = 0.5
-    print(f"| start | Gaussian data, stochastic: std (target {s}) | Gaussian data, ode: std (target {s}) | tiny Wan: rel. L2 diff vs exact |")
+    print(
+        f"| start | Gaussian data, stochastic: std (target {s}) | Gaussian data, ode: std (target {s}) | tiny Wan: rel. L2 diff vs exact |"
+    )
     print("|---|---|---|---|")
     ref = run_wan("exact")
     for mode in ("exact", "stock", "r=1"):

@@ -52,7 +52,12 @@ def func_jvp_math(q, k, v, t_q, t_k, t_v):
         return torch.func.jvp(math_attn, (q, k, v), (t_q, t_k, t_v))
 
 
-METHODS = {"sdpa_fwd": (sdpa_fwd, 2), "fused_jvp": (fused_jvp, 6), "func_jvp_ours": (func_jvp_ours, 6), "func_jvp_math": (func_jvp_math, 6)}
+METHODS = {
+    "sdpa_fwd": (sdpa_fwd, 2),
+    "fused_jvp": (fused_jvp, 6),
+    "func_jvp_ours": (func_jvp_ours, 6),
+    "func_jvp_math": (func_jvp_math, 6),
+}
 
 
 def time_ms(fn, args, reps: int, cuda: bool) -> float:
@@ -137,7 +142,9 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
             del args
     dev_name = torch.cuda.get_device_name() if cuda else "CPU (smoke)"
-    print(f"\nJVP attention, {dev_name}, B=1, D={a.head_dim}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}\n")
+    print(
+        f"\nJVP attention, {dev_name}, B=1, D={a.head_dim}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}\n"
+    )
     print("| H | S | method | median ms | TFLOP/s | x sdpa_fwd | peak GiB | tO rel err | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

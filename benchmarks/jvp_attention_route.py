@@ -77,11 +77,22 @@ def _registry_route():
 
     native = D._AttentionBackendRegistry._backends[D.AttentionBackendName.NATIVE]
 
-    def jvp_native(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                   return_lse=False, _parallel_config=None):
+    def jvp_native(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        return_lse=False,
+        _parallel_config=None,
+    ):
         if not has_tangent(query, key, value):
-            return native(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                          _parallel_config)
+            return native(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _parallel_config
+            )
         if attn_mask is not None and attn_mask.dim() == 2:
             attn_mask = attn_mask[:, None, None]
         return attention(query, key, value, scale=scale, attn_mask=attn_mask)
@@ -116,11 +127,22 @@ def cost(smoke: bool, reps: int) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    dims = dict(num_layers=2, num_attention_heads=2, attention_head_dim=32, ffn_dim=128) if smoke else \
-        dict(num_layers=4, num_attention_heads=4, attention_head_dim=64, ffn_dim=1024)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), in_channels=16, out_channels=16, text_dim=64, freq_dim=64,
-                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
-                                  **dims).eval()
+    dims = (
+        dict(num_layers=2, num_attention_heads=2, attention_head_dim=32, ffn_dim=128)
+        if smoke
+        else dict(num_layers=4, num_attention_heads=4, attention_head_dim=64, ffn_dim=1024)
+    )
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        in_channels=16,
+        out_channels=16,
+        text_dim=64,
+        freq_dim=64,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+        **dims,
+    ).eval()
     g = torch.Generator().manual_seed(1)
     shape = (1, 16, 2, 8, 8) if smoke else (1, 16, 2, 32, 32)  # 32 / 512 video tokens
     x, dx = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -139,8 +161,11 @@ def cost(smoke: bool, reps: int) -> list[dict]:
         finally:
             D._AttentionBackendRegistry._backends[D.AttentionBackendName.NATIVE] = native
 
-    routes = {"plain forward (no JVP)": lambda: f(x, t), "registry: native entry overridden": registry,
-              "TorchFunctionMode on SDPA": lambda: _mode_jvp(f, x, t, dx, dt)}
+    routes = {
+        "plain forward (no JVP)": lambda: f(x, t),
+        "registry: native entry overridden": registry,
+        "TorchFunctionMode on SDPA": lambda: _mode_jvp(f, x, t, dx, dt),
+    }
     times = {k: [] for k in routes}
     for fn in routes.values():
         fn()

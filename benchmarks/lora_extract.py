@@ -42,8 +42,10 @@ def main() -> None:
         t0 = time.perf_counter()
         _, report = extract_lora(f"{d}/ft.safetensors", f"{d}/base.safetensors", rank=args.rank)
         dt = time.perf_counter() - t0
-    print(f"| {gb:.3f} GB bf16 | {len(report)} tensors | rank {args.rank} | {dt:.1f} s | {dt / gb:.0f} s/GB | "
-          f"~{dt / gb * 28 / 60:.0f} min for a 14B bf16 delta (28 GB) |")
+    print(
+        f"| {gb:.3f} GB bf16 | {len(report)} tensors | rank {args.rank} | {dt:.1f} s | {dt / gb:.0f} s/GB | "
+        f"~{dt / gb * 28 / 60:.0f} min for a 14B bf16 delta (28 GB) |"
+    )
 
 
 if __name__ == "__main__":

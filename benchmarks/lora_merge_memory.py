@@ -113,13 +113,19 @@ def main() -> None:
                 lora[f"{m}.alpha"] = torch.tensor(float(args.rank))
         save_file(lora, f"{d}/lora.safetensors")
         gb = os.path.getsize(f"{d}/base.safetensors") / 2**30
-        print(f"base file: {gb:.2f} GiB bf16, {len(shp)} tensors, largest {FFN}x{DIM}; LoRA rank {args.rank} "
-              f"({os.path.getsize(f'{d}/lora.safetensors') / 2**20:.0f} MiB)")
+        print(
+            f"base file: {gb:.2f} GiB bf16, {len(shp)} tensors, largest {FFN}x{DIM}; LoRA rank {args.rank} "
+            f"({os.path.getsize(f'{d}/lora.safetensors') / 2**20:.0f} MiB)"
+        )
         print("| command | peak anonymous RSS | of which above imports | / file size | peak total RSS | time |")
         print("|---|---:|---:|---:|---:|---:|")
         for what in ("merge", "merge-diffusers", "transfer"):
-            r = subprocess.run([sys.executable, "-c", CHILD, d, what], capture_output=True, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+            r = subprocess.run(
+                [sys.executable, "-c", CHILD, d, what],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             if r.returncode:
                 sys.exit(r.stderr)
             base_kb, anon_kb, rss_kb, maxrss_kb, dt = r.stdout.split()

@@ -38,8 +38,18 @@ def _tiny_wan_with_adapters(device="cpu"):
     from rcm_diffusers.distill.adapters import Networks
 
     torch.manual_seed(0)
-    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                              out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+    m = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        rope_max_seq_len=32,
+    )
     nets, _ = Networks.build(m.to(device), "shared", with_fake=True, lora_rank=4)
     return m, nets
 
@@ -57,21 +67,26 @@ def layerwise_casting() -> dict:
     m, _ = _tiny_wan_with_adapters()
     apply_layerwise_casting(m, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
     lora = {n: p for n, p in m.named_parameters() if "lora_" in n}
-    out = {"lora_params": len(lora),
-           "lora_params_stored_float8": sum(p.dtype == torch.float8_e4m3fn for p in lora.values())}
+    out = {
+        "lora_params": len(lora),
+        "lora_params_stored_float8": sum(p.dtype == torch.float8_e4m3fn for p in lora.values()),
+    }
 
     lin = torch.nn.Linear(64, 32, bias=False)
     lin.requires_grad_(False)
-    apply_layerwise_casting(lin, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32,
-                            skip_modules_pattern=None)
+    apply_layerwise_casting(
+        lin, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32, skip_modules_pattern=None
+    )
     x = torch.randn(8, 64, requires_grad=True)
 
     def backward():
         y = lin(x)
         y.sum().backward()
         want = torch.ones(8, 32) @ lin.weight.float()
-        return {"saved_weight_dtype_at_backward": str(lin.weight.dtype),
-                "grad_matches": bool(torch.equal(x.grad, want))}
+        return {
+            "saved_weight_dtype_at_backward": str(lin.weight.dtype),
+            "grad_matches": bool(torch.equal(x.grad, want)),
+        }
 
     out["backward"] = _err(backward)
     out["jvp"] = _err(lambda: tuple(torch.func.jvp(lin, (x.detach(),), (torch.ones(8, 64),))[1].shape))
@@ -92,8 +107,10 @@ def data_swap_backward() -> dict:
     before = p.data.clone()
     p.data = torch.zeros_like(p.data)  # what an offload does: param.data = <the host copy>
     y.sum().backward()
-    return {"grad_uses_the_forward_weight": bool(torch.equal(x.grad, torch.ones(2, 4) @ before)),
-            "grad_uses_the_replaced_data": bool(torch.equal(x.grad, torch.zeros(2, 3)))}
+    return {
+        "grad_uses_the_forward_weight": bool(torch.equal(x.grad, torch.ones(2, 4) @ before)),
+        "grad_uses_the_replaced_data": bool(torch.equal(x.grad, torch.zeros(2, 3))),
+    }
 
 
 def group_offloading_jvp_cpu() -> dict:
@@ -102,20 +119,29 @@ def group_offloading_jvp_cpu() -> dict:
     from diffusers.hooks import apply_group_offloading
 
     m, nets = _tiny_wan_with_adapters()
-    apply_group_offloading(m, onload_device=torch.device("cpu"), offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1)
+    apply_group_offloading(
+        m,
+        onload_device=torch.device("cpu"),
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+    )
     x, e, t = torch.randn(1, 4, 2, 4, 8), torch.randn(1, 5, 16), torch.tensor([500.0])
     with nets.role("student"):
-        return _err(lambda: tuple(torch.func.jvp(lambda a: m(a, t, e, return_dict=False)[0], (x,),
-                                                 (torch.ones_like(x),))[1].shape))
+        return _err(
+            lambda: tuple(
+                torch.func.jvp(lambda a: m(a, t, e, return_dict=False)[0], (x,), (torch.ones_like(x),))[1].shape
+            )
+        )
 
 
 def group_offloading_cuda() -> dict:
     from diffusers.hooks import apply_group_offloading
 
     m, nets = _tiny_wan_with_adapters("cuda")
-    apply_group_offloading(m, onload_device=torch.device("cuda"), offload_type="block_level", num_blocks_per_group=1,
-                           use_stream=True)
+    apply_group_offloading(
+        m, onload_device=torch.device("cuda"), offload_type="block_level", num_blocks_per_group=1, use_stream=True
+    )
     x = torch.randn(1, 4, 2, 4, 8, device="cuda")
     e = torch.randn(1, 5, 16, device="cuda")
     t = torch.tensor([500.0], device="cuda")

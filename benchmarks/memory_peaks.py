@@ -44,32 +44,50 @@ from rcm_diffusers.distill.memory import GiB, TrainSetup, allocation_trace, held
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--arch", default="wan2.1-t2v-1.3b", help="architecture of rcm_diffusers/arch_configs (Wan)")
     p.add_argument("--num_layers", type=int, default=2, help="blocks kept (full width)")
     p.add_argument("--frames", type=int, default=4, help="latent frames")
     p.add_argument("--hw", type=int, default=40, help="latent height = width (tokens = frames * hw^2 / 4)")
     p.add_argument("--text_tokens", type=int, default=512, help="text tokens (WanPipeline pads prompts to 512)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights; bfloat16 runs under bf16 autocast with float32 adapters, as the shipped configs")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights; bfloat16 runs under bf16 autocast with float32 adapters, as the shipped configs",
+    )
     p.add_argument("--policies", default="off,full,selective", help="checkpointing policies to measure (off = none)")
-    p.add_argument("--phases", default="jvp,nograd,grad,step", help="phases to measure, comma-separated (grad also gives saved and backward)")
-    p.add_argument("--jvp_chunk", type=int, default=0,
-                   help="query rows per chunk of the CPU attention JVP (0: its default, 1024); the score matrices it holds "
-                        "scale with it, which separates them from the rest of the JVP working set")
+    p.add_argument(
+        "--phases",
+        default="jvp,nograd,grad,step",
+        help="phases to measure, comma-separated (grad also gives saved and backward)",
+    )
+    p.add_argument(
+        "--jvp_chunk",
+        type=int,
+        default=0,
+        help="query rows per chunk of the CPU attention JVP (0: its default, 1024); the score matrices it holds "
+        "scale with it, which separates them from the rest of the JVP working set",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="write the rows as JSON here (rank 0)")
-    p.add_argument("--rescore", default=None, metavar="JSON",
-                   help="measure nothing: recompute the predictions of an earlier --out file with the current model")
+    p.add_argument(
+        "--rescore",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: recompute the predictions of an earlier --out file with the current model",
+    )
     return p.parse_args(argv)
 
 
 def setup_networks(a, policy: str, group):
     from rcm_diffusers.attention import enable_jvp_attention
     from rcm_diffusers.attention.ulysses import enable_context_parallel
-    from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing
+    from rcm_diffusers.distill.adapters import Networks
 
     dtype = getattr(torch, a.dtype)
     m = build_transformer(a.arch, dtype=dtype, keep_fp32=True, num_layers=a.num_layers)
@@ -88,10 +106,17 @@ def row_setup(row: dict) -> TrainSetup:
 
     cfg = dict(arch_config(row["arch"]), num_layers=row["num_layers"])
     policy = row["policy"]
-    s = TrainSetup.from_config(cfg, arch_meta(row["arch"])["class_name"], tokens=row["tokens"],
-                               text_tokens=row["text_tokens"], lora_rank=row["lora_rank"], weight_dtype=row["dtype"],
-                               gradient_checkpointing=policy != "off",
-                               checkpointing_policy="full" if policy == "off" else policy, context_parallel=row["cp"])
+    s = TrainSetup.from_config(
+        cfg,
+        arch_meta(row["arch"])["class_name"],
+        tokens=row["tokens"],
+        text_tokens=row["text_tokens"],
+        lora_rank=row["lora_rank"],
+        weight_dtype=row["dtype"],
+        gradient_checkpointing=policy != "off",
+        checkpointing_policy="full" if policy == "off" else policy,
+        context_parallel=row["cp"],
+    )
     s.cpu_attention_chunk = row.get("jvp_chunk") or s.cpu_attention_chunk  # 0: the kernel's default
     return s
 
@@ -102,20 +127,33 @@ def predicted_phases(s: TrainSetup) -> dict:
     held = held_bytes(s)
     exchange = pred["cp_exchange"]  # one all-to-all's send and receive buffers, freed before the next
     work = max(pred["backward"], pred["forward"])  # the backward's working set or the (re)computed forward's transient
-    return {"jvp": pred["jvp"] + exchange, "nograd": pred["nograd"] + exchange, "saved": held,
-            "backward": pred["activations"] - held + (work if s.gradient_checkpointing else pred["backward"]) + pred["grads"],
-            "grad": pred["activations"] + work + pred["grads"] + exchange,
-            "step": pred["grads"] + pred["step_peak"]}
+    return {
+        "jvp": pred["jvp"] + exchange,
+        "nograd": pred["nograd"] + exchange,
+        "saved": held,
+        "backward": pred["activations"]
+        - held
+        + (work if s.gradient_checkpointing else pred["backward"])
+        + pred["grads"],
+        "grad": pred["activations"] + work + pred["grads"] + exchange,
+        "step": pred["grads"] + pred["step_peak"],
+    }
 
 
 def print_rows(rows: list) -> None:
     r0 = rows[0]
     P = r0["cp"]
-    print(f"\n{r0['arch']} width, {r0['num_layers']} blocks, {r0['dtype']}, {r0['tokens']} video tokens (CP {P}: "
-          f"{-(-r0['tokens'] // P)} per rank), {r0['text_tokens']} text tokens, LoRA r{r0['lora_rank']}\n")
-    print("| rank | policy | phase | measured (GiB) | predicted (GiB) | measured / predicted |\n|---|---|---|---|---|---|")
+    print(
+        f"\n{r0['arch']} width, {r0['num_layers']} blocks, {r0['dtype']}, {r0['tokens']} video tokens (CP {P}: "
+        f"{-(-r0['tokens'] // P)} per rank), {r0['text_tokens']} text tokens, LoRA r{r0['lora_rank']}\n"
+    )
+    print(
+        "| rank | policy | phase | measured (GiB) | predicted (GiB) | measured / predicted |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} | {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |")
+        print(
+            f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} | {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |"
+        )
 
 
 def rescore(path: str, out: str | None) -> None:
@@ -137,7 +175,9 @@ def main(argv=None):
         return rescore(a.rescore, a.out)
     phases = set(a.phases.split(","))
     if phases - {"jvp", "nograd", "grad", "step"}:
-        raise SystemExit(f"--phases: unknown {sorted(phases - {'jvp', 'nograd', 'grad', 'step'})}; choose from jvp, nograd, grad, step")
+        raise SystemExit(
+            f"--phases: unknown {sorted(phases - {'jvp', 'nograd', 'grad', 'step'})}; choose from jvp, nograd, grad, step"
+        )
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.jvp_chunk:
@@ -145,7 +185,9 @@ def main(argv=None):
 
         from rcm_diffusers.attention import function as attention_function
 
-        attention_function.jvp_attention_torch = functools.partial(attention_function.jvp_attention_torch, chunk=a.jvp_chunk)
+        attention_function.jvp_attention_torch = functools.partial(
+            attention_function.jvp_attention_torch, chunk=a.jvp_chunk
+        )
     P, rank, group = 1, 0, None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
@@ -162,8 +204,17 @@ def main(argv=None):
         m, nets = setup_networks(a, policy, group)
         cfg = m.config
         # what each row records of its setup; the model's setup is read back from it, as --rescore does
-        meta = dict(policy=policy, tokens=tokens, cp=P, dtype=a.dtype, arch=a.arch, text_tokens=a.text_tokens,
-                    lora_rank=a.lora_rank, num_layers=a.num_layers, jvp_chunk=a.jvp_chunk)
+        meta = dict(
+            policy=policy,
+            tokens=tokens,
+            cp=P,
+            dtype=a.dtype,
+            arch=a.arch,
+            text_tokens=a.text_tokens,
+            lora_rank=a.lora_rank,
+            num_layers=a.num_layers,
+            jvp_chunk=a.jvp_chunk,
+        )
         s = row_setup(meta)
         g = torch.Generator().manual_seed(0)  # one sample for every rank of the CP group
         x0 = torch.randn(1, cfg.in_channels, a.frames, a.hw, a.hw, generator=g, dtype=torch.float64)
@@ -177,9 +228,20 @@ def main(argv=None):
         def backward(loss, last):
             loss.backward()
 
-        scfg = SimpleNamespace(dmd_weight=1.0, scm_weight=1.0, p_D_shift=5.0, guidance_scale=1.0, loss_reduction="mean",
-                               tangent_warmup=0, fd_type=0, fd_h=1e-4, P_mean=-0.8, P_std=1.6, cm_type="scm",
-                               max_simulation_steps=2)
+        scfg = SimpleNamespace(
+            dmd_weight=1.0,
+            scm_weight=1.0,
+            p_D_shift=5.0,
+            guidance_scale=1.0,
+            loss_reduction="mean",
+            tangent_warmup=0,
+            fd_type=0,
+            fd_h=1e-4,
+            P_mean=-0.8,
+            P_std=1.6,
+            cm_type="scm",
+            max_simulation_steps=2,
+        )
         from rcm_diffusers.distill.alternation import StepPlan
 
         def train_step(i):
@@ -237,8 +299,18 @@ def main(argv=None):
         predicted = predicted_phases(s)
         for ph, v in measured.items():
             pr = predicted.get(ph, float("nan"))
-            rows.append(dict(meta, phase=ph, measured=v, predicted=pr, ratio=v / pr, rank_tokens=-(-tokens // P), rank=rank,
-                             seconds=time.time() - t0))
+            rows.append(
+                dict(
+                    meta,
+                    phase=ph,
+                    measured=v,
+                    predicted=pr,
+                    ratio=v / pr,
+                    rank_tokens=-(-tokens // P),
+                    rank=rank,
+                    seconds=time.time() - t0,
+                )
+            )
         m = nets = opt = ema = None  # free this policy's model before the next one is built
     if group is not None:  # every rank's rows, printed and written by rank 0
         import torch.distributed as dist

@@ -31,31 +31,63 @@ sys.path.insert(0, REPO)
 
 from rcm_diffusers import digits as D  # noqa: E402
 from rcm_diffusers.distill import launch as R  # noqa: E402
+from rcm_diffusers.distill import qad_student as Q  # noqa: E402
 from rcm_diffusers.distill.config import QADConfig, load_config  # noqa: E402
 from rcm_diffusers.distill.data import LatentDataset  # noqa: E402
-from rcm_diffusers.distill import qad_student as Q  # noqa: E402
 from rcm_diffusers.quant.export import comfy_runtime_copy, export_quantized  # noqa: E402
 
 CONFIG = os.path.join(REPO, "training", "configs", "qad-digits.yaml")
 
 
-def run_args(out: str, fmt: str, seed: int, steps: int, warm: int, target: str, lr: float | None = None,
-             guidance: float | None = None, ema_rate: float = 0.0) -> list[str]:
+def run_args(
+    out: str,
+    fmt: str,
+    seed: int,
+    steps: int,
+    warm: int,
+    target: str,
+    lr: float | None = None,
+    guidance: float | None = None,
+    ema_rate: float = 0.0,
+) -> list[str]:
     """``training/qad.py`` arguments of one cell; ``lr`` / ``guidance`` (a constant CFG scale folded into the student)
     override the config's when given; ``ema_rate > 0`` also exports the power-EMA weights (``ema/``)."""
     extra = ([] if lr is None else ["--lr", str(lr)]) + ([] if guidance is None else ["--guidance", str(guidance)])
     extra += ["--ema_rate", str(ema_rate)]
-    return ["--config", CONFIG, "--output_dir", out, "--format", fmt, "--target", target, "--seed", str(seed),
-            "--max_steps", str(steps), "--warm_start_batches", str(warm), "--progress", "false", "--overwrite", "true", *extra]
+    return [
+        "--config",
+        CONFIG,
+        "--output_dir",
+        out,
+        "--format",
+        fmt,
+        "--target",
+        target,
+        "--seed",
+        str(seed),
+        "--max_steps",
+        str(steps),
+        "--warm_start_batches",
+        str(warm),
+        "--progress",
+        "false",
+        "--overwrite",
+        "true",
+        *extra,
+    ]
 
 
 def run_name(a, fmt: str, seed: int) -> str:
     """Run folder name: format, target and seed, plus a tag for each setting that differs from the first version of
     this benchmark (lr from the config, CFG 1.5, no warm start, 200 iterations, no EMA), so a finished run is reused
     only for the settings it was trained with (the folders of earlier runs keep their names)."""
-    tags = [f"lr{a.lr:g}" if a.lr is not None else "", f"s{a.guidance_scale:g}" if a.guidance_scale != 1.5 else "",
-            f"warm{a.warm_start_batches}" if a.warm_start_batches else "", f"it{a.steps}" if a.steps != 200 else "",
-            f"ema{a.ema_rate:g}" if a.ema_rate else ""]
+    tags = [
+        f"lr{a.lr:g}" if a.lr is not None else "",
+        f"s{a.guidance_scale:g}" if a.guidance_scale != 1.5 else "",
+        f"warm{a.warm_start_batches}" if a.warm_start_batches else "",
+        f"it{a.steps}" if a.steps != 200 else "",
+        f"ema{a.ema_rate:g}" if a.ema_rate else "",
+    ]
     return "-".join([fmt, a.target, *[t for t in tags if t], f"seed{seed}"])
 
 
@@ -73,8 +105,12 @@ def export_ptq(teacher, args: list[str], path: str) -> None:
     student, layers = Q.build_student(teacher, cfg)
     if any(m.static_act for m in layers.values()):
         data = LatentDataset(os.path.join(REPO, cfg.data_dir))
-        Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, "cpu", torch.float32, None),
-                    Q.training_times(cfg), cfg)
+        Q.calibrate(
+            student,
+            Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, "cpu", torch.float32, None),
+            Q.training_times(cfg),
+            cfg,
+        )
     export_quantized(student, path, layout="diffusers", arch="wan")
 
 
@@ -87,12 +123,22 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=400, help="QAD iterations per run")
     p.add_argument("--warm_start_batches", type=int, default=20, help="block-wise warm-start batches (0 = off)")
     p.add_argument("--sample_steps", type=int, default=16, help="Euler steps of every row")
-    p.add_argument("--guidance_scale", type=float, default=1.5, help="CFG s of the teacher reference, folded into the QAD "
-                   "students and kept by PTQ (1 = no CFG: isolates the quantization gap from the cost of folding CFG)")
+    p.add_argument(
+        "--guidance_scale",
+        type=float,
+        default=1.5,
+        help="CFG s of the teacher reference, folded into the QAD "
+        "students and kept by PTQ (1 = no CFG: isolates the quantization gap from the cost of folding CFG)",
+    )
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--lr", type=float, default=None, help="QAD learning rate (default: the config's, 2e-5)")
-    p.add_argument("--ema_rate", type=float, default=0.1, help="power-EMA rate s of the QAD weights (0 = off); adds a "
-                   "row per format for the EMA export, from the same runs")
+    p.add_argument(
+        "--ema_rate",
+        type=float,
+        default=0.1,
+        help="power-EMA rate s of the QAD weights (0 = off); adds a "
+        "row per format for the EMA export, from the same runs",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
@@ -105,8 +151,12 @@ def main(argv=None):
 
     s = a.guidance_scale
     ref = {sd: feats(teacher, s, sd) for sd in a.seeds}
-    out = {"args": vars(a), "noise_unpaired_teacher": [D.frechet_distance(ref[x], ref[y])
-                                                       for x, y in zip(a.seeds, a.seeds[1:] + a.seeds[:1])]}
+    out = {
+        "args": vars(a),
+        "noise_unpaired_teacher": [
+            D.frechet_distance(ref[x], ref[y]) for x, y in zip(a.seeds, a.seeds[1:] + a.seeds[:1])
+        ],
+    }
     print(f"noise floor (teacher, unpaired noises): {np.round(out['noise_unpaired_teacher'], 3)}", flush=True)
     variants = [("", "")] + ([("+ema", "ema")] if a.ema_rate else [])
     for fmt in a.formats:
@@ -128,16 +178,23 @@ def main(argv=None):
                 rows["ptq"].append(f_ptq)
                 rows["qad"].append(f_qad)
                 rows["gap_recovered"].append(1 - f_qad / f_ptq)
-                print(f"{fmt}{tag} seed {sd}: FD vs teacher PTQ {f_ptq:.4f} QAD {f_qad:.4f} gap recovered "
-                      f"{100 * (1 - f_qad / f_ptq):.0f}%", flush=True)
-    lines = [f"| format (target {a.target}) | naive PTQ FD vs teacher | QAD FD vs teacher | gap recovered (per seed) | mean ± sd |",
-             "|---|---:|---:|---|---:|"]
+                print(
+                    f"{fmt}{tag} seed {sd}: FD vs teacher PTQ {f_ptq:.4f} QAD {f_qad:.4f} gap recovered "
+                    f"{100 * (1 - f_qad / f_ptq):.0f}%",
+                    flush=True,
+                )
+    lines = [
+        f"| format (target {a.target}) | naive PTQ FD vs teacher | QAD FD vs teacher | gap recovered (per seed) | mean ± sd |",
+        "|---|---:|---:|---|---:|",
+    ]
     for fmt in [f + tag for f in a.formats for tag, _ in variants]:
         r = out[fmt]
         g = 100 * np.array(r["gap_recovered"])
-        lines.append(f"| {fmt} | {np.mean(r['ptq']):.3f} ± {np.std(r['ptq'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
-                     f"{np.mean(r['qad']):.3f} ± {np.std(r['qad'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
-                     f"{', '.join(f'{x:.0f}%' for x in g)} | {g.mean():.0f}% ± {g.std(ddof=1) if len(g) > 1 else 0:.0f} |")
+        lines.append(
+            f"| {fmt} | {np.mean(r['ptq']):.3f} ± {np.std(r['ptq'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
+            f"{np.mean(r['qad']):.3f} ± {np.std(r['qad'], ddof=1) if len(a.seeds) > 1 else 0:.3f} | "
+            f"{', '.join(f'{x:.0f}%' for x in g)} | {g.mean():.0f}% ± {g.std(ddof=1) if len(g) > 1 else 0:.0f} |"
+        )
     table = "\n".join(lines) + "\n"
     D.atomic_write_text(os.path.join(a.out, "report.md"), table)
     D.atomic_write_text(os.path.join(a.out, "results.json"), json.dumps(out, indent=1))

@@ -29,8 +29,6 @@ from rcm_diffusers.quant.export import dequantized_copy  # noqa: E402
 from rcm_diffusers.quant.modules import quantize_transformer  # noqa: E402
 
 
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*")
@@ -60,7 +58,11 @@ def main(argv=None):
     ref = {sd: feats("teacher", teacher, s, sd) for sd in a.seeds}
     ptq = copy.deepcopy(teacher)
     quantize_transformer(ptq, "nvfp4")
-    out = {"noise_unpaired_teacher": [D.frechet_distance(ref[x], ref[y]) for x, y in zip(a.seeds, a.seeds[1:] + a.seeds[:1])]}
+    out = {
+        "noise_unpaired_teacher": [
+            D.frechet_distance(ref[x], ref[y]) for x, y in zip(a.seeds, a.seeds[1:] + a.seeds[:1])
+        ]
+    }
     out["ptq"] = [D.frechet_distance(feats("ptq_nvfp4", ptq, s, sd), ref[sd]) for sd in a.seeds]
     print(f"noise floor, teacher seed vs other seed (unpaired): {np.round(out['noise_unpaired_teacher'], 3)}")
     print(f"naive PTQ NVFP4 FD vs teacher per seed: {np.round(out['ptq'], 3)} mean {np.mean(out['ptq']):.3f}")
@@ -70,9 +72,11 @@ def main(argv=None):
         fd = [D.frechet_distance(feats(None, m, 1.0, sd), ref[sd]) for sd in a.seeds]
         gap = [1 - f / q for f, q in zip(fd, out["ptq"])]
         out[run] = {"fd_vs_teacher": fd, "gap_recovered": gap}
-        print(f"{run}: FD vs teacher {np.round(fd, 3)} mean {np.mean(fd):.3f} sd {np.std(fd, ddof=1):.3f}; "
-              f"gap recovered {100 * (1 - np.mean(fd) / ptq_mean):.0f}% (per seed {np.round(100 * np.array(gap)).astype(int)})",
-              flush=True)
+        print(
+            f"{run}: FD vs teacher {np.round(fd, 3)} mean {np.mean(fd):.3f} sd {np.std(fd, ddof=1):.3f}; "
+            f"gap recovered {100 * (1 - np.mean(fd) / ptq_mean):.0f}% (per seed {np.round(100 * np.array(gap)).astype(int)})",
+            flush=True,
+        )
     if a.json:
         D.atomic_write_text(a.json, json.dumps(out, indent=1))
     return out

@@ -47,8 +47,13 @@ def main(argv=None):
     def export_with_extras(pipeline_cls, cfg, base, ema):
         export(pipeline_cls, cfg, base, ema)
         for r, e in extras.items():
-            T.save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, f"ema-{r:g}"), base, base.peft_config["student"],
-                                weights=e.shadow)
+            T.save_student_lora(
+                pipeline_cls,
+                os.path.join(cfg.output_dir, f"ema-{r:g}"),
+                base,
+                base.peft_config["student"],
+                weights=e.shadow,
+            )
 
     rcm.PowerEMA, T.export_student = ExtraEMA, export_with_extras
     rcm.main(argv[2:], default_config=os.path.join(REPO, "training", "configs", "digits.yaml"))

@@ -20,8 +20,9 @@ def _ensure_rcm_diffusers():
     repo = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     init = os.path.join(repo, "rcm_diffusers", "__init__.py")
     if os.path.isfile(init):
-        spec = importlib.util.spec_from_file_location("rcm_diffusers", init,
-                                                      submodule_search_locations=[os.path.dirname(init)])
+        spec = importlib.util.spec_from_file_location(
+            "rcm_diffusers", init, submodule_search_locations=[os.path.dirname(init)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["rcm_diffusers"] = module
         try:

@@ -51,23 +51,46 @@ RCM_SIGMAS = Node(
     display_name="rCM Sigmas",
     category=f"{CATEGORY}/schedulers",
     description="SIGMAS (RF times) of the rCM few-step sampler: arctan(sigma_max), mid_t..., 0 as RF times. "
-                "1-4 steps with the distilled angles 1.5, 1.4, 1.0; more steps need more angles in mid_t, "
-                "which may also give other angles per step count.",
+    "1-4 steps with the distilled angles 1.5, 1.4, 1.0; more steps need more angles in mid_t, "
+    "which may also give other angles per step count.",
     inputs=[
-        Input("INT", "steps", default=4, min=1, max=8,
-              tooltip="1 to 4 with the default mid_t (the angles rCM was distilled at); n steps need n-1 angles."),
-        Input("FLOAT", "sigma_max", default=80.0, min=SIGMA_MAX_MIN, max=100000.0, step=0.5, round=False,
-              tooltip=f"Start noise on the EDM scale, at least {SIGMA_MAX_MIN}: 80 for Wan T2V, 200 for Wan I2V; "
-                      "arctan(sigma_max) must exceed the first mid_t angle."),
-        Input("STRING", "mid_t", default=rcm.DEFAULT_MID_T_TEXT,
-              tooltip="Intermediate TrigFlow angles, strictly decreasing, inside (0, pi/2): one list for every step "
-                      "count (n steps take the first n-1), or per step count as 'steps: angles' entries separated "
-                      f"by semicolons, e.g. '{rcm.PER_STEP_MID_T_EXAMPLE}' (n steps take the entry for n, else the "
-                      "one for the next larger count, cut to n-1 angles)."),
+        Input(
+            "INT",
+            "steps",
+            default=4,
+            min=1,
+            max=8,
+            tooltip="1 to 4 with the default mid_t (the angles rCM was distilled at); n steps need n-1 angles.",
+        ),
+        Input(
+            "FLOAT",
+            "sigma_max",
+            default=80.0,
+            min=SIGMA_MAX_MIN,
+            max=100000.0,
+            step=0.5,
+            round=False,
+            tooltip=f"Start noise on the EDM scale, at least {SIGMA_MAX_MIN}: 80 for Wan T2V, 200 for Wan I2V; "
+            "arctan(sigma_max) must exceed the first mid_t angle.",
+        ),
+        Input(
+            "STRING",
+            "mid_t",
+            default=rcm.DEFAULT_MID_T_TEXT,
+            tooltip="Intermediate TrigFlow angles, strictly decreasing, inside (0, pi/2): one list for every step "
+            "count (n steps take the first n-1), or per step count as 'steps: angles' entries separated "
+            f"by semicolons, e.g. '{rcm.PER_STEP_MID_T_EXAMPLE}' (n steps take the entry for n, else the "
+            "one for the next larger count, cut to n-1 angles).",
+        ),
         Input("MODEL", "model", optional=True, tooltip="Optional: checks that the model is a flow model (Wan, Flux)."),
     ],
-    outputs=[Output("SIGMAS", tooltip="steps + 1 RF times from arctan(sigma_max) down to 0, for a SamplerCustom "
-                                      "or SamplerCustomAdvanced with rCM Sampler.")],
+    outputs=[
+        Output(
+            "SIGMAS",
+            tooltip="steps + 1 RF times from arctan(sigma_max) down to 0, for a SamplerCustom "
+            "or SamplerCustomAdvanced with rCM Sampler.",
+        )
+    ],
     execute=_rcm_sigmas,
     validate=_rcm_sigmas_validate,
 )
@@ -88,15 +111,44 @@ TEACHER_SIGMAS = Node(
     description="Full-step teacher grid from sigma_max/(1+sigma_max) to 0, for reference sampling with Euler/UniPC.",
     inputs=[
         Input("INT", "steps", default=50, min=1, max=10000, tooltip="Teacher steps (Wan: 50)."),
-        Input("FLOAT", "sigma_max", default=5000.0, min=0.01, max=1e7, step=1.0, round=False,
-              tooltip="Start noise on the EDM scale; the grid starts at sigma_max / (1 + sigma_max)."),
-        Input("COMBO", "spacing", options=list(rcm.SPACINGS), default="linear",
-              tooltip="linear: uniform in the shifted RF time; karras / exponential: in the EDM sigma."),
-        Input("FLOAT", "shift", default=1.0, min=0.01, max=100.0, step=0.1, round=False,
-              tooltip="Time shift for linear spacing (Wan 480p: 3 to 5)."),
+        Input(
+            "FLOAT",
+            "sigma_max",
+            default=5000.0,
+            min=0.01,
+            max=1e7,
+            step=1.0,
+            round=False,
+            tooltip="Start noise on the EDM scale; the grid starts at sigma_max / (1 + sigma_max).",
+        ),
+        Input(
+            "COMBO",
+            "spacing",
+            options=list(rcm.SPACINGS),
+            default="linear",
+            tooltip="linear: uniform in the shifted RF time; karras / exponential: in the EDM sigma.",
+        ),
+        Input(
+            "FLOAT",
+            "shift",
+            default=1.0,
+            min=0.01,
+            max=100.0,
+            step=0.1,
+            round=False,
+            tooltip="Time shift for linear spacing (Wan 480p: 3 to 5).",
+        ),
         Input("FLOAT", "rho", default=7.0, min=0.01, max=100.0, step=0.1, round=False, tooltip="Karras rho."),
-        Input("FLOAT", "sigma_min", default=0.002, min=1e-6, max=1000.0, step=0.001, round=False,
-              tooltip="Karras/exponential end noise (EDM scale)."),
+        Input(
+            "FLOAT",
+            "sigma_min",
+            default=0.002,
+            min=1e-6,
+            max=1000.0,
+            step=0.001,
+            round=False,
+            tooltip="Karras/exponential end noise (EDM scale).",
+        ),
         Input("MODEL", "model", optional=True, tooltip="Optional: checks that the model is a flow model (Wan, Flux)."),
     ],
     outputs=[Output("SIGMAS", tooltip="steps + 1 RF times ending at 0, for the teacher with euler or uni_pc.")],
@@ -110,8 +162,10 @@ TEACHER_SIGMAS = Node(
 def _rcm_sampler_options(stochastic, time_input="bf16"):
     """``sample_rcm``'s keyword options for the widget values (ValueError for an unknown ``time_input``)."""
     if time_input not in rcm.TIME_INPUTS:
-        raise ValueError(f"rCM Sampler: time_input={time_input!r}; use one of {list(rcm.TIME_INPUTS)} "
-                         "(the time the student was trained with).")
+        raise ValueError(
+            f"rCM Sampler: time_input={time_input!r}; use one of {list(rcm.TIME_INPUTS)} "
+            "(the time the student was trained with)."
+        )
     return {"stochastic": rcm.check_stochastic(stochastic), "time_input": time_input}
 
 
@@ -126,18 +180,30 @@ RCM_SAMPLER = Node(
     display_name="rCM Sampler",
     category=f"{CATEGORY}/samplers",
     description="rCM consistency sampler: x0 from the model, then re-noise to the next sigma with ComfyUI's own "
-                "seeded noise (the same draws as the built-in lcm sampler; with time_input float, the same sample).",
+    "seeded noise (the same draws as the built-in lcm sampler; with time_input float, the same sample).",
     inputs=[
-        Input("BOOLEAN", "stochastic", default=True, label_on="stochastic", label_off="deterministic (ode)",
-              tooltip="Stochastic re-noising is the rCM default; deterministic takes Euler steps. An API prompt sends "
-                      "JSON true or false: ComfyUI turns any other value into a bool before the node runs (the "
-                      "string \"false\" into true)."),
-        Input("COMBO", "time_input", options=list(rcm.TIME_INPUTS), default="bf16", optional=True,
-              tooltip="The time the model is called at. bf16: 1000*sigma rounded to bfloat16, the time official rCM "
-                      "checkpoints and training/rcm.py (default time_input: bf16) were trained with; the step itself "
-                      "stays at the exact sigma. float: the exact sigma (what ComfyUI's built-in lcm sampler feeds); "
-                      "use it for students trained with time_input: float, e.g. the digits demo. "
-                      "Optional, so API prompts written before the widget existed still run (with bf16)."),
+        Input(
+            "BOOLEAN",
+            "stochastic",
+            default=True,
+            label_on="stochastic",
+            label_off="deterministic (ode)",
+            tooltip="Stochastic re-noising is the rCM default; deterministic takes Euler steps. An API prompt sends "
+            "JSON true or false: ComfyUI turns any other value into a bool before the node runs (the "
+            'string "false" into true).',
+        ),
+        Input(
+            "COMBO",
+            "time_input",
+            options=list(rcm.TIME_INPUTS),
+            default="bf16",
+            optional=True,
+            tooltip="The time the model is called at. bf16: 1000*sigma rounded to bfloat16, the time official rCM "
+            "checkpoints and training/rcm.py (default time_input: bf16) were trained with; the step itself "
+            "stays at the exact sigma. float: the exact sigma (what ComfyUI's built-in lcm sampler feeds); "
+            "use it for students trained with time_input: float, e.g. the digits demo. "
+            "Optional, so API prompts written before the widget existed still run (with bf16).",
+        ),
     ],
     outputs=[Output("SAMPLER", tooltip="The rCM sampler, for SamplerCustom or SamplerCustomAdvanced with rCM Sigmas.")],
     execute=_rcm_sampler,
@@ -156,16 +222,33 @@ EXPERT_SPLIT = Node(
     display_name="rCM Expert Split (Wan 2.2)",
     category=f"{CATEGORY}/schedulers",
     description="Split SIGMAS at the Wan 2.2 A14B expert boundary: steps starting at sigma >= boundary go to the "
-                "high-noise expert; chain the low-noise sampler after it (no added noise).",
+    "high-noise expert; chain the low-noise sampler after it (no added noise).",
     inputs=[
         Input("SIGMAS", "sigmas", tooltip="The schedule to split, e.g. rCM Sigmas with sigma_max 200 (I2V)."),
-        Input("FLOAT", "boundary", default=rcm.WAN22_BOUNDARY, min=0.001, max=0.999, step=0.005, round=False,
-              tooltip="0.9 for Wan 2.2 I2V, 0.875 for T2V."),
+        Input(
+            "FLOAT",
+            "boundary",
+            default=rcm.WAN22_BOUNDARY,
+            min=0.001,
+            max=0.999,
+            step=0.005,
+            round=False,
+            tooltip="0.9 for Wan 2.2 I2V, 0.875 for T2V.",
+        ),
     ],
-    outputs=[Output("SIGMAS", "high_noise_sigmas", tooltip="The first steps, down to the switch sigma: sample them "
-                                                           "with the high-noise expert."),
-             Output("SIGMAS", "low_noise_sigmas", tooltip="The rest, from the switch sigma to 0: the low-noise expert, "
-                                                          "chained after the high-noise sampler with DisableNoise.")],
+    outputs=[
+        Output(
+            "SIGMAS",
+            "high_noise_sigmas",
+            tooltip="The first steps, down to the switch sigma: sample them with the high-noise expert.",
+        ),
+        Output(
+            "SIGMAS",
+            "low_noise_sigmas",
+            tooltip="The rest, from the switch sigma to 0: the low-noise expert, "
+            "chained after the high-noise sampler with DisableNoise.",
+        ),
+    ],
     execute=_expert_split,
 )
 
@@ -189,7 +272,9 @@ def _lora_loader(model, lora_name, strength_model):
     path = rcm.resolve_lora_name(lora_name, folder_paths)  # only names ComfyUI lists, never a raw path
     arch = rcm.model_arch(model.model)
     diffusion_model = model.model.diffusion_model
-    where = f"rCM LoRA Loader, lora_name={lora_name!r}"  # every message names the file once, then one problem and its fix
+    where = (
+        f"rCM LoRA Loader, lora_name={lora_name!r}"  # every message names the file once, then one problem and its fix
+    )
     try:
         lora = rcm.load_lora_file(path, arch)
     except ValueError as e:
@@ -214,8 +299,10 @@ def _apply_lora(model, lora, arch, strength_model, where):
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
     missing = rcm.lora_targets_missing(lora, key_map)
     if missing:
-        raise ValueError(f"{where}: {len(missing)} LoRA target(s) have no weight in this {arch} model: {missing[:20]}; "
-                         "pick a LoRA made for this model size and variant.")
+        raise ValueError(
+            f"{where}: {len(missing)} LoRA target(s) have no weight in this {arch} model: {missing[:20]}; "
+            "pick a LoRA made for this model size and variant."
+        )
     patches = comfy.lora.load_lora(lora, key_map)
     if strength_model == 0 or not patches:
         return model
@@ -229,8 +316,9 @@ def _apply_lora(model, lora, arch, strength_model, where):
     # the patched parameter as an object patch instead (the shared base model stays untouched)
     for key, patch in raw_patches.items():
         base = comfy.utils.get_attr(model.model, key)
-        new = comfy.lora.calculate_weight([(strength_model, patch, 1.0, None, None)],
-                                          base.detach().to(torch.float32, copy=True), key)
+        new = comfy.lora.calculate_weight(
+            [(strength_model, patch, 1.0, None, None)], base.detach().to(torch.float32, copy=True), key
+        )
         patched.add_object_patch(key, torch.nn.Parameter(new.to(base.dtype), requires_grad=False))
     return patched
 
@@ -251,9 +339,11 @@ def _wan_variant_warning(path, lora_name, diffusion_model):
     if model_variant is None or lora_variant is None or lora_variant == model_variant:
         return None
     wanted = model_variant.upper()
-    return (f"rCM LoRA Loader, lora_name={lora_name!r}: this LoRA was made for Wan {lora_variant.upper()} ({why}) but "
-            f"the model is Wan {wanted}; the shapes fit, so it is applied, but pick {'an' if wanted[0] in 'AEIOU' else 'a'} "
-            f"{wanted} LoRA unless this is intended.")
+    return (
+        f"rCM LoRA Loader, lora_name={lora_name!r}: this LoRA was made for Wan {lora_variant.upper()} ({why}) but "
+        f"the model is Wan {wanted}; the shapes fit, so it is applied, but pick {'an' if wanted[0] in 'AEIOU' else 'a'} "
+        f"{wanted} LoRA unless this is intended."
+    )
 
 
 LORA_LOADER = Node(
@@ -261,14 +351,29 @@ LORA_LOADER = Node(
     display_name="rCM LoRA Loader",
     category="loaders",
     description="Apply a Wan or Flux LoRA (diffusers, ComfyUI, LightX2V, Kijai or kohya layout; modulation "
-                "deltas included); fails, listing them, when keys do not match the model instead of skipping them.",
+    "deltas included); fails, listing them, when keys do not match the model instead of skipping them.",
     inputs=[
-        Input("MODEL", "model", tooltip="A Wan or Flux diffusion model (Load Diffusion Model); quantized files "
-                                        "(NVFP4, FP8, INT8, MXFP8) too."),
-        Input("COMBO", "lora_name", options=_lora_names,
-              tooltip="A LoRA file from models/loras: diffusers, ComfyUI, LightX2V, Kijai or kohya layout."),
-        Input("FLOAT", "strength_model", default=1.0, min=-100.0, max=100.0, step=0.01,
-              tooltip="LoRA scale; 1.0 for rCM LoRAs (0 returns the model unchanged)."),
+        Input(
+            "MODEL",
+            "model",
+            tooltip="A Wan or Flux diffusion model (Load Diffusion Model); quantized files "
+            "(NVFP4, FP8, INT8, MXFP8) too.",
+        ),
+        Input(
+            "COMBO",
+            "lora_name",
+            options=_lora_names,
+            tooltip="A LoRA file from models/loras: diffusers, ComfyUI, LightX2V, Kijai or kohya layout.",
+        ),
+        Input(
+            "FLOAT",
+            "strength_model",
+            default=1.0,
+            min=-100.0,
+            max=100.0,
+            step=0.01,
+            tooltip="LoRA scale; 1.0 for rCM LoRAs (0 returns the model unchanged).",
+        ),
     ],
     outputs=[Output("MODEL", tooltip="The model with the LoRA applied (the input model is left unchanged).")],
     execute=_lora_loader,

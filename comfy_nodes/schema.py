@@ -90,8 +90,15 @@ def v3_nodes(nodes: list[Node]) -> list[type]:
             kw["optional"] = True
         if inp.kind == "COMBO":
             return io.Combo.Input(inp.name, options=inp.choices(), **kw)
-        cls = {"INT": io.Int, "FLOAT": io.Float, "STRING": io.String, "BOOLEAN": io.Boolean,
-               "MODEL": io.Model, "SIGMAS": io.Sigmas, "SAMPLER": io.Sampler}[inp.kind]
+        cls = {
+            "INT": io.Int,
+            "FLOAT": io.Float,
+            "STRING": io.String,
+            "BOOLEAN": io.Boolean,
+            "MODEL": io.Model,
+            "SIGMAS": io.Sigmas,
+            "SAMPLER": io.Sampler,
+        }[inp.kind]
         return cls.Input(inp.name, **kw)
 
     def v3_output(out: Output):
@@ -101,11 +108,17 @@ def v3_nodes(nodes: list[Node]) -> list[type]:
 
     classes = []
     for node in nodes:
+
         def define_schema(cls, node=node):
-            return io.Schema(node_id=node.node_id, display_name=node.display_name, category=node.category,
-                             description=node.description, inputs=[v3_input(i) for i in node.inputs],
-                             outputs=[v3_output(o) for o in node.outputs],
-                             **({"hidden": [io.Hidden.unique_id]} if node.shows_text else {}))
+            return io.Schema(
+                node_id=node.node_id,
+                display_name=node.display_name,
+                category=node.category,
+                description=node.description,
+                inputs=[v3_input(i) for i in node.inputs],
+                outputs=[v3_output(o) for o in node.outputs],
+                **({"hidden": [io.Hidden.unique_id]} if node.shows_text else {}),
+            )
 
         def execute(cls, node=node, **kwargs):
             r = node.execute(**kwargs)
@@ -114,7 +127,11 @@ def v3_nodes(nodes: list[Node]) -> list[type]:
                 return io.NodeOutput(*r.outputs, ui={"text": list(r.text)} if r.text else None)
             return io.NodeOutput(*r)
 
-        body = {"define_schema": classmethod(define_schema), "execute": classmethod(execute), "__doc__": node.description}
+        body = {
+            "define_schema": classmethod(define_schema),
+            "execute": classmethod(execute),
+            "__doc__": node.description,
+        }
         if node.validate is not None:
             body["validate_inputs"] = _validate_classmethod(node)
         classes.append(type(node.node_id, (io.ComfyNode,), body))
@@ -135,11 +152,15 @@ def legacy_nodes(nodes: list[Node]) -> tuple[dict[str, type], dict[str, str]]:
 
     mappings, names = {}, {}
     for node in nodes:
+
         def input_types(cls, node=node):
             req = {i.name: legacy_input(i) for i in node.inputs if not i.optional}
             opt = {i.name: legacy_input(i) for i in node.inputs if i.optional}
-            return {"required": req, **({"optional": opt} if opt else {}),
-                    **({"hidden": {"unique_id": "UNIQUE_ID"}} if node.shows_text else {})}
+            return {
+                "required": req,
+                **({"optional": opt} if opt else {}),
+                **({"hidden": {"unique_id": "UNIQUE_ID"}} if node.shows_text else {}),
+            }
 
         def run(self, node=node, unique_id=None, **kwargs):
             r = node.execute(**kwargs)

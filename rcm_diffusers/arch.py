@@ -15,7 +15,15 @@ import os
 
 import torch
 
-__all__ = ["ARCH_DIR", "arch_names", "arch_config", "arch_meta", "build_transformer", "save_random_pipeline", "count_parameters"]
+__all__ = [
+    "ARCH_DIR",
+    "arch_names",
+    "arch_config",
+    "arch_meta",
+    "build_transformer",
+    "save_random_pipeline",
+    "count_parameters",
+]
 
 ARCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arch_configs")
 
@@ -47,12 +55,22 @@ def arch_config(name: str, **overrides) -> dict:
 def arch_meta(name: str) -> dict:
     """The metadata of an architecture: ``class_name``, ``pipeline``, ``hub_id``, ``experts`` (1 or 2)."""
     raw = _read(name)
-    return {"class_name": raw["_class_name"], "pipeline": raw["_pipeline"], "hub_id": raw.get("_hub_id"),
-            "experts": int(raw.get("_experts", 1))}
+    return {
+        "class_name": raw["_class_name"],
+        "pipeline": raw["_pipeline"],
+        "hub_id": raw.get("_hub_id"),
+        "experts": int(raw.get("_experts", 1)),
+    }
 
 
-def build_transformer(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-                      keep_fp32: bool = False, **overrides):
+def build_transformer(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    keep_fp32: bool = False,
+    **overrides,
+):
     """A random-init diffusers transformer of architecture ``name`` in ``dtype`` (``device="meta"``:
     no memory, for counting). Initialised in float32 then cast, so bf16 weights match the fp32 ones. ``keep_fp32``:
     the class's ``_keep_in_fp32_modules`` stay float32, as ``from_pretrained(torch_dtype=dtype)`` loads them."""
@@ -92,7 +110,15 @@ def save_random_pipeline(name: str, root: str, dtype: torch.dtype = torch.bfloat
     del model
     tmp = index + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"_class_name": meta["pipeline"], "_diffusers_version": "0.35.0",
-                   "transformer": ["diffusers", meta["class_name"]], "_rcm_random_arch": want}, f, indent=1)
+        json.dump(
+            {
+                "_class_name": meta["pipeline"],
+                "_diffusers_version": "0.35.0",
+                "transformer": ["diffusers", meta["class_name"]],
+                "_rcm_random_arch": want,
+            },
+            f,
+            indent=1,
+        )
     os.replace(tmp, index)  # written last: its presence marks a complete copy
     return root

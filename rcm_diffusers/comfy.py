@@ -21,8 +21,17 @@ import numpy as np
 import torch
 
 from .models import TIME_INPUTS, network_timestep
-from .sampling import DEFAULT_MID_T, SPACINGS, format_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid, validate_rf_times
-from .sampling import _per_step_items, _per_step_table
+from .sampling import (
+    DEFAULT_MID_T,
+    SPACINGS,
+    _per_step_items,
+    _per_step_table,
+    format_mid_t,
+    rcm_rf_times,
+    rcm_update,
+    teacher_rf_grid,
+    validate_rf_times,
+)
 
 __all__ = [
     "DEFAULT_MID_T_TEXT",
@@ -94,7 +103,9 @@ def _parse_per_step(text) -> dict[int, tuple[float, ...]]:
     """``"2: 1.0; 4: 1.5, 1.4, 0.8"`` (or a mapping) -> ``{2: (1.0,), 4: (1.5, 1.4, 0.8)}``, every entry checked: the
     sampler's own splitting and table checks (keys, lengths, duplicates, finiteness), the widget's number reading."""
     if isinstance(text, str):
-        items = [(k, _read_angles(part, text)) for k, part in _per_step_items(text, "mid_t: entry {entry!r} of {text!r}")]
+        items = [
+            (k, _read_angles(part, text)) for k, part in _per_step_items(text, "mid_t: entry {entry!r} of {text!r}")
+        ]
     else:
         items = text.items()
     table = {k: tuple(v) for k, v in _per_step_table(items).items()}
@@ -196,7 +207,9 @@ def check_flow_model_sampling(model_sampling) -> None:
         )
 
 
-def split_sigmas_at_boundary(sigmas: torch.Tensor, boundary: float = WAN22_BOUNDARY) -> tuple[torch.Tensor, torch.Tensor]:
+def split_sigmas_at_boundary(
+    sigmas: torch.Tensor, boundary: float = WAN22_BOUNDARY
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split SIGMAS for Wan 2.2's two experts: steps starting at ``r >= boundary`` go to the high-noise expert.
 
     Returns ``(high, low)`` sharing the switch sigma (``high[-1] == low[0]``), the same chaining as
@@ -272,8 +285,17 @@ def seeded_noise_sampler(x: torch.Tensor, seed: int | None = None) -> Callable:
 
 
 @torch.no_grad()
-def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, stochastic=True,
-               time_input="float"):
+def sample_rcm(
+    model,
+    x,
+    sigmas,
+    extra_args=None,
+    callback=None,
+    disable=None,
+    noise_sampler=None,
+    stochastic=True,
+    time_input="float",
+):
     """rCM few-step sampler (docs/math.md §2.1) over a denoiser ``model(x, sigma) -> x0``, k-diffusion signature.
 
     ``x`` arrives already noised to ``sigmas[0]`` (ComfyUI does ``r_0 noise + (1 - r_0) latent``).
@@ -286,7 +308,9 @@ def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, n
     extra_args = {} if extra_args is None else extra_args
     stochastic = check_stochastic(stochastic)
     if time_input not in TIME_INPUTS:
-        raise ValueError(f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}.")
+        raise ValueError(
+            f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}."
+        )
     r = _checked_sigmas(sigmas)
     if stochastic and noise_sampler is None:
         noise_sampler = seeded_noise_sampler(x, extra_args.get("seed"))
@@ -305,8 +329,10 @@ def sample_rcm(model, x, sigmas, extra_args=None, callback=None, disable=None, n
             x0_s = model(x, torch.full_like(s_in, s), **extra_args)
             x0 = (x.double() - (r_cur / s) * (x.double() - x0_s.double())).to(x0_s.dtype)  # v = (x - x0_s) / s
         if not torch.isfinite(x0).all():
-            raise ValueError(f"rCM Sampler: the model output holds NaN or inf at step {i} (sigma={r_cur:.5f}); "
-                             "check the model and its inputs.")
+            raise ValueError(
+                f"rCM Sampler: the model output holds NaN or inf at step {i} (sigma={r_cur:.5f}); "
+                "check the model and its inputs."
+            )
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": x0})
         noise = noise_sampler(sigmas[i], sigmas[i + 1]) if stochastic and r_next > 0 else None
@@ -322,7 +348,7 @@ _COMFY_ARCH = {"WAN21": "wan", "Flux": "flux"}
 
 
 def model_arch(comfy_model) -> str:
-    """"wan" or "flux" for a ComfyUI BaseModel (``model_patcher.model``); ValueError for anything else."""
+    """ "wan" or "flux" for a ComfyUI BaseModel (``model_patcher.model``); ValueError for anything else."""
     for cls in type(comfy_model).__mro__:
         if cls.__name__ in _COMFY_ARCH:
             return _COMFY_ARCH[cls.__name__]
@@ -361,16 +387,22 @@ def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
     try:
         lora_arch = lora_keys.detect_arch(raw)
     except ValueError as e:
-        raise ValueError(f"not a Wan or Flux LoRA: no key names a Wan or Flux layer (first keys: {sorted(raw)[:3]}); "
-                         "pick a LoRA made for Wan or Flux.") from e
+        raise ValueError(
+            f"not a Wan or Flux LoRA: no key names a Wan or Flux layer (first keys: {sorted(raw)[:3]}); "
+            "pick a LoRA made for Wan or Flux."
+        ) from e
     if lora_arch != arch:
-        raise ValueError(f"this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
-                         f"pick a {arch.capitalize()} LoRA or connect a {lora_arch.capitalize()} model.")
+        raise ValueError(
+            f"this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
+            f"pick a {arch.capitalize()} LoRA or connect a {lora_arch.capitalize()} model."
+        )
     try:
         state_dict, _ = lora_io.load_lora(path, format="comfyui", arch=arch)
     except ValueError as e:
-        raise ValueError(f"{e}; pick a {arch.capitalize()} LoRA in a layout this loader reads (diffusers, ComfyUI, "
-                         "LightX2V, Kijai or kohya).") from e
+        raise ValueError(
+            f"{e}; pick a {arch.capitalize()} LoRA in a layout this loader reads (diffusers, ComfyUI, "
+            "LightX2V, Kijai or kohya)."
+        ) from e
     return state_dict
 
 
@@ -439,15 +471,28 @@ def resolve_lora_name(lora_name, folder_paths) -> str:
     names = folder_paths.get_filename_list("loras")
     path = folder_paths.get_full_path("loras", lora_name) if isinstance(lora_name, str) and lora_name in names else None
     if path is None:
-        raise ValueError(f"rCM LoRA Loader: lora_name={lora_name!r} is not in ComfyUI's loras list ({len(names)} "
-                         "file(s)); put the file in models/loras, refresh and pick it from the list.")
+        raise ValueError(
+            f"rCM LoRA Loader: lora_name={lora_name!r} is not in ComfyUI's loras list ({len(names)} "
+            "file(s)); put the file in models/loras, refresh and pick it from the list."
+        )
     return path
 
 
 #: key fragments that only Wan image-to-video models have (the CLIP image branch of Wan 2.1 I2V / FLF2V)
-_I2V_KEYS = (".k_img", ".v_img", ".norm_k_img", "img_emb.", "add_k_proj", "add_v_proj", "norm_added_k",
-             "image_embedder")
-_VARIANT_WORDS = {"i2v": ("i2v", "image-to-video", "image_to_video", "flf2v"), "t2v": ("t2v", "text-to-video", "text_to_video")}
+_I2V_KEYS = (
+    ".k_img",
+    ".v_img",
+    ".norm_k_img",
+    "img_emb.",
+    "add_k_proj",
+    "add_v_proj",
+    "norm_added_k",
+    "image_embedder",
+)
+_VARIANT_WORDS = {
+    "i2v": ("i2v", "image-to-video", "image_to_video", "flf2v"),
+    "t2v": ("t2v", "text-to-video", "text_to_video"),
+}
 
 
 def wan_lora_variant(keys, metadata: dict | None = None) -> tuple[str | None, str]:
@@ -474,7 +519,7 @@ def wan_lora_variant(keys, metadata: dict | None = None) -> tuple[str | None, st
 
 
 def wan_model_variant(diffusion_model) -> str | None:
-    """"i2v" or "t2v" for a ComfyUI Wan diffusion model from its input channels (16: T2V, 36: I2V), else None."""
+    """ "i2v" or "t2v" for a ComfyUI Wan diffusion model from its input channels (16: T2V, 36: I2V), else None."""
     shapes = model_weight_shapes(diffusion_model)
     shape = shapes.get("patch_embedding.weight")
     if shape is None or len(shape) < 2:

@@ -12,8 +12,16 @@ from typing import Callable
 
 import torch
 
-__all__ = ["TIMESTEP_SCALE", "TIME_INPUTS", "timestep_scale", "network_timestep", "velocity_fn", "denoiser", "compute_dtype",
-           "transformer_blocks"]
+__all__ = [
+    "TIMESTEP_SCALE",
+    "TIME_INPUTS",
+    "timestep_scale",
+    "network_timestep",
+    "velocity_fn",
+    "denoiser",
+    "compute_dtype",
+    "transformer_blocks",
+]
 
 #: timestep passed to the transformer = r * TIMESTEP_SCALE[class name]
 TIMESTEP_SCALE = {

@@ -39,8 +39,10 @@ class SampleGenerators:
 def _rows(draw, shape, generator: SampleGenerators) -> torch.Tensor:
     shape = tuple(shape)
     if not shape or shape[0] != len(generator):
-        raise ValueError(f"a draw of shape {shape} from {len(generator)} per-sample generators: the leading "
-                         "dimension must be the batch, one row per generator")
+        raise ValueError(
+            f"a draw of shape {shape} from {len(generator)} per-sample generators: the leading "
+            "dimension must be the batch, one row per generator"
+        )
     return torch.cat([draw((1, *shape[1:]), g) for g in generator.generators])
 
 

@@ -43,7 +43,9 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-_MID_T_EXAMPLE = "e.g. mid_t=[1.5, 1.4, 1.0], \"1.5,1.4,1.0\", {2: [1.0], 4: [1.5, 1.4, 0.8]} or \"2: 1.0; 4: 1.5, 1.4, 0.8\""
+_MID_T_EXAMPLE = (
+    'e.g. mid_t=[1.5, 1.4, 1.0], "1.5,1.4,1.0", {2: [1.0], 4: [1.5, 1.4, 0.8]} or "2: 1.0; 4: 1.5, 1.4, 0.8"'
+)
 
 
 def _angle_list(value, what: str = "mid_t") -> list[float]:
@@ -54,13 +56,13 @@ def _angle_list(value, what: str = "mid_t") -> list[float]:
             return [float(p) for p in parts]
         except ValueError:
             shown = f"{what}={value!r}" if what == "mid_t" else f"{what}: {value!r}"
-            raise ValueError(
-                f"{shown} is not a comma-separated list of angles; {_MID_T_EXAMPLE}."
-            ) from None
+            raise ValueError(f"{shown} is not a comma-separated list of angles; {_MID_T_EXAMPLE}.") from None
     try:
         return [float(m) for m in np.asarray(value, dtype=np.float64).reshape(-1)]
     except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a list of TrigFlow angles (radians), got {value!r}; {_MID_T_EXAMPLE}.") from None
+        raise ValueError(
+            f"{what} must be a list of TrigFlow angles (radians), got {value!r}; {_MID_T_EXAMPLE}."
+        ) from None
 
 
 def _steps_key(key) -> int:
@@ -89,8 +91,8 @@ def _per_step_items(text: str, label: str = "mid_t={text!r}: entry {entry!r}") -
         key, sep, angles = entry.partition(":")
         if not sep:
             raise ValueError(
-                label.format(text=text, entry=entry) + " has no step count; write \"steps: angles\" entries "
-                "separated by semicolons, e.g. \"2: 1.0; 4: 1.5, 1.4, 0.8\"."
+                label.format(text=text, entry=entry) + ' has no step count; write "steps: angles" entries '
+                'separated by semicolons, e.g. "2: 1.0; 4: 1.5, 1.4, 0.8".'
             )
         items.append((key, angles))
     return items
@@ -266,7 +268,9 @@ def validate_rf_times(r: Sequence[float], append_zero: bool = True, name: str = 
             "initial noise); pass at least one RF time in (0, 1], e.g. [0.9, 0.5]."
         )
     if np.any(body <= 0) or np.any(body > 1):
-        raise ValueError(f"{name} must lie in (0, 1] (RF times, 1 = pure noise) before the final 0, got {arr.tolist()}.")
+        raise ValueError(
+            f"{name} must lie in (0, 1] (RF times, 1 = pure noise) before the final 0, got {arr.tolist()}."
+        )
     if np.any(np.diff(arr) >= 0):
         raise ValueError(f"{name} must be strictly decreasing, got {arr.tolist()}.")
     return arr

@@ -39,8 +39,17 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
 from .models import TIME_INPUTS
-from .sampling import (DEFAULT_MID_T, SPACINGS, mid_t_as_config, parse_mid_t, rcm_rf_times, rcm_update, teacher_rf_grid,
-                       validate_mid_t, validate_rf_times)
+from .sampling import (
+    DEFAULT_MID_T,
+    SPACINGS,
+    mid_t_as_config,
+    parse_mid_t,
+    rcm_rf_times,
+    rcm_update,
+    teacher_rf_grid,
+    validate_mid_t,
+    validate_rf_times,
+)
 
 __all__ = ["RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler", "RCMSchedulerOutput"]
 
@@ -240,7 +249,9 @@ class _FlowTimesMixin:
 
     def _init_step_index(self, timestep) -> None:
         if self._rf is None:
-            raise ValueError(f"{type(self).__name__}.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+            raise ValueError(
+                f"{type(self).__name__}.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+            )
         self._step_index = self.index_for_timestep(timestep) if self._begin_index is None else self._begin_index
 
     def _advance(self) -> tuple[float, float]:
@@ -347,7 +358,9 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         if not isinstance(stochastic, bool):
             raise ValueError(f"stochastic must be True or False, got {stochastic!r}.")
         if time_input not in TIME_INPUTS:
-            raise ValueError(f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}.")
+            raise ValueError(
+                f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}."
+            )
         normal = mid_t_as_config(validate_mid_t(mid_t, rcm_sigma_max))  # every angle, against sigma_max too
         if type(mid_t) is not type(normal) or mid_t != normal:
             self.register_to_config(mid_t=normal)
@@ -375,10 +388,13 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
                     d[key] = d.pop(alias)
         if trained is None:
             sched = cls.from_config(base_config or {}, **kwargs)
-            warnings.warn(f"{path}: no RCMScheduler config (scheduler/scheduler_config.json, written by training/rcm.py) "
-                          f"next to this LoRA; using RCMScheduler.from_config defaults ({sched._settings()}). If the LoRA "
-                          "was trained for other settings, pass them: RCMScheduler.from_config(pipe.scheduler.config, "
-                          "sigma_max=..., mid_t=[...], time_input=...)", stacklevel=2)
+            warnings.warn(
+                f"{path}: no RCMScheduler config (scheduler/scheduler_config.json, written by training/rcm.py) "
+                f"next to this LoRA; using RCMScheduler.from_config defaults ({sched._settings()}). If the LoRA "
+                "was trained for other settings, pass them: RCMScheduler.from_config(pipe.scheduler.config, "
+                "sigma_max=..., mid_t=[...], time_input=...)",
+                stacklevel=2,
+            )
             return sched
         keys = cls._get_init_keys(cls) - {"self", *cls._aliases}
         # as keyword arguments, so that they win over base_config's keys and its _use_default_values
@@ -394,7 +410,9 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         if os.path.isfile(path):
             path = os.path.dirname(path) or "."
         if os.path.isdir(path):
-            dirs = [path] + ([os.path.dirname(os.path.abspath(path))] if os.path.basename(os.path.normpath(path)) == "ema" else [])
+            dirs = [path] + (
+                [os.path.dirname(os.path.abspath(path))] if os.path.basename(os.path.normpath(path)) == "ema" else []
+            )
             dirs = [d for d in dirs if os.path.isfile(os.path.join(d, "scheduler", cls.config_name))]
             if not dirs:
                 return None, None
@@ -443,7 +461,9 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         if r is None:
             num_inference_steps = num_inference_steps if num_inference_steps is not None else self._flux_default_steps
             if num_inference_steps is None:
-                raise ValueError("set_timesteps needs num_inference_steps (1..4 by default) or explicit sigmas (RF times).")
+                raise ValueError(
+                    "set_timesteps needs num_inference_steps (1..4 by default) or explicit sigmas (RF times)."
+                )
             r = rcm_rf_times(num_inference_steps, self.config.rcm_sigma_max, self.config.mid_t)
         self._set_grid(r, device)
         self.init_noise_sigma = float(r[0])
@@ -468,7 +488,9 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
                 self._noise_generators = [torch.Generator("cpu").manual_seed(_seed_from(x)) for x in sample]
             gen = self._noise_generators
         if isinstance(gen, (list, tuple)) and len(gen) != sample.shape[0]:
-            raise ValueError(f"got {len(gen)} generators for a batch of {sample.shape[0]}; pass one per sample or a single one.")
+            raise ValueError(
+                f"got {len(gen)} generators for a batch of {sample.shape[0]}; pass one per sample or a single one."
+            )
         if isinstance(gen, (list, tuple)) and len(gen) == 1:
             gen = gen[0]
         return randn_tensor(sample.shape, generator=gen, device=sample.device, dtype=torch.float32)
@@ -484,12 +506,16 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         """``x0 = x - r_cur v``; then ``x' = (1 - r_next) x0 + r_next noise`` (stochastic) or
         ``x' = x - (r_cur - r_next) v`` (ode). float64 arithmetic, result in ``sample``'s dtype (docs/math.md §2.1)."""
         if self._rf is None:
-            raise ValueError("RCMScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+            raise ValueError(
+                "RCMScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+            )
         self._explicit_pending = False
         if self._step_index is None:
             self._init_step_index(timestep)
         if not torch.isfinite(model_output).all():
-            raise ValueError(f"model_output holds NaN or inf at step {self._step_index}; check the model and its inputs.")
+            raise ValueError(
+                f"model_output holds NaN or inf at step {self._step_index}; check the model and its inputs."
+            )
         r_cur, r_next = self._advance()
         x = sample.double()
         x0 = x - r_cur * model_output.double()
@@ -558,7 +584,9 @@ class _TeacherGridMixin(_FlowTimesMixin):
             if mu is None:
                 raise ValueError("`mu` must be passed when use_dynamic_shifting=True (FluxPipeline computes it).")
             shift = math.exp(mu) if c.time_shift_type == "exponential" else float(mu)
-        return teacher_rf_grid(num_inference_steps, c.teacher_sigma_max, c.spacing, shift, c.rho, c.teacher_sigma_min, c.shift_b)
+        return teacher_rf_grid(
+            num_inference_steps, c.teacher_sigma_max, c.spacing, shift, c.rho, c.teacher_sigma_min, c.shift_b
+        )
 
 
 class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
@@ -609,7 +637,9 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
     def step(self, model_output, timestep, sample, generator=None, return_dict: bool = True):
         """Euler: ``x' = x + (r_next - r_cur) v``, float64 arithmetic (docs/math.md §2.2)."""
         if self._rf is None:
-            raise ValueError("TrigFlowEulerScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+            raise ValueError(
+                "TrigFlowEulerScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+            )
         if self._step_index is None:
             self._init_step_index(timestep)
         self._check_model_output(model_output)
@@ -715,7 +745,9 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
     def step(self, model_output, timestep, sample, generator=None, return_dict: bool = True):
         """One UniPC predictor-corrector step (diffusers' solver, this scheduler's grid)."""
         if self._rf is None:
-            raise ValueError("TrigFlowUniPCScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first.")
+            raise ValueError(
+                "TrigFlowUniPCScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+            )
         if self._solver.step_index is not None and self._solver.step_index >= self.num_inference_steps:
             raise ValueError("step() called past the end of the grid; call set_timesteps() again to start a new run.")
         self._check_model_output(model_output)

@@ -165,9 +165,7 @@ def sample_p_G(
     return torch.atan(sigma)
 
 
-def sample_p_D(
-    batch: int, shift: float = 5.0, generator: torch.Generator | None = None, device=None
-) -> torch.Tensor:
+def sample_p_D(batch: int, shift: float = 5.0, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """DMD/critic angles: ``u ~ U[0,1)``, ``r = s u / (1 + (s-1) u)``, ``t = arctan(r / (1 - r))`` (docs/math.md §3)."""
     u = rng.rand((batch,), dtype=F64, generator=generator, device=device)
     return r_to_t(shift_r(u, shift))

@@ -15,6 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 from peft import LoraConfig  # noqa: E402
+from train_helpers import TEXT_DIM, tiny_wan_transformer  # noqa: E402
 
 from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
 from rcm_diffusers.attention import ulysses as U  # noqa: E402
@@ -23,7 +24,6 @@ from rcm_diffusers.distill import losses as L  # noqa: E402
 from rcm_diffusers.distill.experts import WanExpertSwitch  # noqa: E402
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 from rcm_diffusers.trigflow import TrigFlowDenoiser  # noqa: E402
-from train_helpers import TEXT_DIM, tiny_wan_transformer  # noqa: E402
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
 if world > 1:
@@ -98,8 +98,11 @@ out = measure(model, (4, 2, 4, 8), torch.tensor([0.4, 1.1], dtype=torch.float64)
 # latents, 3 image tokens and 512 text tokens that every rank keeps whole, a batch straddling the boundary
 i2v = WanExpertSwitch(*[tiny_wan_transformer(seed=s, in_channels=12, image_dim=8) for s in (1, 2)], boundary_ratio=0.9)
 lora_i2v = with_lora(i2v, 2, LORA_TARGETS + ["add_k_proj", "add_v_proj"])
-cond_i2v = {"encoder_hidden_states": torch.randn(2, 512, TEXT_DIM, generator=g0), "condition": torch.randn(2, 8, 2, 4, 8, generator=g0),
-            "encoder_hidden_states_image": torch.randn(2, 3, 8, generator=g0)}
+cond_i2v = {
+    "encoder_hidden_states": torch.randn(2, 512, TEXT_DIM, generator=g0),
+    "condition": torch.randn(2, 8, 2, 4, 8, generator=g0),
+    "encoder_hidden_states_image": torch.randn(2, 3, 8, generator=g0),
+}
 i2v.calls = []
 i2v.transformer.blocks[1].register_forward_pre_hook(lambda m, a: seen["i2v_tokens"].append(a[0].shape[1]))
 i2v.transformer_2.blocks[1].register_forward_pre_hook(lambda m, a: seen["i2v_tokens"].append(a[0].shape[1]))
@@ -111,8 +114,14 @@ out["i2v.tokens"] = torch.tensor(sorted(set(seen["i2v_tokens"])))
 if world == 1:  # the float64 run: how far float32 round-off alone moves the unsplit numbers
     for p in lora_i2v.values():
         p.grad = None
-    res = measure(i2v.double(), (4, 2, 4, 8), torch.tensor([0.4, 1.5], dtype=torch.float64),
-                  {k: v.double() for k, v in cond_i2v.items()}, lora_i2v, torch.float64)
+    res = measure(
+        i2v.double(),
+        (4, 2, 4, 8),
+        torch.tensor([0.4, 1.5], dtype=torch.float64),
+        {k: v.double() for k, v in cond_i2v.items()},
+        lora_i2v,
+        torch.float64,
+    )
     out.update({f"i2v64.{k}": v for k, v in res.items()})
 out.update(tokens=torch.tensor(sorted(set(seen["tokens"]))), exchanges=torch.tensor(seen["exchanges"]))
 os.makedirs(os.environ["CP_OUT"], exist_ok=True)
@@ -121,24 +130,43 @@ refusals = {}
 if world > 1:  # the one-line refusals: heads not divisible by the group size, token count not divisible
     from diffusers import WanTransformer3DModel
 
-    odd = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=3, attention_head_dim=4, in_channels=4, out_channels=4,
-                                text_dim=TEXT_DIM, freq_dim=32, ffn_dim=16, num_layers=1, rope_max_seq_len=32)
+    odd = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=3,
+        attention_head_dim=4,
+        in_channels=4,
+        out_channels=4,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=16,
+        num_layers=1,
+        rope_max_seq_len=32,
+    )
     enable_jvp_attention(odd)
     try:
         enable_context_parallel(odd, group)
     except ValueError as e:
         refusals["heads"] = str(e)
     try:
-        model(torch.randn(1, 4, 1, 2, 6), torch.tensor([500.0]), encoder_hidden_states=cond["encoder_hidden_states"][:1])
+        model(
+            torch.randn(1, 4, 1, 2, 6), torch.tensor([500.0]), encoder_hidden_states=cond["encoder_hidden_states"][:1]
+        )
     except ValueError as e:
         refusals["tokens"] = str(e)
     try:  # ranks that disagree on the expert of a sample: refused before any exchange
-        i2v(torch.randn(1, 12, 2, 4, 8), torch.tensor([950.0 if rank == 0 else 100.0]), cond_i2v["encoder_hidden_states"][:1],
-            cond_i2v["encoder_hidden_states_image"][:1])
+        i2v(
+            torch.randn(1, 12, 2, 4, 8),
+            torch.tensor([950.0 if rank == 0 else 100.0]),
+            cond_i2v["encoder_hidden_states"][:1],
+            cond_i2v["encoder_hidden_states_image"][:1],
+        )
     except ValueError as e:
         refusals["routing"] = str(e)
 with open(os.path.join(os.environ["CP_OUT"], f"refusals{world}-rank{rank}.json"), "w") as f:
     json.dump(refusals, f)
-save_file({k: v.detach().contiguous() for k, v in out.items()}, os.path.join(os.environ["CP_OUT"], f"world{world}-rank{rank}.safetensors"))
+save_file(
+    {k: v.detach().contiguous() for k, v in out.items()},
+    os.path.join(os.environ["CP_OUT"], f"world{world}-rank{rank}.safetensors"),
+)
 if world > 1:
     dist.destroy_process_group()

@@ -20,16 +20,34 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 from rcm_diffusers.arch import build_transformer  # noqa: E402
 from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
 from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel  # noqa: E402
-from rcm_diffusers.distill.adapters import Networks  # noqa: E402
 from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing  # noqa: E402
-from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, allocation_trace, checkpoint_held,  # noqa: E402
-                                          checkpoint_held_bytes, saved_activation_bytes)
+from rcm_diffusers.distill.adapters import Networks  # noqa: E402
+from rcm_diffusers.distill.memory import (
+    TrainSetup,
+    activation_bytes,
+    allocation_trace,
+    checkpoint_held,  # noqa: E402
+    checkpoint_held_bytes,
+    saved_activation_bytes,
+)
 from rcm_diffusers.models import velocity_fn  # noqa: E402
 
 # held-out widths as in tests/test_memory_model.py (D 384 and 128, head dims 192 and 64; the Wan ACT_COEFFS were
 # counted at D 512 / 1536 / 3072 / 5120 with head dim 128), with 2 heads so that a group of 2 divides them
-CASES = [dict(overrides=dict(num_layers=3, num_attention_heads=2, attention_head_dim=192, ffn_dim=1024), frames=3, hw=8, text=40),
-         dict(overrides=dict(num_layers=2, num_attention_heads=2, attention_head_dim=64, ffn_dim=4096), frames=2, hw=12, text=100)]
+CASES = [
+    dict(
+        overrides=dict(num_layers=3, num_attention_heads=2, attention_head_dim=192, ffn_dim=1024),
+        frames=3,
+        hw=8,
+        text=40,
+    ),
+    dict(
+        overrides=dict(num_layers=2, num_attention_heads=2, attention_head_dim=64, ffn_dim=4096),
+        frames=2,
+        hw=12,
+        text=100,
+    ),
+]
 RANK_LORA = 8
 
 dist.init_process_group("gloo")
@@ -59,14 +77,32 @@ for i, c in enumerate(CASES):
             count = saved_activation_bytes if policy == "off" else checkpoint_held_bytes
             with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 measured = count(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
-            s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=c["text"], lora_rank=RANK_LORA,
-                                       weight_dtype=str(dtype).split(".")[-1], gradient_checkpointing=policy != "off",
-                                       checkpointing_policy="full" if policy == "off" else policy, context_parallel=P)
+            s = TrainSetup.from_config(
+                dict(cfg),
+                type(m).__name__,
+                tokens=tokens,
+                text_tokens=c["text"],
+                lora_rank=RANK_LORA,
+                weight_dtype=str(dtype).split(".")[-1],
+                gradient_checkpointing=policy != "off",
+                checkpointing_policy="full" if policy == "off" else policy,
+                context_parallel=P,
+            )
             predict = (lambda s: activation_bytes(s)[0]) if policy == "off" else checkpoint_held
             predicted = predict(s)
             s.context_parallel = 1
-            rows.append(dict(case=i, dtype=str(dtype).split(".")[-1], policy=policy, tokens=tokens, measured=measured,
-                             predicted=predicted, unsplit=predict(s), rank_tokens=sorted(set(seen))))
+            rows.append(
+                dict(
+                    case=i,
+                    dtype=str(dtype).split(".")[-1],
+                    policy=policy,
+                    tokens=tokens,
+                    measured=measured,
+                    predicted=predicted,
+                    unsplit=predict(s),
+                    rank_tokens=sorted(set(seen)),
+                )
+            )
         hook.remove()
 
 # the allocator trace of a CP rank: a JVP pass, then a grad forward and its backward (float32, first case, no checkpointing)
@@ -90,8 +126,12 @@ with nets.role("student"), allocation_trace() as tr:
     for p in m.parameters():
         p.grad = None
     tr.mark("end")
-trace = dict(jvp_peak=tr.peak("start", "jvp"), backward_peak=tr.peak("jvp", "backward"), left=tr.live("start", "end"),
-             allocated=sum(b for _, b in tr.events if b > 0))
+trace = dict(
+    jvp_peak=tr.peak("start", "jvp"),
+    backward_peak=tr.peak("jvp", "backward"),
+    left=tr.live("start", "end"),
+    allocated=sum(b for _, b in tr.events if b > 0),
+)
 
 os.makedirs(os.environ["CP_OUT"], exist_ok=True)
 with open(os.path.join(os.environ["CP_OUT"], f"memory-rank{rank}.json"), "w") as f:

@@ -57,8 +57,10 @@ class FlowCase:
         """Call arguments for ``size`` samples of the case's prompt."""
         if not self.batch_by_prompt:
             return {**self.kwargs(), self.batch_arg: size}
-        return {k: (v.repeat(size, *[1] * (v.dim() - 1)) if isinstance(v, torch.Tensor) and "prompt" in k else v)
-                for k, v in self.kwargs().items()}
+        return {
+            k: (v.repeat(size, *[1] * (v.dim() - 1)) if isinstance(v, torch.Tensor) and "prompt" in k else v)
+            for k, v in self.kwargs().items()
+        }
 
 
 # ----------------------------------------------------------------------------- builders
@@ -67,11 +69,23 @@ class FlowCase:
 def _flux2():
     torch.manual_seed(0)
     tr = diffusers.Flux2Transformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4],
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        timestep_guidance_channels=256,
+        axes_dims_rope=[4, 4, 4, 4],
     ).eval()
-    return diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0),
-                                   vae=None, text_encoder=None, tokenizer=None, transformer=tr)
+    return diffusers.Flux2Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+    )
 
 
 def _flux2_kwargs():
@@ -81,27 +95,53 @@ def _flux2_kwargs():
 def _qwen():
     torch.manual_seed(0)
     tr = diffusers.QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
     ).eval()
-    sched = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                                      shift_terminal=0.02, time_shift_type="exponential")
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
+    )
     return diffusers.QwenImagePipeline(scheduler=sched, vae=None, text_encoder=None, tokenizer=None, transformer=tr)
 
 
 def _qwen_kwargs():
     mask = torch.ones(1, 6, dtype=torch.long)
     mask[0, 4:] = 0  # two padded text tokens: the joint attention takes a mask
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_embeds_mask=mask, height=32, width=32, true_cfg_scale=1.0,
-                output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_embeds_mask=mask,
+        height=32,
+        width=32,
+        true_cfg_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _zimage():
     torch.manual_seed(0)
     tr = diffusers.ZImageTransformer2DModel(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=1, n_refiner_layers=1, n_heads=2,
-        n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=TEXT, rope_theta=256.0, t_scale=1000.0,
-        axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=32,
+        n_layers=1,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        norm_eps=1e-5,
+        qk_norm=True,
+        cap_feat_dim=TEXT,
+        rope_theta=256.0,
+        t_scale=1000.0,
+        axes_dims=[8, 4, 4],
+        axes_lens=[256, 32, 32],
     ).eval()
     with torch.no_grad():  # created with torch.empty
         tr.x_pad_token.fill_(1.0)
@@ -117,24 +157,55 @@ def _zimage_kwargs():
 def _sd3():
     torch.manual_seed(0)
     tr = diffusers.SD3Transformer2DModel(
-        sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=4,
-        caption_projection_dim=32, joint_attention_dim=TEXT, pooled_projection_dim=TEXT, out_channels=4,
+        sample_size=32,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=TEXT,
+        pooled_projection_dim=TEXT,
+        out_channels=4,
     ).eval()
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
-    return diffusers.StableDiffusion3Pipeline(transformer=tr, scheduler=sched, vae=None, text_encoder=None, tokenizer=None,
-                                              text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+    return diffusers.StableDiffusion3Pipeline(
+        transformer=tr,
+        scheduler=sched,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
 
 
 def _sd3_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), pooled_prompt_embeds=_randn(1, TEXT, seed=1), height=32, width=32,
-                guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        pooled_prompt_embeds=_randn(1, TEXT, seed=1),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _chroma():
     torch.manual_seed(0)
     tr = diffusers.ChromaTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT, axes_dims_rope=[4, 4, 8], approximator_hidden_dim=32, approximator_layers=1,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        axes_dims_rope=[4, 4, 8],
+        approximator_hidden_dim=32,
+        approximator_layers=1,
         approximator_num_channels=16,
     ).eval()
     sched = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
@@ -144,18 +215,32 @@ def _chroma():
 def _chroma_kwargs():
     mask = torch.ones(1, 6, dtype=torch.bool)
     mask[0, 4:] = False
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_attention_mask=mask, height=32, width=32, guidance_scale=1.0,
-                output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=mask,
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _cogview4():
     torch.manual_seed(0)
     tr = diffusers.CogView4Transformer2DModel(
-        patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2, out_channels=4,
-        text_embed_dim=TEXT, time_embed_dim=8, condition_dim=4,
+        patch_size=2,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        out_channels=4,
+        text_embed_dim=TEXT,
+        time_embed_dim=8,
+        condition_dim=4,
     ).eval()
-    sched = diffusers.FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
-                                                      use_dynamic_shifting=True, time_shift_type="linear")
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(
+        base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+    )
     return diffusers.CogView4Pipeline(tokenizer=None, text_encoder=None, vae=None, transformer=tr, scheduler=sched)
 
 
@@ -166,22 +251,49 @@ def _cogview4_kwargs():
 def _hidream():
     torch.manual_seed(0)
     tr = diffusers.HiDreamImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=4, caption_channels=[TEXT, TEXT], text_emb_dim=TEXT, num_routed_experts=4,
-        num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32), llama_layers=(0, 1),
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_channels=[TEXT, TEXT],
+        text_emb_dim=TEXT,
+        num_routed_experts=4,
+        num_activated_experts=2,
+        axes_dims_rope=(4, 2, 2),
+        max_resolution=(32, 32),
+        llama_layers=(0, 1),
     ).eval()
     sched = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
-    pipe = diffusers.HiDreamImagePipeline(scheduler=sched, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
-                                          tokenizer_2=None, text_encoder_3=None, tokenizer_3=None, text_encoder_4=None,
-                                          tokenizer_4=None, transformer=tr)
+    pipe = diffusers.HiDreamImagePipeline(
+        scheduler=sched,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        text_encoder_4=None,
+        tokenizer_4=None,
+        transformer=tr,
+    )
     pipe.default_sample_size = 4  # the pipeline rescales every request to this area (x 8 pixels)
     return pipe
 
 
 def _hidream_kwargs():
-    return dict(prompt_embeds_t5=_randn(1, 6, TEXT), prompt_embeds_llama3=_randn(2, 1, 6, TEXT, seed=1),
-                pooled_prompt_embeds=_randn(1, TEXT, seed=2), height=32, width=32, guidance_scale=1.0,
-                output_type="latent")
+    return dict(
+        prompt_embeds_t5=_randn(1, 6, TEXT),
+        prompt_embeds_llama3=_randn(2, 1, 6, TEXT, seed=1),
+        pooled_prompt_embeds=_randn(1, TEXT, seed=2),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _wan(two_experts=False):
@@ -189,9 +301,15 @@ def _wan(two_experts=False):
 
     pipe = tiny_wan_pipeline()
     if two_experts:  # Wan 2.2 A14B: a high-noise and a low-noise expert, switched at boundary_ratio
-        pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=pipe.vae, transformer=tiny_wan_transformer(seed=1),
-                                     transformer_2=tiny_wan_transformer(seed=2), scheduler=pipe.scheduler,
-                                     boundary_ratio=0.9)
+        pipe = diffusers.WanPipeline(
+            tokenizer=None,
+            text_encoder=None,
+            vae=pipe.vae,
+            transformer=tiny_wan_transformer(seed=1),
+            transformer_2=tiny_wan_transformer(seed=2),
+            scheduler=pipe.scheduler,
+            boundary_ratio=0.9,
+        )
     return pipe
 
 
@@ -204,67 +322,135 @@ def _wan_kwargs():
 def _skyreels():
     torch.manual_seed(0)
     tr = diffusers.SkyReelsV2Transformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-        text_dim=TEXT, freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=TEXT,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     ).eval()
     from tiny import tiny_wan_vae
 
     sched = diffusers.UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction")
-    return diffusers.SkyReelsV2Pipeline(tokenizer=None, text_encoder=None, transformer=tr, vae=tiny_wan_vae(), scheduler=sched)
+    return diffusers.SkyReelsV2Pipeline(
+        tokenizer=None, text_encoder=None, transformer=tr, vae=tiny_wan_vae(), scheduler=sched
+    )
 
 
 def _skyreels_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), height=16, width=16, num_frames=5, guidance_scale=1.0,
-                output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT), height=16, width=16, num_frames=5, guidance_scale=1.0, output_type="latent"
+    )
 
 
 def _sana_video():
     torch.manual_seed(0)
     tr = diffusers.SanaVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=1,
-        num_cross_attention_heads=2, cross_attention_head_dim=12, cross_attention_dim=24, caption_channels=TEXT,
-        mlp_ratio=2.5, dropout=0.0, attention_bias=False, sample_size=8, patch_size=(1, 2, 2),
-        norm_elementwise_affine=False, norm_eps=1e-6, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=12,
+        cross_attention_dim=24,
+        caption_channels=TEXT,
+        mlp_ratio=2.5,
+        dropout=0.0,
+        attention_bias=False,
+        sample_size=8,
+        patch_size=(1, 2, 2),
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
     ).eval()
-    sched = diffusers.DPMSolverMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    sched = diffusers.DPMSolverMultistepScheduler(
+        flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"
+    )
     return diffusers.SanaVideoPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=tr, scheduler=sched)
 
 
 def _sana_video_kwargs():
     mask = torch.ones(1, 6, dtype=torch.long)
     mask[0, 4:] = 0
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_attention_mask=mask, height=32, width=32, frames=5,
-                guidance_scale=1.0, use_resolution_binning=False, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=mask,
+        height=32,
+        width=32,
+        frames=5,
+        guidance_scale=1.0,
+        use_resolution_binning=False,
+        output_type="latent",
+    )
 
 
 def _hunyuan15():
     torch.manual_seed(0)
     tr = diffusers.HunyuanVideo15Transformer3DModel(
-        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_refiner_layers=1,
-        mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=TEXT, text_embed_2_dim=TEXT, image_embed_dim=12,
-        rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=TEXT,
+        text_embed_2_dim=TEXT,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        target_size=16,
+        task_type="t2v",
     ).eval()
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLHunyuanVideo15(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16), layers_per_block=1,
-        spatial_compression_ratio=4, temporal_compression_ratio=2, downsample_match_channel=False,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 16),
+        layers_per_block=1,
+        spatial_compression_ratio=4,
+        temporal_compression_ratio=2,
+        downsample_match_channel=False,
         upsample_match_channel=False,
     ).eval()
     from diffusers.guiders import ClassifierFreeGuidance
 
-    return diffusers.HunyuanVideo15Pipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=vae,
-                                            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
-                                            text_encoder_2=None, tokenizer_2=None,
-                                            guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    return diffusers.HunyuanVideo15Pipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+        vae=vae,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=1.0),
+    )
 
 
 def _hunyuan15_kwargs():
     mask = torch.ones(1, 6, dtype=torch.long)
     mask[0, 4:] = 0
     mask2 = torch.ones(1, 3, dtype=torch.long)
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_embeds_mask=mask, prompt_embeds_2=_randn(1, 3, TEXT, seed=1),
-                prompt_embeds_mask_2=mask2, height=16, width=16, num_frames=5, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_embeds_mask=mask,
+        prompt_embeds_2=_randn(1, 3, TEXT, seed=1),
+        prompt_embeds_mask_2=mask2,
+        height=16,
+        width=16,
+        num_frames=5,
+        output_type="latent",
+    )
 
 
 def _ltx2():
@@ -272,36 +458,92 @@ def _ltx2():
 
     torch.manual_seed(0)
     tr = diffusers.LTX2VideoTransformer3DModel(
-        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
-        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=1, qk_norm="rms_norm_across_heads",
-        caption_channels=TEXT, rope_double_precision=False, rope_type="split",
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=1,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=TEXT,
+        rope_double_precision=False,
+        rope_type="split",
     ).eval()
     torch.manual_seed(0)
     connectors = LTX2TextConnectors(
-        caption_channels=TEXT, text_proj_in_factor=2, video_connector_num_attention_heads=2,
-        video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=None,
-        audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_theta=10000.0,
-        rope_double_precision=False, causal_temporal_positioning=False, rope_type="split",
+        caption_channels=TEXT,
+        text_proj_in_factor=2,
+        video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=8,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=2,
+        audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32,
+        rope_theta=10000.0,
+        rope_double_precision=False,
+        causal_temporal_positioning=False,
+        rope_type="split",
     ).eval()
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLLTX2Video(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
-        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
-        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
-        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1, patch_size_t=1,
-        encoder_causal=True, decoder_causal=False,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8,),
+        decoder_block_out_channels=(8,),
+        layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
     ).eval()
     torch.manual_seed(0)
     audio_vae = diffusers.AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
-        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
-        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        norm_type="pixel",
+        causality_axis="height",
+        dropout=0.0,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        is_causal=True,
+        mel_bins=8,
     ).eval()
-    pipe = diffusers.LTX2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
-                                  vae=vae, audio_vae=audio_vae, text_encoder=None, tokenizer=None, connectors=connectors,
-                                  transformer=tr, vocoder=None)
+    pipe = diffusers.LTX2Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=vae,
+        audio_vae=audio_vae,
+        text_encoder=None,
+        tokenizer=None,
+        connectors=connectors,
+        transformer=tr,
+        vocoder=None,
+    )
     # latents of a 32 x 32, 9-frame video as 2 x 2 x 2 tokens (the VAE is only read for its latent statistics)
     pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio = 16, 8
     return pipe
@@ -310,10 +552,23 @@ def _ltx2():
 def _ltx2_kwargs():
     mask = torch.ones(1, 6, dtype=torch.long)
     mask[0, :2] = 0  # left padding, as Gemma's tokenizer
-    return dict(prompt_embeds=_randn(1, 6, 2 * TEXT), prompt_attention_mask=mask, height=32, width=32, num_frames=9,
-                frame_rate=8.0, guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0,
-                audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0, audio_guidance_rescale=0.0,
-                output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, 2 * TEXT),
+        prompt_attention_mask=mask,
+        height=32,
+        width=32,
+        num_frames=9,
+        frame_rate=8.0,
+        guidance_scale=1.0,
+        stg_scale=0.0,
+        modality_scale=1.0,
+        guidance_rescale=0.0,
+        audio_guidance_scale=1.0,
+        audio_stg_scale=0.0,
+        audio_modality_scale=1.0,
+        audio_guidance_rescale=0.0,
+        output_type="latent",
+    )
 
 
 def _flux1():
@@ -326,27 +581,45 @@ def _flux1_kwargs():
     from tiny import flux_embeds
 
     pe, pp = flux_embeds()
-    return dict(prompt_embeds=pe, pooled_prompt_embeds=pp, height=16, width=16, guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=pe, pooled_prompt_embeds=pp, height=16, width=16, guidance_scale=1.0, output_type="latent"
+    )
 
 
 def _mask(n=6, pad=2, left=False, dtype=torch.long):
     m = torch.ones(1, n, dtype=dtype)
     m[0, :pad] = 0 if left else m[0, :pad]
-    m[0, n - pad:] = m[0, n - pad:] if left else 0
+    m[0, n - pad :] = m[0, n - pad :] if left else 0
     return m
 
 
 def _flux2_klein():
     torch.manual_seed(0)
     tr = diffusers.Flux2Transformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=TEXT, timestep_guidance_channels=256, axes_dims_rope=[4, 4, 4, 4], guidance_embeds=False,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        timestep_guidance_channels=256,
+        axes_dims_rope=[4, 4, 4, 4],
+        guidance_embeds=False,
     ).eval()
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLFlux2(  # the pipeline reads its batch-norm statistics even for latent output
-        sample_size=32, in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",),
-        up_block_types=("UpDecoderBlock2D",), block_out_channels=(4,), layers_per_block=1, latent_channels=1,
-        norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     ).eval()
     sched = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0)
     return diffusers.Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=tr)
@@ -359,89 +632,196 @@ def _flux2_klein_kwargs():
 def _aura():
     torch.manual_seed(0)
     tr = diffusers.AuraFlowTransformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1, attention_head_dim=8,
-        num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=TEXT, out_channels=4, pos_embed_max_size=256,
+        sample_size=32,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=TEXT,
+        out_channels=4,
+        pos_embed_max_size=256,
     ).eval()
-    return diffusers.AuraFlowPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=tr,
-                                      scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.73))
+    return diffusers.AuraFlowPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=1.73),
+    )
 
 
 def _aura_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_attention_mask=_mask(), height=32, width=32,
-                guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _lumina2():
     torch.manual_seed(0)
     tr = diffusers.Lumina2Transformer2DModel(
-        sample_size=4, patch_size=2, in_channels=4, hidden_size=16, num_layers=1, num_attention_heads=2, num_kv_heads=1,
-        multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=[4, 2, 2],
+        sample_size=4,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=16,
+        num_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        ffn_dim_multiplier=None,
+        norm_eps=1e-5,
+        scaling_factor=1.0,
+        axes_dim_rope=[4, 2, 2],
         cap_feat_dim=TEXT,
     ).eval()
-    return diffusers.Lumina2Pipeline(transformer=tr, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=6.0),
-                                     vae=None, text_encoder=None, tokenizer=None)
+    return diffusers.Lumina2Pipeline(
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=6.0),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+    )
 
 
 def _lumina2_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_attention_mask=_mask(), height=32, width=32,
-                guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _hunyuan():
     torch.manual_seed(0)
     tr = diffusers.HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1, num_single_layers=1,
-        num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=TEXT,
-        pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=TEXT,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
     ).eval()
-    pipe = diffusers.HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=None,
-                                          scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
-                                          text_encoder_2=None, tokenizer_2=None)
+    pipe = diffusers.HunyuanVideoPipeline(
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+        vae=None,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = 8, 4
     return pipe
 
 
 def _hunyuan_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), pooled_prompt_embeds=_randn(1, 8, seed=1), prompt_attention_mask=_mask(),
-                height=16, width=16, num_frames=5, guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        pooled_prompt_embeds=_randn(1, 8, seed=1),
+        prompt_attention_mask=_mask(),
+        height=16,
+        width=16,
+        num_frames=5,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _ltx():
     torch.manual_seed(0)
     tr = diffusers.LTXVideoTransformer3DModel(
-        in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, num_layers=1, caption_channels=TEXT,
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=TEXT,
     ).eval()
-    pipe = diffusers.LTXPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
-                                 vae=None, text_encoder=None, tokenizer=None, transformer=tr)
+    pipe = diffusers.LTXPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+    )
     return pipe
 
 
 def _ltx_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_attention_mask=_mask(), height=64, width=64, num_frames=9,
-                guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=64,
+        width=64,
+        num_frames=9,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 def _mochi():
     torch.manual_seed(0)
     tr = diffusers.MochiTransformer3DModel(
-        patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=1, pooled_projection_dim=16,
-        in_channels=12, out_channels=None, qk_norm="rms_norm", text_embed_dim=TEXT, time_embed_dim=4,
-        activation_fn="swiglu", max_sequence_length=16,
+        patch_size=2,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        pooled_projection_dim=16,
+        in_channels=12,
+        out_channels=None,
+        qk_norm="rms_norm",
+        text_embed_dim=TEXT,
+        time_embed_dim=4,
+        activation_fn="swiglu",
+        max_sequence_length=16,
     ).eval()
     tr.pos_frequencies.data.zero_()  # created with torch.empty
-    return diffusers.MochiPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None,
-                                   tokenizer=None, transformer=tr)
+    return diffusers.MochiPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+    )
 
 
 def _mochi_kwargs():
-    return dict(prompt_embeds=_randn(1, 6, TEXT), prompt_attention_mask=_mask(), height=16, width=16, num_frames=7,
-                guidance_scale=1.0, output_type="latent")
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=16,
+        width=16,
+        num_frames=7,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
 
 
 CASES = [
     FlowCase("Wan 2.1", "WanPipeline", _wan, _wan_kwargs, out="frames", batch_arg="num_videos_per_prompt"),
-    FlowCase("Wan 2.2", "WanPipeline", lambda: _wan(True), _wan_kwargs, out="frames", batch_arg="num_videos_per_prompt"),
+    FlowCase(
+        "Wan 2.2", "WanPipeline", lambda: _wan(True), _wan_kwargs, out="frames", batch_arg="num_videos_per_prompt"
+    ),
     FlowCase("FLUX.1", "FluxPipeline", _flux1, _flux1_kwargs),
     FlowCase("FLUX.2", "Flux2Pipeline", _flux2, _flux2_kwargs),
     FlowCase("Qwen-Image", "QwenImagePipeline", _qwen, _qwen_kwargs),
@@ -449,18 +829,38 @@ CASES = [
     FlowCase("SD3", "StableDiffusion3Pipeline", _sd3, _sd3_kwargs),
     FlowCase("Chroma", "ChromaPipeline", _chroma, _chroma_kwargs, batch_by_prompt=True),
     FlowCase("CogView4", "CogView4Pipeline", _cogview4, _cogview4_kwargs),
-    FlowCase("SkyReels V2", "SkyReelsV2Pipeline", _skyreels, _skyreels_kwargs, out="frames",
-             batch_arg="num_videos_per_prompt"),
-    FlowCase("SanaVideo", "SanaVideoPipeline", _sana_video, _sana_video_kwargs, out="frames", x_arg=0,
-             batch_arg="num_videos_per_prompt"),
-    FlowCase("HunyuanVideo-1.5", "HunyuanVideo15Pipeline", _hunyuan15, _hunyuan15_kwargs, out="frames",
-             batch_by_prompt=True),
+    FlowCase(
+        "SkyReels V2",
+        "SkyReelsV2Pipeline",
+        _skyreels,
+        _skyreels_kwargs,
+        out="frames",
+        batch_arg="num_videos_per_prompt",
+    ),
+    FlowCase(
+        "SanaVideo",
+        "SanaVideoPipeline",
+        _sana_video,
+        _sana_video_kwargs,
+        out="frames",
+        x_arg=0,
+        batch_arg="num_videos_per_prompt",
+    ),
+    FlowCase(
+        "HunyuanVideo-1.5", "HunyuanVideo15Pipeline", _hunyuan15, _hunyuan15_kwargs, out="frames", batch_by_prompt=True
+    ),
     FlowCase("LTX-2", "LTX2Pipeline", _ltx2, _ltx2_kwargs, out="frames", batch_by_prompt=True),
     FlowCase("FLUX.2 [klein]", "Flux2KleinPipeline", _flux2_klein, _flux2_klein_kwargs),
     FlowCase("AuraFlow", "AuraFlowPipeline", _aura, _aura_kwargs, x_arg=0),
     FlowCase("Lumina 2", "Lumina2Pipeline", _lumina2, _lumina2_kwargs),
-    FlowCase("HunyuanVideo", "HunyuanVideoPipeline", _hunyuan, _hunyuan_kwargs, out="frames",
-             batch_arg="num_videos_per_prompt"),
+    FlowCase(
+        "HunyuanVideo",
+        "HunyuanVideoPipeline",
+        _hunyuan,
+        _hunyuan_kwargs,
+        out="frames",
+        batch_arg="num_videos_per_prompt",
+    ),
     FlowCase("LTX-Video", "LTXPipeline", _ltx, _ltx_kwargs, out="frames", batch_by_prompt=True),
     FlowCase("Mochi", "MochiPipeline", _mochi, _mochi_kwargs, out="frames", batch_by_prompt=True),
     FlowCase("HiDream", "HiDreamImagePipeline", _hidream, _hidream_kwargs, x_arg="hidden_states", t_arg="timesteps"),

@@ -7,16 +7,16 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny import TEXT_DIM, tiny_wan_transformer
+from train_helpers import REPO, make_dataset, make_tiny_wan2, run_trainer
 
 from rcm_diffusers.distill import losses as L
-from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.distill.activation_checkpointing import SAVED_OPS, enable_checkpointing, recording, selective_policy
+from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.distill.config import RCMConfig
 from rcm_diffusers.distill.experts import WanExpertSwitch
 from rcm_diffusers.models import velocity_fn
 from rcm_diffusers.trigflow import TrigFlowDenoiser
-from tiny import TEXT_DIM, tiny_wan_transformer
-from train_helpers import REPO, make_dataset, make_tiny_wan2, run_trainer
 
 RANK = 4
 # Tolerance of the gradient comparison, relative to the largest gradient entry. Checkpointing reruns the same ops on
@@ -67,7 +67,9 @@ def _grads(student, policy: str, fd_type: int, dt: float = 0.0):
         p.grad = None
     with recording() as rec:
         with nets.role("student"):
-            loss, _ = L.scm_loss(lambda x, tt: den.F(x, tt, **cond), x_t, t, F_T, step=0, tangent_warmup=0, fd_type=fd_type)
+            loss, _ = L.scm_loss(
+                lambda x, tt: den.F(x, tt, **cond), x_t, t, F_T, step=0, tangent_warmup=0, fd_type=fd_type
+            )
         with nets.role("fake"):  # the backward runs after the trainer left the role (here: under another adapter)
             loss.sum().backward()
     m.disable_gradient_checkpointing()
@@ -120,7 +122,9 @@ def test_selective_keeps_products_and_attention_not_lora_up(student):
     policy = selective_policy(RANK)
     a, w = torch.zeros(3, RANK), torch.zeros(RANK, 7)
     assert policy(None, torch.ops.aten.mm.default, a, w).name == "PREFER_RECOMPUTE"
-    assert policy(None, torch.ops.aten.mm.default, torch.zeros(3, RANK + 1), torch.zeros(RANK + 1, 7)).name == "MUST_SAVE"
+    assert (
+        policy(None, torch.ops.aten.mm.default, torch.zeros(3, RANK + 1), torch.zeros(RANK + 1, 7)).name == "MUST_SAVE"
+    )
     assert policy(None, torch.ops.aten.gelu.default, a).name == "PREFER_RECOMPUTE"
 
 
@@ -131,7 +135,9 @@ def test_config_and_two_experts():
     RCMConfig(**base, gradient_checkpointing=True, checkpointing_policy="selective").validate()
     with pytest.raises(ValueError, match="checkpointing_policy = 'sac': use 'full' or 'selective'"):
         RCMConfig(**base, gradient_checkpointing=True, checkpointing_policy="sac").validate()
-    with pytest.raises(ValueError, match="checkpointing_policy = 'selective': applies with gradient_checkpointing true"):
+    with pytest.raises(
+        ValueError, match="checkpointing_policy = 'selective': applies with gradient_checkpointing true"
+    ):
         RCMConfig(**base, checkpointing_policy="selective").validate()
     switch = WanExpertSwitch(tiny_wan_transformer(), tiny_wan_transformer(), 0.875)
     enable_checkpointing(switch, "selective", RANK)
@@ -147,9 +153,28 @@ def test_two_expert_training_exports_the_same_lora(tmp_path_factory):
     recompute under the wrong adapter, the bug the adapter-state guard fixes, moved them by about 2e-2 of it in 3 steps)."""
     root = tmp_path_factory.mktemp("sac")
     pipe, data = make_tiny_wan2(str(root / "pipe")), make_dataset(str(root / "data"), "wan")
-    common = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe,
-              "--data_dir", data, "--max_steps", "2", "--tangent_warmup", "0", "--student_update_freq", "2",
-              "--checkpoint_every", "0", "--fd_type", "0", "--adam_eps", "1e-3", "--gradient_checkpointing", "true"]
+    common = [
+        "--config",
+        os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+        "--max_steps",
+        "2",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--checkpoint_every",
+        "0",
+        "--fd_type",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--gradient_checkpointing",
+        "true",
+    ]
     for policy in ("full", "selective"):
         run_trainer([*common, "--checkpointing_policy", policy, "--output_dir", str(root / policy)], timeout=300)
     for sub in ("", "transformer_2"):

@@ -48,12 +48,18 @@ PER_STEP = "2: 1.0; 4: 1.5, 1.4, 0.8"
 def test_rcm_sigmas_per_step_count_mid_t():
     """``"2: 1.0; 4: 1.5, 1.4, 0.8"``: n steps take the entry for n, else the next larger one cut to n - 1 angles.
     The 2-step grid must use 1.0 (not the 4-step entry's 1.5); expected angles written out by hand."""
-    expected = {1: [math.atan(80.0)], 2: [math.atan(80.0), 1.0], 3: [math.atan(80.0), 1.5, 1.4],
-                4: [math.atan(80.0), 1.5, 1.4, 0.8]}
+    expected = {
+        1: [math.atan(80.0)],
+        2: [math.atan(80.0), 1.0],
+        3: [math.atan(80.0), 1.5, 1.4],
+        4: [math.atan(80.0), 1.5, 1.4, 0.8],
+    }
     for steps, angles in expected.items():
         ref = [math.sin(t) / (math.sin(t) + math.cos(t)) for t in angles] + [0.0]
         np.testing.assert_allclose(comfy.rcm_sigmas(steps, 80.0, PER_STEP).numpy(), ref, atol=1e-7, rtol=0)
-    assert not np.allclose(comfy.rcm_sigmas(2, 80.0, PER_STEP).numpy(), comfy.rcm_sigmas(2, 80.0, "1.5, 1.4, 0.8").numpy())
+    assert not np.allclose(
+        comfy.rcm_sigmas(2, 80.0, PER_STEP).numpy(), comfy.rcm_sigmas(2, 80.0, "1.5, 1.4, 0.8").numpy()
+    )
     # spaces as separators inside an entry (as in the flat form), a trailing semicolon, a mapping
     assert comfy.parse_mid_t("2: 1.0; 4: 1.5 1.4 0.8;") == {2: (1.0,), 4: (1.5, 1.4, 0.8)}
     assert comfy.parse_mid_t({"4": [1.5, 1.4, 0.8], 2: [1.0]}) == {2: (1.0,), 4: (1.5, 1.4, 0.8)}
@@ -81,8 +87,11 @@ def test_per_step_mid_t_errors_are_one_line(text, match):
 
 
 def test_rcm_sigmas_per_step_out_of_range_names_the_step_counts():
-    with pytest.raises(ValueError, match=r"^steps=5 is out of range: with mid_t='2: 1.0; 4: 1.5, 1.4, 0.8' the rCM "
-                                         r"sampler takes 1..4 steps \(angles for 2, 4 steps.*add an entry for 5 steps"):
+    with pytest.raises(
+        ValueError,
+        match=r"^steps=5 is out of range: with mid_t='2: 1.0; 4: 1.5, 1.4, 0.8' the rCM "
+        r"sampler takes 1..4 steps \(angles for 2, 4 steps.*add an entry for 5 steps",
+    ):
         comfy.rcm_sigmas(5, 80.0, PER_STEP)
     with pytest.raises(ValueError, match=r"in the mid_t entry for 4 steps \(arctan\(sigma_max=10.0\)"):
         comfy.rcm_sigmas(4, 10.0, PER_STEP)
@@ -200,8 +209,16 @@ def test_sample_rcm_matches_float64_spec_loop(stochastic):
     x = float(r[0]) * torch.randn(shape, generator=g)
     model = AffineDenoiser(c)
     seen = []
-    out = comfy.sample_rcm(model, x, sigmas, extra_args={"cond": 1}, disable=True, stochastic=stochastic,
-                           noise_sampler=ListNoise(noises), callback=lambda d: seen.append((d["i"], d["denoised"])))
+    out = comfy.sample_rcm(
+        model,
+        x,
+        sigmas,
+        extra_args={"cond": 1},
+        disable=True,
+        stochastic=stochastic,
+        noise_sampler=ListNoise(noises),
+        callback=lambda d: seen.append((d["i"], d["denoised"])),
+    )
     ref = reference_loop(x, c, r, noises, stochastic)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
@@ -212,8 +229,9 @@ def test_sample_rcm_matches_float64_spec_loop(stochastic):
     # the last step returns the model's x0 exactly
     torch.testing.assert_close(seen[-1][1], out, atol=0, rtol=0)
     # stochastic and deterministic really differ
-    other = comfy.sample_rcm(AffineDenoiser(c), x, sigmas, disable=True, stochastic=not stochastic,
-                             noise_sampler=ListNoise(noises))
+    other = comfy.sample_rcm(
+        AffineDenoiser(c), x, sigmas, disable=True, stochastic=not stochastic, noise_sampler=ListNoise(noises)
+    )
     assert (other - out).abs().max() > 1e-2
 
 
@@ -257,8 +275,9 @@ def test_seeded_noise_sampler_uses_comfyuis_own_when_loaded(monkeypatch):
     fake.default_noise_sampler = default_noise_sampler
     monkeypatch.setitem(sys.modules, "comfy.k_diffusion.sampling", fake)
     x = torch.zeros(1, 2, 4, 4)
-    out = comfy.sample_rcm(AffineDenoiser(torch.zeros_like(x)), x, comfy.rcm_sigmas(2), extra_args={"seed": 5},
-                           disable=True)
+    out = comfy.sample_rcm(
+        AffineDenoiser(torch.zeros_like(x)), x, comfy.rcm_sigmas(2), extra_args={"seed": 5}, disable=True
+    )
     assert calls == [5]
     r1 = float(comfy.rcm_sigmas(2)[1])
     torch.testing.assert_close(out, torch.full_like(x, (0.5 - 0.3 * r1) * r1 * 3.0), atol=1e-6, rtol=0)
@@ -306,8 +325,9 @@ def test_rcm_sampler_node_time_input_widget_reaches_sample_rcm(monkeypatch):
         assert sampler.sampler_function is comfy.sample_rcm
         assert sampler.extra_options == {"stochastic": True, "time_input": kwargs.get("time_input", "bf16")}
         model = AffineDenoiser(c)
-        out = sampler.sampler_function(model, x, sigmas, extra_args={"seed": 3}, callback=None, disable=True,
-                                       **sampler.extra_options)
+        out = sampler.sampler_function(
+            model, x, sigmas, extra_args={"seed": 3}, callback=None, disable=True, **sampler.extra_options
+        )
         runs[kwargs.get("time_input", "default")] = (out, [s for s, _ in model.calls])
     bf16_times = [988.0e-3, 932.0e-3, 852.0e-3, 608.0e-3]  # bf16(1000 r) of docs/math.md §2.1's 4-step times
     assert runs["bf16"][1] == pytest.approx(bf16_times, abs=1e-7) and runs["default"][1] == runs["bf16"][1]
@@ -347,8 +367,12 @@ def test_split_sigmas_at_boundary_and_chaining_equals_one_run():
 
 @pytest.mark.parametrize(
     "steps, boundary, match",
-    [(4, 0.99, "high-noise expert gets no step"), (1, 0.9, "low-noise expert gets no step"),
-     (4, 0.5, "low-noise expert gets no step"), (4, 1.5, r"must lie in \(0, 1\)")],
+    [
+        (4, 0.99, "high-noise expert gets no step"),
+        (1, 0.9, "low-noise expert gets no step"),
+        (4, 0.5, "low-noise expert gets no step"),
+        (4, 1.5, r"must lie in \(0, 1\)"),
+    ],
 )
 def test_split_sigmas_bad_boundary(steps, boundary, match):
     with pytest.raises(ValueError, match=match):
@@ -418,21 +442,30 @@ def test_load_lora_file_diffusers_and_comfy_layouts(tmp_path):
         lora = {k: v for k, v in out.items() if not k.endswith(".alpha")}
         assert set(lora) == {
             f"diffusion_model.blocks.0.{t}.{s}.weight"
-            for t in ("self_attn.q", "cross_attn.o", "ffn.0") for s in ("lora_down", "lora_up")
+            for t in ("self_attn.q", "cross_attn.o", "ffn.0")
+            for s in ("lora_down", "lora_up")
         }, fmt
-        torch.testing.assert_close(out["diffusion_model.blocks.0.self_attn.q.lora_down.weight"],
-                                   sd["transformer.blocks.0.attn1.to_q.lora_A.weight"], atol=0, rtol=0)
+        torch.testing.assert_close(
+            out["diffusion_model.blocks.0.self_attn.q.lora_down.weight"],
+            sd["transformer.blocks.0.attn1.to_q.lora_A.weight"],
+            atol=0,
+            rtol=0,
+        )
         assert float(out["diffusion_model.blocks.0.self_attn.q.alpha"]) == 1.0, fmt
-    key_map = {"diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight",
-               "diffusion_model.blocks.0.ffn.0": "diffusion_model.blocks.0.ffn.0.weight"}
+    key_map = {
+        "diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight",
+        "diffusion_model.blocks.0.ffn.0": "diffusion_model.blocks.0.ffn.0.weight",
+    }
     assert comfy.lora_targets_missing(out, key_map) == ["blocks.0.cross_attn.o"]
 
 
 def test_load_lora_file_wrong_architecture_and_bad_files(tmp_path):
     from safetensors.torch import save_file
 
-    flux = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
-            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2)}
+    flux = {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2),
+    }
     save_file(flux, tmp_path / "flux.safetensors")
     with pytest.raises(ValueError, match="this LoRA is for Flux but the model is Wan"):
         comfy.load_lora_file(str(tmp_path / "flux.safetensors"), "wan")
@@ -448,8 +481,12 @@ def test_load_lora_file_wrong_architecture_and_bad_files(tmp_path):
 
 
 def test_split_parameter_patches():
-    patches = {"diffusion_model.blocks.0.self_attn.q.weight": 1, "diffusion_model.blocks.0.ffn.0.bias": 2,
-               "diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}
+    patches = {
+        "diffusion_model.blocks.0.self_attn.q.weight": 1,
+        "diffusion_model.blocks.0.ffn.0.bias": 2,
+        "diffusion_model.blocks.0.modulation": 3,
+        "diffusion_model.head.modulation": 4,
+    }
     module, raw = comfy.split_parameter_patches(patches)
     assert set(module) == {"diffusion_model.blocks.0.self_attn.q.weight", "diffusion_model.blocks.0.ffn.0.bias"}
     assert raw == {"diffusion_model.blocks.0.modulation": 3, "diffusion_model.head.modulation": 4}
@@ -475,10 +512,19 @@ def test_sample_rcm_refuses_a_nan_model_output(value, time_input):
     """A NaN/inf x0 stopped the run at once, naming the step (the diffusers schedulers' rule), not a NaN latent."""
     x = torch.ones(1, 2, 4, 4)
     model = NaNAt(1, value)
-    with pytest.raises(ValueError, match=r"^rCM Sampler: the model output holds NaN or inf at step 1 \(sigma=0.93378\); "
-                                         r"check the model and its inputs\.$"):
-        comfy.sample_rcm(model, x, comfy.rcm_sigmas(4), disable=True, time_input=time_input,
-                         noise_sampler=lambda a, b: torch.zeros_like(x))
+    with pytest.raises(
+        ValueError,
+        match=r"^rCM Sampler: the model output holds NaN or inf at step 1 \(sigma=0.93378\); "
+        r"check the model and its inputs\.$",
+    ):
+        comfy.sample_rcm(
+            model,
+            x,
+            comfy.rcm_sigmas(4),
+            disable=True,
+            time_input=time_input,
+            noise_sampler=lambda a, b: torch.zeros_like(x),
+        )
     assert model.calls == 2  # stopped at the first bad step
 
 
@@ -495,13 +541,16 @@ def test_stochastic_must_be_a_bool(bad):
     assert _rcm_sampler_options(np.bool_(False)) == {"stochastic": False, "time_input": "bf16"}
 
 
-@pytest.mark.parametrize("sigmas, boundary, match", [
-    (None, 0.9, r"^rCM Expert Split: sigmas must be SIGMAS \(connect rCM Sigmas\), got NoneType\.$"),
-    ("0.9, 0", 0.9, r"^rCM Expert Split: sigmas must be SIGMAS \(connect rCM Sigmas\), got str\.$"),
-    ("ok", None, r"^rCM Expert Split: boundary must be a number in \(0, 1\), got None\.$"),
-    ("ok", "0.9", r"^rCM Expert Split: boundary must be a number in \(0, 1\), got '0.9'\.$"),
-    ("ok", float("nan"), r"^rCM Expert Split: boundary must be a number in \(0, 1\), got nan\.$"),
-])
+@pytest.mark.parametrize(
+    "sigmas, boundary, match",
+    [
+        (None, 0.9, r"^rCM Expert Split: sigmas must be SIGMAS \(connect rCM Sigmas\), got NoneType\.$"),
+        ("0.9, 0", 0.9, r"^rCM Expert Split: sigmas must be SIGMAS \(connect rCM Sigmas\), got str\.$"),
+        ("ok", None, r"^rCM Expert Split: boundary must be a number in \(0, 1\), got None\.$"),
+        ("ok", "0.9", r"^rCM Expert Split: boundary must be a number in \(0, 1\), got '0.9'\.$"),
+        ("ok", float("nan"), r"^rCM Expert Split: boundary must be a number in \(0, 1\), got nan\.$"),
+    ],
+)
 def test_expert_split_bad_input_is_one_clear_line(sigmas, boundary, match):
     from comfy_nodes.nodes import EXPERT_SPLIT
 
@@ -534,9 +583,12 @@ def test_lora_name_outside_comfyuis_list_is_refused(tmp_path):
     fp = FolderPaths(str(tmp_path / "loras"), ["rcm.safetensors", "gone.safetensors"])
     assert comfy.resolve_lora_name("rcm.safetensors", fp) == str(tmp_path / "loras" / "rcm.safetensors")
     for name in ("../x", str(tmp_path / "x"), "gone.safetensors", None, ["rcm.safetensors"]):
-        with pytest.raises(ValueError, match=rf"^rCM LoRA Loader: lora_name={re.escape(repr(name))} is not in ComfyUI's "
-                                             r"loras list \(2 file\(s\)\); put the file in models/loras, refresh and "
-                                             r"pick it from the list\.$"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^rCM LoRA Loader: lora_name={re.escape(repr(name))} is not in ComfyUI's "
+            r"loras list \(2 file\(s\)\); put the file in models/loras, refresh and "
+            r"pick it from the list\.$",
+        ):
             comfy.resolve_lora_name(name, fp)
     assert fp.full_path_calls == ["rcm.safetensors", "gone.safetensors"]  # unlisted names never looked up
 
@@ -548,9 +600,20 @@ def _tiny_wan(ffn_dim):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=64, in_channels=16,
-                                 out_channels=16, text_dim=32, freq_dim=32, ffn_dim=ffn_dim, num_layers=1,
-                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6).eval()
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=1,
+        attention_head_dim=64,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=ffn_dim,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    ).eval()
 
 
 def _roundup(n, m):
@@ -588,8 +651,9 @@ def _as_mxfp8(root, layers):
     for name in layers:
         mod = root.get_submodule(name)
         n, k = mod._orig_shape
-        mod.weight = torch.nn.Parameter(torch.zeros(_roundup(n, 32), _roundup(k, 32), dtype=torch.float8_e4m3fn),
-                                        requires_grad=False)
+        mod.weight = torch.nn.Parameter(
+            torch.zeros(_roundup(n, 32), _roundup(k, 32), dtype=torch.float8_e4m3fn), requires_grad=False
+        )
     return root
 
 
@@ -629,8 +693,13 @@ def test_lora_is_checked_against_the_logical_shape_of_quantized_layers(tmp_path,
         with pytest.raises(ValueError, match=re.escape(f"LoRA delta (200, 64) vs weight {storage}")):
             lora_keys.check_against_model(sd, dm.state_dict())
     # a LoRA of another model size is still refused, with the logical shape
-    wrong = dict(sd, **{"diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 48),
-                        "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(200, 4)})
+    wrong = dict(
+        sd,
+        **{
+            "diffusion_model.blocks.0.ffn.0.lora_down.weight": torch.zeros(4, 48),
+            "diffusion_model.blocks.0.ffn.0.lora_up.weight": torch.zeros(200, 4),
+        },
+    )
     with pytest.raises(ValueError, match=re.escape("blocks.0.ffn.0: LoRA delta (200, 48) vs weight (200, 64)")):
         comfy.check_lora_against_model(wrong, dm)
 
@@ -641,13 +710,20 @@ def test_lora_is_checked_against_the_logical_shape_of_quantized_layers(tmp_path,
 def test_wan_lora_variant_from_keys_and_metadata():
     t2v_keys = ["diffusion_model.blocks.0.self_attn.q.lora_down.weight"]
     assert comfy.wan_lora_variant(t2v_keys) == (None, "")
-    variant, why = comfy.wan_lora_variant(t2v_keys + ["diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight",
-                                                      "diffusion_model.blocks.0.cross_attn.v_img.lora_down.weight"])
+    variant, why = comfy.wan_lora_variant(
+        t2v_keys
+        + [
+            "diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight",
+            "diffusion_model.blocks.0.cross_attn.v_img.lora_down.weight",
+        ]
+    )
     assert variant == "i2v" and "blocks.0.cross_attn.k_img" in why and ", ..." in why
     assert comfy.wan_lora_variant(["transformer.blocks.0.attn2.add_k_proj.lora_A.weight"])[0] == "i2v"
     assert comfy.wan_lora_variant(["diffusion_model.img_emb.proj.1.diff"])[0] == "i2v"
     assert comfy.wan_lora_variant(t2v_keys, {"ss_base_model_version": "wan2.2_i2v_a14b"}) == (
-        "i2v", "its metadata says ss_base_model_version='wan2.2_i2v_a14b'")
+        "i2v",
+        "its metadata says ss_base_model_version='wan2.2_i2v_a14b'",
+    )
     assert comfy.wan_lora_variant(t2v_keys, {"rcm_lora": '{"base_model": "Wan-AI/Wan2.1-T2V-1.3B"}'})[0] == "t2v"
     # metadata naming both (or neither) decides nothing
     assert comfy.wan_lora_variant(t2v_keys, {"a": "Wan2.1-T2V", "b": "Wan2.1-I2V"}) == (None, "")
@@ -665,16 +741,20 @@ def test_i2v_lora_on_a_t2v_model_warns(tmp_path):
         m.patch_embedding = torch.nn.Conv3d(in_channels, 8, (1, 2, 2))
         return m
 
-    lora = {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8),
-            "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(8, 2)}
+    lora = {
+        "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8),
+        "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(8, 2),
+    }
     save_file(lora, tmp_path / "i2v.safetensors", metadata={"ss_base_model_version": "wan2.2_i2v_a14b"})
     save_file(lora, tmp_path / "plain.safetensors")
     assert comfy.wan_model_variant(wan(16)) == "t2v" and comfy.wan_model_variant(wan(36)) == "i2v"
     assert comfy.wan_model_variant(wan(48)) is None
     msg = _wan_variant_warning(str(tmp_path / "i2v.safetensors"), "i2v.safetensors", wan(16))
-    assert msg == ("rCM LoRA Loader, lora_name='i2v.safetensors': this LoRA was made for Wan I2V (its metadata says "
-                   "ss_base_model_version='wan2.2_i2v_a14b') but the model is Wan T2V; the shapes fit, so it is "
-                   "applied, but pick a T2V LoRA unless this is intended.")
+    assert msg == (
+        "rCM LoRA Loader, lora_name='i2v.safetensors': this LoRA was made for Wan I2V (its metadata says "
+        "ss_base_model_version='wan2.2_i2v_a14b') but the model is Wan T2V; the shapes fit, so it is "
+        "applied, but pick a T2V LoRA unless this is intended."
+    )
     assert _wan_variant_warning(str(tmp_path / "i2v.safetensors"), "i2v.safetensors", wan(36)) is None
     assert _wan_variant_warning(str(tmp_path / "plain.safetensors"), "plain.safetensors", wan(16)) is None
 
@@ -691,11 +771,15 @@ def test_t2v_lora_on_an_i2v_model_says_an_i2v_lora():
     m.patch_embedding = torch.nn.Conv3d(36, 8, (1, 2, 2))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "t2v.safetensors")
-        save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8)}, path,
-                  metadata={"ss_base_model_version": "wan2.1_t2v_14b"})
+        save_file(
+            {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8)},
+            path,
+            metadata={"ss_base_model_version": "wan2.1_t2v_14b"},
+        )
         msg = _wan_variant_warning(path, "t2v.safetensors", m)
-    assert msg.endswith("but the model is Wan I2V; the shapes fit, so it is applied, but pick an I2V LoRA unless this "
-                        "is intended."), msg
+    assert msg.endswith(
+        "but the model is Wan I2V; the shapes fit, so it is applied, but pick an I2V LoRA unless this is intended."
+    ), msg
 
 
 class WAN21:  # a ComfyUI Wan BaseModel as rcm_diffusers.comfy.model_arch sees it (by class name)
@@ -708,7 +792,6 @@ class WAN21:  # a ComfyUI Wan BaseModel as rcm_diffusers.comfy.model_arch sees i
         self.diffusion_model.blocks = torch.nn.ModuleList([block])
 
 
-
 @pytest.fixture
 def comfyui_stand_ins(tmp_path, monkeypatch):
     """folder_paths, comfy.lora / comfy.utils and the server module as the loader node uses them (no ComfyUI): the loras
@@ -719,27 +802,48 @@ def comfyui_stand_ins(tmp_path, monkeypatch):
 
     loras = tmp_path / "loras"
     loras.mkdir()
-    wan = {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8),
-           "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(8, 2)}
+    wan = {
+        "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 8),
+        "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(8, 2),
+    }
     save_file(wan, loras / "i2v.safetensors", metadata={"ss_base_model_version": "wan2.2_i2v_a14b"})
     save_file(wan, loras / "plain.safetensors")
-    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
-               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2)}, loras / "flux.safetensors")
-    save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 24),
-               "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 2)}, loras / "wide.safetensors")
-    folder_paths = FolderPaths(str(loras), ["i2v.safetensors", "plain.safetensors", "flux.safetensors", "wide.safetensors"])
+    save_file(
+        {
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 8),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 2),
+        },
+        loras / "flux.safetensors",
+    )
+    save_file(
+        {
+            "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 24),
+            "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.zeros(24, 2),
+        },
+        loras / "wide.safetensors",
+    )
+    folder_paths = FolderPaths(
+        str(loras), ["i2v.safetensors", "plain.safetensors", "flux.safetensors", "wide.safetensors"]
+    )
     lora = types.ModuleType("comfy.lora")
     lora.model_lora_keys_unet = lambda model, key_map: {
-        "diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight"}
+        "diffusion_model.blocks.0.self_attn.q": "diffusion_model.blocks.0.self_attn.q.weight"
+    }
     lora.load_lora = lambda sd, key_map: {}  # no patch: the loader returns the model it was given
     package = types.ModuleType("comfy")
     package.lora, package.utils = lora, types.ModuleType("comfy.utils")
     sent = []
     server = types.ModuleType("server")
-    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(
-        send_progress_text=lambda text, node_id: sent.append((text, node_id))))
-    for name, module in (("folder_paths", folder_paths), ("comfy", package), ("comfy.lora", lora),
-                         ("comfy.utils", package.utils), ("server", server)):
+    server.PromptServer = types.SimpleNamespace(
+        instance=types.SimpleNamespace(send_progress_text=lambda text, node_id: sent.append((text, node_id)))
+    )
+    for name, module in (
+        ("folder_paths", folder_paths),
+        ("comfy", package),
+        ("comfy.lora", lora),
+        ("comfy.utils", package.utils),
+        ("server", server),
+    ):
         monkeypatch.setitem(sys.modules, name, module)
     return types.SimpleNamespace(model=types.SimpleNamespace(model=WAN21(16)), sent=sent)
 
@@ -755,17 +859,20 @@ def test_variant_warning_is_shown_on_the_loader_node(comfyui_stand_ins, caplog):
     cls = legacy_nodes([LORA_LOADER])[0]["RCMLoraLoader"]
     assert cls.INPUT_TYPES()["hidden"] == {"unique_id": "UNIQUE_ID"}  # the node id the text is shown on
     model = comfyui_stand_ins.model
-    warning = ("rCM LoRA Loader, lora_name='i2v.safetensors': this LoRA was made for Wan I2V (its metadata says "
-               "ss_base_model_version='wan2.2_i2v_a14b') but the model is Wan T2V; the shapes fit, so it is applied, "
-               "but pick a T2V LoRA unless this is intended.")
+    warning = (
+        "rCM LoRA Loader, lora_name='i2v.safetensors': this LoRA was made for Wan I2V (its metadata says "
+        "ss_base_model_version='wan2.2_i2v_a14b') but the model is Wan T2V; the shapes fit, so it is applied, "
+        "but pick a T2V LoRA unless this is intended."
+    )
     with caplog.at_level(logging.WARNING):
         out = getattr(cls(), cls.FUNCTION)(model=model, lora_name="i2v.safetensors", strength_model=1.0, unique_id="7")
     assert out == {"ui": {"text": [warning]}, "result": (model,)}
     assert comfyui_stand_ins.sent == [(warning, "7")]
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [warning]  # the log, as before
     # a LoRA that fits the variant: the plain output, nothing shown
-    assert getattr(cls(), cls.FUNCTION)(model=model, lora_name="plain.safetensors", strength_model=1.0,
-                                        unique_id="7") == (model,)
+    assert getattr(cls(), cls.FUNCTION)(
+        model=model, lora_name="plain.safetensors", strength_model=1.0, unique_id="7"
+    ) == (model,)
     assert comfyui_stand_ins.sent == [(warning, "7")]
 
 
@@ -777,8 +884,10 @@ def test_loader_errors_name_the_file_once_with_one_advice(comfyui_stand_ins):
     model = comfyui_stand_ins.model
     with pytest.raises(ValueError) as e:
         LORA_LOADER.execute(model=model, lora_name="flux.safetensors", strength_model=1.0)
-    assert str(e.value) == ("rCM LoRA Loader, lora_name='flux.safetensors': this LoRA is for Flux but the model is Wan; "
-                            "pick a Wan LoRA or connect a Flux model.")
+    assert str(e.value) == (
+        "rCM LoRA Loader, lora_name='flux.safetensors': this LoRA is for Flux but the model is Wan; "
+        "pick a Wan LoRA or connect a Flux model."
+    )
     with pytest.raises(ValueError) as e:
         LORA_LOADER.execute(model=model, lora_name="wide.safetensors", strength_model=1.0)
     msg = str(e.value)
@@ -849,14 +958,18 @@ def test_a_bad_rcm_sigmas_value_is_one_error_naming_it():
     assert RCM_SIGMAS.validate(None, mid_t=None) is True
     assert RCM_SIGMAS.validate(None, mid_t="1.5, x") == (
         "rCM Sigmas: mid_t: cannot read ['x'] as numbers in '1.5, x'; write the intermediate TrigFlow angles as "
-        "decreasing numbers separated by commas, e.g. '1.5, 1.4, 1.0' (or per step count, '2: 1.0; 4: 1.5, 1.4, 0.8').")
+        "decreasing numbers separated by commas, e.g. '1.5, 1.4, 1.0' (or per step count, '2: 1.0; 4: 1.5, 1.4, 0.8')."
+    )
     # the per-step-count form: read when queued, a bad entry is one line naming it
     assert RCM_SIGMAS.validate(None, mid_t="2: 1.0; 4: 1.5, 1.4, 0.8") is True
     bad = RCM_SIGMAS.validate(None, mid_t="2: 1.0; 4: 1.4, 1.5, 0.8")
     assert bad.startswith("rCM Sigmas: mid_t: angles must strictly decrease") and "entry for 4 steps" in bad
     assert "\n" not in bad
-    with pytest.raises(ValueError, match=r"^rCM Sigmas: steps=5 is out of range: with mid_t='2: 1.0; 4: 1.5, 1.4, 0.8' "
-                                         r"the rCM sampler takes 1..4 steps \(angles for 2, 4 steps"):
+    with pytest.raises(
+        ValueError,
+        match=r"^rCM Sigmas: steps=5 is out of range: with mid_t='2: 1.0; 4: 1.5, 1.4, 0.8' "
+        r"the rCM sampler takes 1..4 steps \(angles for 2, 4 steps",
+    ):
         RCM_SIGMAS.execute(steps=5, sigma_max=80.0, mid_t="2: 1.0; 4: 1.5, 1.4, 0.8")
     with pytest.raises(ValueError, match=r"^rCM Sigmas: steps=6 is out of range: with mid_t=\[1.5, 1.4, 1.0\]"):
         RCM_SIGMAS.execute(steps=6, sigma_max=80.0, mid_t="1.5, 1.4, 1.0")
@@ -868,7 +981,7 @@ def test_a_bad_rcm_sigmas_value_is_one_error_naming_it():
 
 REPO = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
-_LOAD_AS_COMFYUI_DOES = r'''
+_LOAD_AS_COMFYUI_DOES = r"""
 import importlib.abc, importlib.util, json, os, sys
 
 class Block(importlib.abc.MetaPathFinder):  # what a ComfyUI environment need not have
@@ -900,7 +1013,7 @@ print(json.dumps({
     "heavy": sorted(k for k in sys.modules if k.split(".")[0] in ("diffusers", "transformers", "peft", "accelerate")),
     "rcm_from": os.path.dirname(sys.modules["rcm_diffusers"].__file__),
 }))
-'''
+"""
 
 
 def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_own_packages_only():
@@ -912,8 +1025,14 @@ def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_ow
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", _LOAD_AS_COMFYUI_DOES, REPO], capture_output=True, text=True,
-                         env=env, cwd="/", timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_AS_COMFYUI_DOES, REPO],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["entrypoint"] is False and r["heavy"] == []
@@ -924,11 +1043,16 @@ def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_ow
     steps = r["input_types"]["required"]["steps"]
     assert steps[0] == "INT" and steps[1]["default"] == 4 and steps[1]["min"] == 1
     assert r["input_types"]["optional"]["model"][0] == "MODEL"
-    assert r["return_types"]["RCMExpertSplit"] == ["SIGMAS", "SIGMAS"] and r["return_types"]["RCMSampler"] == ["SAMPLER"]
+    assert r["return_types"]["RCMExpertSplit"] == ["SIGMAS", "SIGMAS"] and r["return_types"]["RCMSampler"] == [
+        "SAMPLER"
+    ]
     assert r["validate_ok"] is True and r["validate_linked"] is True
     sampler = r["sampler_input_types"]
     assert list(sampler["required"]) == ["stochastic"] and list(sampler["optional"]) == ["time_input"]
-    assert sampler["optional"]["time_input"][0] == ["bf16", "float"] and sampler["optional"]["time_input"][1]["default"] == "bf16"
+    assert (
+        sampler["optional"]["time_input"][0] == ["bf16", "float"]
+        and sampler["optional"]["time_input"][1]["default"] == "bf16"
+    )
     assert r["validate_bad"].startswith("rCM Sigmas: mid_t: cannot read ['1.4.0'] as numbers")
     # ComfyUI reports a failed validate once per argument: mid_t only, so a bad mid_t is one error naming mid_t
     assert r["validate_args"] == ["cls", "mid_t"]
@@ -938,7 +1062,6 @@ def test_pack_loads_from_the_repository_root_with_the_legacy_api_and_comfyuis_ow
 def test_setuptools_ships_only_the_rcm_diffusers_package():
     """The root __init__.py (ComfyUI entry) and comfy_nodes/ are not part of the Python package."""
     import tomllib
-
     from setuptools import find_packages
 
     with open(f"{REPO}/pyproject.toml", "rb") as f:
@@ -952,8 +1075,8 @@ def test_comfy_registry_fields():
     registry/specifications): a node id, a semver version, [project.urls] Repository, PublisherId, DisplayName, a
     square icon of at most 400x400 given as a URL (its raw form in the repository), requires-comfyui."""
     import re
-    import tomllib
 
+    import tomllib
     from PIL import Image
 
     with open(f"{REPO}/pyproject.toml", "rb") as f:
@@ -971,7 +1094,7 @@ def test_comfy_registry_fields():
     icon = comfy_conf["Icon"]
     prefix = f"https://raw.githubusercontent.com/{m[1]}/{m[2]}/main/"
     assert icon.startswith(prefix), icon
-    path = os.path.join(REPO, icon[len(prefix):])
+    path = os.path.join(REPO, icon[len(prefix) :])
     with Image.open(path) as im:
         assert im.format == "PNG" and im.width == im.height <= 400, (im.format, im.size)
     # the ComfyUI version the tests/comfyui suite runs against, and no older one

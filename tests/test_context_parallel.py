@@ -23,9 +23,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import REPO, kill_after, run_script, run_trainer, tiny_wan_run
 
 from rcm_diffusers.distill.launch import free_port
-from train_helpers import kill_after, REPO, run_script, run_trainer, tiny_wan_run
 
 TOL = 2e-6
 F32_UNIT = 2.0**-23  # float32 spacing at 1
@@ -74,8 +74,10 @@ def test_transformer_output_jvp_and_gradients_split_over_two_processes(tmp_path)
         for k, (diff, scale) in _compare(ref, got, i2v).items():
             assert scale > 0 and diff <= 4 * err32[k] + 2 * F32_UNIT * scale, (r, k, diff, err32[k], scale)
             ratio = max(ratio, diff / max(err32[k], F32_UNIT * scale))
-        print(f"rank {r} I2V two experts: largest difference / float32 error of the unsplit run over {len(i2v)} tensors: "
-              f"{ratio:.3g}; output and FD tangent bit for bit: {all(_compare(ref, got, [k])[k][0] == 0 for k in ('i2v.output', 'i2v.fd'))}")
+        print(
+            f"rank {r} I2V two experts: largest difference / float32 error of the unsplit run over {len(i2v)} tensors: "
+            f"{ratio:.3g}; output and FD tangent bit for bit: {all(_compare(ref, got, [k])[k][0] == 0 for k in ('i2v.output', 'i2v.fd'))}"
+        )
         refusals = json.load(open(tmp_path / f"refusals2-rank{r}.json"))
         assert "does not divide the 3 attention heads" in refusals["heads"], refusals
         assert "3 video tokens, not divisible by 2" in refusals["tokens"], refusals
@@ -93,20 +95,57 @@ def test_rcm_context_parallel_two_processes_equals_one(wan):
     --context_parallel_size 2 exports the same LoRA and EMA LoRA as 1 process with the same config, batch size and
     seed, and logs the same losses; so does the same on 2 processes with FSDP2 (fsdp2_2cpu.yaml). Also 2 DDP processes with batch 1 and per-sample noise equal 1 process with
     batch 2 (this runs torch.func.jvp through the DDP wrapper: trainer.ddp_jvp_bypass)."""
-    common = ["--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1], "--max_steps", "4", "--tangent_warmup", "0",
-              "--student_update_freq", "2", "--lr_warmup_steps", "2", "--checkpoint_every", "0", "--adam_eps", "1e-3",
-              "--ema_rate", "0.3", "--fd_type", "0"]
-    runs = {"one": (1, ["--batch_size", "2"]), "cp2": (2, ["--batch_size", "2", "--context_parallel_size", "2"]),
-            "ddp2": (2, ["--batch_size", "1", "--noise_seeding", "sample"]),
-            "one_sample": (1, ["--batch_size", "2", "--noise_seeding", "sample"])}
+    common = [
+        "--config",
+        WAN,
+        "--pretrained",
+        wan[0],
+        "--data_dir",
+        wan[1],
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--lr_warmup_steps",
+        "2",
+        "--checkpoint_every",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+        "--fd_type",
+        "0",
+    ]
+    runs = {
+        "one": (1, ["--batch_size", "2"]),
+        "cp2": (2, ["--batch_size", "2", "--context_parallel_size", "2"]),
+        "ddp2": (2, ["--batch_size", "1", "--noise_seeding", "sample"]),
+        "one_sample": (1, ["--batch_size", "2", "--noise_seeding", "sample"]),
+    }
     for name, (procs, extra) in runs.items():
         run_trainer([*common, *extra, "--output_dir", str(wan[2] / name)], num_processes=procs, timeout=300)
     # FSDP2 (the frozen base sharded over both processes) with CP 2, launched as users do with an accelerate config
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(free_port()),
-           os.path.join(REPO, "training", "rcm.py"), *common, "--batch_size", "2", "--context_parallel_size", "2",
-           "--output_dir", str(wan[2] / "fsdp_cp2")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(REPO, "training", "rcm.py"),
+        *common,
+        "--batch_size",
+        "2",
+        "--context_parallel_size",
+        "2",
+        "--output_dir",
+        str(wan[2] / "fsdp_cp2"),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     assert json.load(open(wan[2] / "fsdp_cp2" / "env.json"))["fsdp"]["layer_classes"] == ["WanTransformerBlock"]
@@ -139,23 +178,58 @@ def test_rcm_context_parallel_i2v_two_experts_dp_and_resume(tmp_path):
 
     pipe = make_tiny_wan2(str(tmp_path / "pipe"), i2v=True, boundary_ratio=0.9, image_dim=8)
     data = make_dataset(str(tmp_path / "data"), "wan_i2v", image_tokens=3, image_dim=8)
-    common = ["--config", WAN, "--pretrained", pipe, "--data_dir", data, "--max_steps", "4", "--tangent_warmup", "0",
-              "--student_update_freq", "2", "--lr_warmup_steps", "2", "--checkpoint_every", "2", "--adam_eps", "1e-3",
-              "--ema_rate", "0.3", "--fd_type", "0", "--sigma_max", "200", "--noise_seeding", "sample"]
+    common = [
+        "--config",
+        WAN,
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--lr_warmup_steps",
+        "2",
+        "--checkpoint_every",
+        "2",
+        "--adam_eps",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+        "--fd_type",
+        "0",
+        "--sigma_max",
+        "200",
+        "--noise_seeding",
+        "sample",
+    ]
     cp2 = ["--batch_size", "2", "--context_parallel_size", "2"]
-    runs = {"one": (1, ["--batch_size", "2"]), "cp2": (2, cp2),
-            "dp2cp2": (4, ["--batch_size", "1", "--context_parallel_size", "2"])}
+    runs = {
+        "one": (1, ["--batch_size", "2"]),
+        "cp2": (2, cp2),
+        "dp2cp2": (4, ["--batch_size", "1", "--context_parallel_size", "2"]),
+    }
     took = {}
     for name, (procs, extra) in runs.items():
         t0 = time.perf_counter()
         run_trainer([*common, *extra, "--output_dir", str(tmp_path / name)], num_processes=procs, timeout=400)
         took[name] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    p = run_trainer([*common, *cp2, "--output_dir", str(tmp_path / "cut")], num_processes=2,
-                    timeout=400, check=False, env=kill_after(2))
+    p = run_trainer(
+        [*common, *cp2, "--output_dir", str(tmp_path / "cut")],
+        num_processes=2,
+        timeout=400,
+        check=False,
+        env=kill_after(2),
+    )
     assert p.returncode != 0 and "exit_after_step 2: hard exit" in p.stdout, p.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["step-00000002"]
-    p = run_trainer([*common, *cp2, "--output_dir", str(tmp_path / "cut"), "--resume", "latest"], num_processes=2, timeout=400)
+    p = run_trainer(
+        [*common, *cp2, "--output_dir", str(tmp_path / "cut"), "--resume", "latest"], num_processes=2, timeout=400
+    )
     assert "at iteration 2" in p.stdout
     took["cut + resume"] = time.perf_counter() - t0
     print("launches: " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()))
@@ -163,12 +237,18 @@ def test_rcm_context_parallel_i2v_two_experts_dp_and_resume(tmp_path):
     def lora(run, sub):
         return load_file(str(tmp_path / run / sub / "pytorch_lora_weights.safetensors"))
 
-    metrics = {n: [json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("one", "cp2", "dp2cp2", "cut")}
-    assert [(r["net"], r["lr"]) for r in metrics["one"]] == [(r["net"], r["lr"]) for r in metrics["dp2cp2"]] and len(metrics["one"]) == 4
+    metrics = {
+        n: [json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")] for n in ("one", "cp2", "dp2cp2", "cut")
+    }
+    assert [(r["net"], r["lr"]) for r in metrics["one"]] == [(r["net"], r["lr"]) for r in metrics["dp2cp2"]] and len(
+        metrics["one"]
+    ) == 4
     for x, y in zip(metrics["one"], metrics["cp2"]):  # a CP group logs its whole batch, as the one process
         for k in [k for k in x if k.startswith("loss")]:
             assert y[k] == pytest.approx(x[k], rel=1e-5), (k, x, y)
-    assert metrics["cut"] == [{**r, **{k: c[k] for k in ("step_time", "peak_mem_mb")}} for r, c in zip(metrics["cp2"], metrics["cut"])]
+    assert metrics["cut"] == [
+        {**r, **{k: c[k] for k in ("step_time", "peak_mem_mb")}} for r, c in zip(metrics["cp2"], metrics["cut"])
+    ]
     for n, world in (("cp2", 2), ("dp2cp2", 4)):
         assert json.load(open(tmp_path / n / "env.json"))["world_size"] == world
     subs = ("", "ema", "transformer_2", os.path.join("ema", "transformer_2"))
@@ -194,16 +274,60 @@ def test_context_parallel_refusals(wan, tmp_path):
     from train_helpers import make_dataset, make_tiny_flux
 
     flux, flux_data = make_tiny_flux(str(tmp_path / "flux")), make_dataset(str(tmp_path / "flux_data"), "flux")
-    p = run_script(["--config", os.path.join(REPO, "training", "configs", "tiny-flux-test.yaml"), "--pretrained", flux,
-                    "--data_dir", flux_data, "--output_dir", str(tmp_path / "c"), "--context_parallel_size", "2"])
-    assert p.returncode != 0 and "error: context parallelism is implemented for Wan transformers, not FluxTransformer2DModel" in p.stderr, \
-        p.stderr[-2000:]
+    p = run_script(
+        [
+            "--config",
+            os.path.join(REPO, "training", "configs", "tiny-flux-test.yaml"),
+            "--pretrained",
+            flux,
+            "--data_dir",
+            flux_data,
+            "--output_dir",
+            str(tmp_path / "c"),
+            "--context_parallel_size",
+            "2",
+        ]
+    )
+    assert (
+        p.returncode != 0
+        and "error: context parallelism is implemented for Wan transformers, not FluxTransformer2DModel" in p.stderr
+    ), p.stderr[-2000:]
     assert "Traceback" not in p.stderr
-    p = run_script(["--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1], "--output_dir", str(tmp_path / "a"),
-                    "--context_parallel_size", "2", "--max_steps", "1"])
-    assert p.returncode != 0 and "error: context_parallel_size 2 needs 2 x k processes, this run has 1" in p.stderr, p.stderr[-2000:]
-    p = run_script(["--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1], "--output_dir", str(tmp_path / "b"),
-                    "--context_parallel_size", "2", "--sample_every", "5"])
+    p = run_script(
+        [
+            "--config",
+            WAN,
+            "--pretrained",
+            wan[0],
+            "--data_dir",
+            wan[1],
+            "--output_dir",
+            str(tmp_path / "a"),
+            "--context_parallel_size",
+            "2",
+            "--max_steps",
+            "1",
+        ]
+    )
+    assert p.returncode != 0 and "error: context_parallel_size 2 needs 2 x k processes, this run has 1" in p.stderr, (
+        p.stderr[-2000:]
+    )
+    p = run_script(
+        [
+            "--config",
+            WAN,
+            "--pretrained",
+            wan[0],
+            "--data_dir",
+            wan[1],
+            "--output_dir",
+            str(tmp_path / "b"),
+            "--context_parallel_size",
+            "2",
+            "--sample_every",
+            "5",
+        ]
+    )
     assert p.returncode != 0 and "sample_every" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
@@ -235,11 +359,39 @@ def test_workers_stop_within_seconds_when_the_launcher_group_is_killed(wan):
     import signal
 
     out = wan[2] / "orphans"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--main_process_port", str(free_port()),
-           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           os.path.join(REPO, "training", "rcm.py"), "--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1],
-           "--output_dir", str(out), "--context_parallel_size", "2", "--max_steps", "100000", "--checkpoint_every", "1",
-           "--checkpoints_total_limit", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--main_process_port",
+        str(free_port()),
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        os.path.join(REPO, "training", "rcm.py"),
+        "--config",
+        WAN,
+        "--pretrained",
+        wan[0],
+        "--data_dir",
+        wan[1],
+        "--output_dir",
+        str(out),
+        "--context_parallel_size",
+        "2",
+        "--max_steps",
+        "100000",
+        "--checkpoint_every",
+        "1",
+        "--checkpoints_total_limit",
+        "0",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = open(wan[2] / "orphans.log", "w")
     launcher = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
@@ -287,10 +439,27 @@ def test_a_refused_context_parallel_setting_on_two_processes_is_one_line_and_no_
 
     save_file(lat, data / "shard-00000.safetensors")
     out = tmp_path / "run"
-    p = run_trainer(["--config", WAN, "--pretrained", wan[0], "--data_dir", str(data), "--output_dir", str(out),
-                     "--context_parallel_size", "2"], num_processes=2, check=False, timeout=120)
-    line = ("error: context_parallel_size 2: a sample has 3 video tokens (1 x 2 x 6 latents, patch 1 x 2 x 2), not "
-            "divisible by 2")
+    p = run_trainer(
+        [
+            "--config",
+            WAN,
+            "--pretrained",
+            wan[0],
+            "--data_dir",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--context_parallel_size",
+            "2",
+        ],
+        num_processes=2,
+        check=False,
+        timeout=120,
+    )
+    line = (
+        "error: context_parallel_size 2: a sample has 3 video tokens (1 x 2 x 6 latents, patch 1 x 2 x 2), not "
+        "divisible by 2"
+    )
     assert p.returncode != 0 and p.stderr.count(line) == 1, p.stderr[-3000:]
     assert re.search(r"exitcode\s*: 2 ", p.stderr), p.stderr[-3000:]
     assert not out.exists()

@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from train_helpers import REPO, run_trainer
 
 from rcm_diffusers import digits as D
-from train_helpers import REPO, run_trainer
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,9 @@ def test_evaluator_real_vs_noise(split, ev):
     # raw-pixel FD: the held-out set against the train split is far below noise, as in the classifier's features
     floor = D.frechet_distance(ev.pixels(split["x_train"]), ev.p_ref)
     assert 0 < floor and ev.p_ref.shape == (450, 64)
-    noise = ev.evaluate(torch.rand(450, 1, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1, split["y_test"])
+    noise = ev.evaluate(
+        torch.rand(450, 1, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1, split["y_test"]
+    )
     assert noise["fd"] > 50 * max(ev.fd_to(split["x_train"]), 1.0) and noise["accuracy"] < 0.3
     assert noise["fd_pixel"] > 10 * floor
     # mode collapse: one image per class -> zero within-class diversity
@@ -95,8 +97,16 @@ def test_shipped_teacher_runs_in_wan_pipeline_like_sample_teacher(teacher):
     pipe = WanPipeline.from_pretrained(D.TEACHER_DIR, vae=None, text_encoder=None, tokenizer=None)
     pipe.set_progress_bar_config(disable=True)
     e = load_file(os.path.join(D.TEACHER_DIR, "class_embeddings.safetensors"))
-    lat = pipe(prompt_embeds=e["prompt_embeds"], height=64, width=64, num_frames=1, num_inference_steps=10,
-               guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(7)).frames
+    lat = pipe(
+        prompt_embeds=e["prompt_embeds"],
+        height=64,
+        width=64,
+        num_frames=1,
+        num_inference_steps=10,
+        guidance_scale=1.0,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(7),
+    ).frames
     ref = D.sample_teacher(*teacher, torch.arange(10), steps=10, seed=7)
     torch.testing.assert_close(lat, ref, rtol=0, atol=1e-4)
 
@@ -137,8 +147,8 @@ def test_shipped_ode_pairs_are_the_teachers_ode_solutions(teacher, tmp_path):
     """``write_ode_pairs`` (the shipped ``digits_ode_pairs``) against an independent run of the digits sampler's
     velocity with ``TrigFlowUniPCScheduler`` from the stored noise; the shipped rows are what it writes (first 12 pairs,
     written again here in one batch instead of 512), their noise the seeded draw, their classes i % 10."""
-    from rcm_diffusers.distill.data import LatentDataset
     from rcm_diffusers.digits.sample import _velocity
+    from rcm_diffusers.distill.data import LatentDataset
     from rcm_diffusers.schedulers import TrigFlowUniPCScheduler
 
     tr, emb = teacher
@@ -159,7 +169,10 @@ def test_shipped_ode_pairs_are_the_teachers_ode_solutions(teacher, tmp_path):
 
 
 def test_report_and_grid(tmp_path, split):
-    rows = [D.Row("teacher euler", 50, 50, 1.234, 0.95, 0.98, 1.5, 100.0), D.Row("student rcm", 1, 1, 2.5, 0.9, 0.9, 0.1, 100.0, 1.1, 0.4567)]
+    rows = [
+        D.Row("teacher euler", 50, 50, 1.234, 0.95, 0.98, 1.5, 100.0),
+        D.Row("student rcm", 1, 1, 2.5, 0.9, 0.9, 0.1, 100.0, 1.1, 0.4567),
+    ]
     table = D.write_report(str(tmp_path / "report.md"), rows, "# t")
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("# t") and "| teacher euler | 50 | 50 | 1.23 | — | — | 0.950 |" in table
@@ -191,15 +204,40 @@ def test_report_has_the_rows_of_the_stock_pipeline_path(tmp_path):
     with torch.no_grad():
         for p in lora_parameters(tr, "student").values():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    export_student(WanPipeline, SimpleNamespace(sigma_max=5000.0, mid_t=[0.8, 0.5, 0.25], time_input="float",
-                                                output_dir=str(out), mode="shared"), tr, None)
+    export_student(
+        WanPipeline,
+        SimpleNamespace(
+            sigma_max=5000.0, mid_t=[0.8, 0.5, 0.25], time_input="float", output_dir=str(out), mode="shared"
+        ),
+        tr,
+        None,
+    )
     sys.path.insert(0, os.path.join(REPO, "training"))
     import eval_digits
 
-    rows = eval_digits.main(["--student", f"rcm={out}", "--out", str(tmp_path / "eval"), "--samples", "20",
-                             "--ref_steps", "2", "--teacher_steps", "", "--student_steps", "1"])
-    assert [r.method for r in rows] == ["teacher euler", "teacher unipc", "student rcm", "student rcm: user call",
-                                        "student rcm: from_config defaults"]
+    rows = eval_digits.main(
+        [
+            "--student",
+            f"rcm={out}",
+            "--out",
+            str(tmp_path / "eval"),
+            "--samples",
+            "20",
+            "--ref_steps",
+            "2",
+            "--teacher_steps",
+            "",
+            "--student_steps",
+            "1",
+        ]
+    )
+    assert [r.method for r in rows] == [
+        "teacher euler",
+        "teacher unipc",
+        "student rcm",
+        "student rcm: user call",
+        "student rcm: from_config defaults",
+    ]
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "| student rcm: user call | 1 | 1 |" in report and "| student rcm: from_config defaults | 1 | 1 |" in report
     assert "load_rcm_lora(pipe, DIR)" in report and "(sigma_max 80, mid_t [1.5, 1.4, 1.0], time input bf16)" in report
@@ -210,16 +248,39 @@ def test_report_has_the_rows_of_the_stock_pipeline_path(tmp_path):
     labels = torch.arange(20) % D.NUM_CLASSES
     x = D.sample_pipeline(pipe, emb, labels, 1, seed=1234)
     assert D.Evaluator().evaluate(x, labels)["fd"] == pytest.approx(user.fd, rel=1e-4)
-    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=80.0, mid_t=[1.5, 1.4, 1.0], time_input="bf16")
-    assert D.Evaluator().evaluate(D.sample_pipeline(pipe, emb, labels, 1, seed=1234), labels)["fd"] == pytest.approx(dflt.fd, rel=1e-4)
+    pipe.scheduler = RCMScheduler.from_config(
+        pipe.scheduler.config, sigma_max=80.0, mid_t=[1.5, 1.4, 1.0], time_input="bf16"
+    )
+    assert D.Evaluator().evaluate(D.sample_pipeline(pipe, emb, labels, 1, seed=1234), labels)["fd"] == pytest.approx(
+        dflt.fd, rel=1e-4
+    )
 
 
 @pytest.mark.slow
 def test_digits_trainer_smoke_then_eval(tmp_path):
     """A dozen rCM iterations on the shipped teacher with the default config, then the eval script with the LoRA."""
     out = tmp_path / "run"
-    run_trainer(["--output_dir", str(out), "--max_steps", "12", "--tangent_warmup", "4", "--student_update_freq", "2",
-                 "--batch_size", "8", "--checkpoint_every", "0", "--log_every", "1", "--progress", "false"], timeout=600)
+    run_trainer(
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "12",
+            "--tangent_warmup",
+            "4",
+            "--student_update_freq",
+            "2",
+            "--batch_size",
+            "8",
+            "--checkpoint_every",
+            "0",
+            "--log_every",
+            "1",
+            "--progress",
+            "false",
+        ],
+        timeout=600,
+    )
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(recs) == 12 and any("loss_dmd" in r for r in recs) and any(r["net"] == "fake" for r in recs)
     assert os.path.exists(out / "pytorch_lora_weights.safetensors")
@@ -228,11 +289,30 @@ def test_digits_trainer_smoke_then_eval(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "training"))
     import eval_digits
 
-    rows = eval_digits.main(["--student", f"rcm={out}", "--out", str(tmp_path / "eval"), "--samples", "40",
-                             "--ref_steps", "8", "--teacher_steps", "1", "--student_steps", "1,2"])
+    rows = eval_digits.main(
+        [
+            "--student",
+            f"rcm={out}",
+            "--out",
+            str(tmp_path / "eval"),
+            "--samples",
+            "40",
+            "--ref_steps",
+            "8",
+            "--teacher_steps",
+            "1",
+            "--student_steps",
+            "1,2",
+        ]
+    )
     assert [(r.method, r.steps) for r in rows if r.method.startswith("student rcm")] == [
-        ("student rcm", 1), ("student rcm", 2), ("student rcm: user call", 1), ("student rcm: user call", 2),
-        ("student rcm: from_config defaults", 1), ("student rcm: from_config defaults", 2)]
+        ("student rcm", 1),
+        ("student rcm", 2),
+        ("student rcm: user call", 1),
+        ("student rcm: user call", 2),
+        ("student rcm: from_config defaults", 1),
+        ("student rcm: from_config defaults", 2),
+    ]
     assert all(np.isfinite(r.fd) and 0 <= r.accuracy <= 1 for r in rows)
     assert (tmp_path / "eval" / "report.md").exists() and (tmp_path / "eval" / "samples.png").exists()
     # the LoRA changed the network: 1-step student samples differ from the un-adapted teacher's
@@ -253,16 +333,36 @@ def test_teacher_training_script_is_seeded(tmp_path):
     import train_teacher_digits
 
     def shipped():
-        return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(D.ASSETS) for f in fs}
+        return {
+            os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, fs in os.walk(D.ASSETS) for f in fs
+        }
 
     before = shipped()
     outs = []
     for k in range(2):
         out = str(tmp_path / f"t{k}")
-        train_teacher_digits.main(["--out", out, "--steps", "3", "--batch_size", "16", "--classifier_out", "",
-                                   "--data_out", "", "--eval_samples", "0"])
-        outs.append({**load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors")),
-                     **load_file(os.path.join(out, "class_embeddings.safetensors"))})
+        train_teacher_digits.main(
+            [
+                "--out",
+                out,
+                "--steps",
+                "3",
+                "--batch_size",
+                "16",
+                "--classifier_out",
+                "",
+                "--data_out",
+                "",
+                "--eval_samples",
+                "0",
+            ]
+        )
+        outs.append(
+            {
+                **load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors")),
+                **load_file(os.path.join(out, "class_embeddings.safetensors")),
+            }
+        )
     assert outs[0].keys() == outs[1].keys()
     for k, v in outs[0].items():
         assert torch.equal(v, outs[1][k]), k
@@ -280,9 +380,26 @@ def test_extra_ema_rates_leave_training_and_the_configured_ema_alone(tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "train_extra_ema.py"), "0.1,0.3", "--", "--output_dir", str(out),
-           "--max_steps", "4", "--tangent_warmup", "1", "--student_update_freq", "2", "--batch_size", "4",
-           "--checkpoint_every", "0", "--progress", "false"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "benchmarks", "train_extra_ema.py"),
+        "0.1,0.3",
+        "--",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "1",
+        "--student_update_freq",
+        "2",
+        "--batch_size",
+        "4",
+        "--checkpoint_every",
+        "0",
+        "--progress",
+        "false",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, cwd=REPO, env=env, capture_output=True, timeout=300)
     lora = "pytorch_lora_weights.safetensors"

@@ -59,136 +59,221 @@ B, S, README = "docs/benchmarks.md", "docs/screens.md", "README.md"
 
 HEADLINES: dict[str, Headline] = {
     # make demo: FD ratio to the teacher at 1 / 2 / 4 steps, mean of 3 seeds (the default's table)
-    "demo FD ratio": Headline((B, r"^\| \*\*mean ± sd\*\* \| [^|]+ \| \*\*" + R3 + r"\*\*"), [
-        Quote(B, r"^\| our sampler [^|]*\| [^|]*\| [^|]*\| " + R3 + r" \|$"),
-        Quote(B, r"\(\d\.\d+x against (\d\.\d+)x the teacher's FD\)", pick=(0,)),
-        Quote(B, r"2\s+steps \(\d\.\d+x against (\d\.\d+)x\)", pick=(1,)),
-        Quote(S, r"the default reaches " + X3),
-        Quote("docs/training.md", r"moved one step from \d\.\d+x to (\d\.\d+)x", pick=(0,)),
-        Quote("training/configs/digits.yaml", r"1-step FD (\d\.\d+)x the teacher's", pick=(0,)),
-        Quote("docs/sampling.md", r"against (\d\.\d+)x with the run's scheduler", pick=(0,), optional=True),
-        Quote("docs/sampling.md", r"two steps \d\.\d+x against (\d\.\d+)x", pick=(1,), optional=True),
-        Quote(README, r"reach(?:es)? " + X3, optional=True),
-        Quote(README, r"(?:one-step|1-step) FD (?:is )?\d\.\d+x the teacher's.{0,80}?against (\d\.\d+)x", pick=(0,),
-              optional=True),
-        Quote(README, r"2 steps \d\.\d+x against (\d\.\d+)x", pick=(1,), optional=True),
-    ]),
-    "demo pixel FD ratio": Headline((B, r"^\| \*\*mean ± sd\*\* \| [^|]+ \| [^|]+ \| \*\*" + R3 + r"\*\*"), [
-        Quote(README, r"goals [^;)]*; pixel\s+FD " + X3, optional=True),
-    ]),
-    "demo goal": Headline((B, r"\*\*Goal: at most " + X3 + r" the teacher's\s+FD at 1 / 2 / 4 steps\*\*"), [
-        Quote(S, r"one-network goal \(≤ " + X3 + r" the teacher's FD"),
-        Quote(S, r"The one-network goal \(" + X3 + r"\)"),
-        Quote(README, r"goals? (?:of )?" + X3, optional=True),
-    ]),
+    "demo FD ratio": Headline(
+        (B, r"^\| \*\*mean ± sd\*\* \| [^|]+ \| \*\*" + R3 + r"\*\*"),
+        [
+            Quote(B, r"^\| our sampler [^|]*\| [^|]*\| [^|]*\| " + R3 + r" \|$"),
+            Quote(B, r"\(\d\.\d+x against (\d\.\d+)x the teacher's FD\)", pick=(0,)),
+            Quote(B, r"2\s+steps \(\d\.\d+x against (\d\.\d+)x\)", pick=(1,)),
+            Quote(S, r"the default reaches " + X3),
+            Quote("docs/training.md", r"moved one step from \d\.\d+x to (\d\.\d+)x", pick=(0,)),
+            Quote("training/configs/digits.yaml", r"1-step FD (\d\.\d+)x the teacher's", pick=(0,)),
+            Quote("docs/sampling.md", r"against (\d\.\d+)x with the run's scheduler", pick=(0,), optional=True),
+            Quote("docs/sampling.md", r"two steps \d\.\d+x against (\d\.\d+)x", pick=(1,), optional=True),
+            Quote(README, r"reach(?:es)? " + X3, optional=True),
+            Quote(
+                README,
+                r"(?:one-step|1-step) FD (?:is )?\d\.\d+x the teacher's.{0,80}?against (\d\.\d+)x",
+                pick=(0,),
+                optional=True,
+            ),
+            Quote(README, r"2 steps \d\.\d+x against (\d\.\d+)x", pick=(1,), optional=True),
+        ],
+    ),
+    "demo pixel FD ratio": Headline(
+        (B, r"^\| \*\*mean ± sd\*\* \| [^|]+ \| [^|]+ \| \*\*" + R3 + r"\*\*"),
+        [
+            Quote(README, r"goals [^;)]*; pixel\s+FD " + X3, optional=True),
+        ],
+    ),
+    "demo goal": Headline(
+        (B, r"\*\*Goal: at most " + X3 + r" the teacher's\s+FD at 1 / 2 / 4 steps\*\*"),
+        [
+            Quote(S, r"one-network goal \(≤ " + X3 + r" the teacher's FD"),
+            Quote(S, r"The one-network goal \(" + X3 + r"\)"),
+            Quote(README, r"goals? (?:of )?" + X3, optional=True),
+        ],
+    ),
     "demo 1-step diversity, teacher's": Headline(
-        (B, r"diversity (\d\.\d\d) / \d\.\d\d / \d\.\d\d at 1 / 2 / 4 steps \(teacher: [\d.]+ and (\d\.\d\d)\)"), [
+        (B, r"diversity (\d\.\d\d) / \d\.\d\d / \d\.\d\d at 1 / 2 / 4 steps \(teacher: [\d.]+ and (\d\.\d\d)\)"),
+        [
             Quote("docs/training.md", r"digits: (\d\.\d\d) against the teacher's (\d\.\d\d)"),
-            Quote("training/configs/digits.yaml",
-                  r"one-step diversity (\d\.\d\d) vs[\s#]+[\d.]+ \(teacher (\d\.\d\d)\)"),
+            Quote(
+                "training/configs/digits.yaml", r"one-step diversity (\d\.\d\d) vs[\s#]+[\d.]+ \(teacher (\d\.\d\d)\)"
+            ),
             Quote(README, r"diversity[^.]{0,60}?(\d\.\d\d) against the teacher's (\d\.\d\d)", optional=True),
-        ]),
-    "demo time (min)": Headline((B, r"\*\*`make demo` takes (\d+\.\d-\d+\.\d) min\*\*"), [
-        Quote(B, r"^\| 0 \| 303 s \| 42 s \| (\d\.\d) min \| nothing \|$", pick=(0,)),
-        Quote(README, r"(\d+(?:\.\d+)?-\d+(?:\.\d+)?) minutes alone", optional=True),
-        Quote(README, r"takes about (\d+(?:\.\d+)?) minutes on an idle", optional=True, in_range=True),
-    ]),
+        ],
+    ),
+    "demo time (min)": Headline(
+        (B, r"\*\*`make demo` takes (\d+\.\d-\d+\.\d) min\*\*"),
+        [
+            Quote(B, r"^\| 0 \| 303 s \| 42 s \| (\d\.\d) min \| nothing \|$", pick=(0,)),
+            Quote(README, r"(\d+(?:\.\d+)?-\d+(?:\.\d+)?) minutes alone", optional=True),
+            Quote(README, r"takes about (\d+(?:\.\d+)?) minutes on an idle", optional=True, in_range=True),
+        ],
+    ),
     "regression term cost (s per student iteration, with / without)": Headline(
-        (B, r"a student iteration (\d\.\d\d) s, of which .{0,120}?\((\d\.\d\d) s with `--regression_weight 0`\)"), [
+        (B, r"a student iteration (\d\.\d\d) s, of which .{0,120}?\((\d\.\d\d) s with `--regression_weight 0`\)"),
+        [
             Quote("docs/training.md", r"on digits (\d\.\d\d) s against (\d\.\d\d) s per student iteration"),
             Quote(S, r"Its cost per student iteration\s+\((\d\.\d\d) s against (\d\.\d\d) s\)"),
-        ]),
-    "no regression term: FD ratio": Headline((S, r"\*\*" + X3 + r"\*\* the teacher's"), [
-        Quote("docs/training.md", r"moved one step from (\d\.\d+)x to", pick=(0,)),
-        Quote("training/configs/digits.yaml", r"vs (\d\.\d+)x without", pick=(0,)),
-        Quote(README, r"against " + X3 + r" without the regression term", optional=True),
-    ]),
+        ],
+    ),
+    "no regression term: FD ratio": Headline(
+        (S, r"\*\*" + X3 + r"\*\* the teacher's"),
+        [
+            Quote("docs/training.md", r"moved one step from (\d\.\d+)x to", pick=(0,)),
+            Quote("training/configs/digits.yaml", r"vs (\d\.\d+)x without", pick=(0,)),
+            Quote(README, r"against " + X3 + r" without the regression term", optional=True),
+        ],
+    ),
     # the diffusers user without the run's scheduler (RCMScheduler.from_config defaults): 1.84x vs 1.13x at 1 step
     "from_config defaults FD ratio": Headline(
-        (B, r"^\| from_config defaults \(`pipe\(\.\.\.\)`\) \| [^|]+ \| [^|]+ \| " + R3 + r" \|$"), [
+        (B, r"^\| from_config defaults \(`pipe\(\.\.\.\)`\) \| [^|]+ \| [^|]+ \| " + R3 + r" \|$"),
+        [
             Quote(B, r"\((\d\.\d+)x against \d\.\d+x the teacher's FD\)", pick=(0,)),
             Quote(B, r"2\s+steps \((\d\.\d+)x against \d\.\d+x\)", pick=(1,)),
             Quote("docs/sampling.md", r"one-step FD is (\d\.\d+)x the teacher's", pick=(0,), optional=True),
             Quote("docs/sampling.md", r"two steps (\d\.\d+)x against", pick=(1,), optional=True),
             Quote(README, r"(?:one-step|1-step) FD (?:is )?(\d\.\d+)x the teacher's", pick=(0,), optional=True),
             Quote(README, r"2 steps (\d\.\d+)x against", pick=(1,), optional=True),
-        ]),
+        ],
+    ),
     # make demo-experts
-    "two-expert FD ratio": Headline((B, r"^\| \*\*two-experts\*\* \| ema \| [^|]+ \| \*\*" + R3 + r"\*\*"), [
-        Quote(B, r"\*\*The goal is met at every step count\*\*: " + X3),
-        Quote(S, r"Warm-up 300 \(the config, docs/benchmarks\.md\): " + X3),
-        Quote("training/configs/digits-experts.yaml", r"tangent_warmup: 300 .{0,80}?high_noise_share 0\.1\): " + X3),
-        Quote(README, r"two experts?\b[^.]{0,80}?" + X3, optional=True),
-    ]),
+    "two-expert FD ratio": Headline(
+        (B, r"^\| \*\*two-experts\*\* \| ema \| [^|]+ \| \*\*" + R3 + r"\*\*"),
+        [
+            Quote(B, r"\*\*The goal is met at every step count\*\*: " + X3),
+            Quote(S, r"Warm-up 300 \(the config, docs/benchmarks\.md\): " + X3),
+            Quote(
+                "training/configs/digits-experts.yaml", r"tangent_warmup: 300 .{0,80}?high_noise_share 0\.1\): " + X3
+            ),
+            Quote(README, r"two experts?\b[^.]{0,80}?" + X3, optional=True),
+        ],
+    ),
     "two-expert pixel FD ratio": Headline(
-        (B, r"^\| \*\*two-experts\*\* \| ema \| [^|]+ \| [^|]+ \| [^|]+ \| \*\*" + R3 + r"\*\*"), [
+        (B, r"^\| \*\*two-experts\*\* \| ema \| [^|]+ \| [^|]+ \| [^|]+ \| \*\*" + R3 + r"\*\*"),
+        [
             Quote(B, r"and in pixel FD " + X3),
-        ]),
-    "two-expert goal": Headline((B, r"\*\*Goal: two experts at most " + X3 + r" the two-expert\s+teacher's FD"), [
-        Quote(README, r"two.expert[^.]{0,80}?goal[^.]{0,40}?" + X3, optional=True),
-    ]),
-    "make demo-experts time (min)": Headline((B, r"\*\*The whole 3-seed `make demo-experts` takes (\d+-\d+) min\*\*"), [
-        Quote("Makefile", r"^#\s+make demo-experts .*?3 seeds \((\d+-\d+) min on a shared 2-core host\)"),
-        Quote("Makefile", r"^# Not part of `make demo` \((\d+-\d+) min on a 2-core host"),
-        Quote(README, r"demo-experts`?[^.\n]{0,120}?(?:about )?(\d+-\d+) min", optional=True),
-        Quote(README, r"demo-experts`?[^.\n]{0,120}?about (\d+) min", optional=True, in_range=True),
-        Quote("docs/training.md", r"demo-experts`?[^.\n]{0,120}?(\d+-\d+) min", optional=True),
-    ]),
+        ],
+    ),
+    "two-expert goal": Headline(
+        (B, r"\*\*Goal: two experts at most " + X3 + r" the two-expert\s+teacher's FD"),
+        [
+            Quote(README, r"two.expert[^.]{0,80}?goal[^.]{0,40}?" + X3, optional=True),
+        ],
+    ),
+    "make demo-experts time (min)": Headline(
+        (B, r"\*\*The whole 3-seed `make demo-experts` takes (\d+-\d+) min\*\*"),
+        [
+            Quote("Makefile", r"^#\s+make demo-experts .*?3 seeds \((\d+-\d+) min on a shared 2-core host\)"),
+            Quote("Makefile", r"^# Not part of `make demo` \((\d+-\d+) min on a 2-core host"),
+            Quote(README, r"demo-experts`?[^.\n]{0,120}?(?:about )?(\d+-\d+) min", optional=True),
+            Quote(README, r"demo-experts`?[^.\n]{0,120}?about (\d+) min", optional=True, in_range=True),
+            Quote("docs/training.md", r"demo-experts`?[^.\n]{0,120}?(\d+-\d+) min", optional=True),
+        ],
+    ),
     # memory model (python benchmarks/memory_table.py): per rank on 8 x 80 GB (FSDP2 + context parallelism)
-    "14B 720p x 81 per rank, CP 1": Headline((B, per_rank_row("Wan2.1-T2V-14B", "720p x 81 (75600)", 1)), [
-        Quote(B, r"\*\*at 720p x 81 they need CP 2\*\* \(([\d.]+) GiB per rank at CP 1"),
-        Quote(B, r"\(14B 720p x 81: ([\d.]+) GiB there"),
-        Quote(README, r"14B[^.]{0,120}?720p[^.]{0,60}?need (\d+(?:\.\d+)?) GiB per rank", optional=True),
-    ]),
-    "14B 720p x 81 per rank, CP 2": Headline((B, per_rank_row("Wan2.1-T2V-14B", "720p x 81 (75600)", 2)), [
-        Quote(B, r"GiB per rank at CP 1; ([\d.]+) GiB at CP 2, 30\.7"),
-        Quote(README, r"\(context parallelism 2: (\d+(?:\.\d+)?) GiB\)", optional=True),
-    ]),
+    "14B 720p x 81 per rank, CP 1": Headline(
+        (B, per_rank_row("Wan2.1-T2V-14B", "720p x 81 (75600)", 1)),
+        [
+            Quote(B, r"\*\*at 720p x 81 they need CP 2\*\* \(([\d.]+) GiB per rank at CP 1"),
+            Quote(B, r"\(14B 720p x 81: ([\d.]+) GiB there"),
+            Quote(README, r"14B[^.]{0,120}?720p[^.]{0,60}?need (\d+(?:\.\d+)?) GiB per rank", optional=True),
+        ],
+    ),
+    "14B 720p x 81 per rank, CP 2": Headline(
+        (B, per_rank_row("Wan2.1-T2V-14B", "720p x 81 (75600)", 2)),
+        [
+            Quote(B, r"GiB per rank at CP 1; ([\d.]+) GiB at CP 2, 30\.7"),
+            Quote(README, r"\(context parallelism 2: (\d+(?:\.\d+)?) GiB\)", optional=True),
+        ],
+    ),
     "A14B both experts per rank: 480p CP 1, 720p CP 1, 720p CP 2": Headline(
-        (B, ".*?".join([per_rank_row(A14B2, "480p x 81 (32760)", 1), per_rank_row(A14B2, "720p x 81 (75600)", 1),
-                        per_rank_row(A14B2, "720p x 81 (75600)", 2)])), [
-            Quote(B, r"\*\*Both experts need ([\d.]+) GiB per rank at 480p x 81 and, at\s+720p x 81, CP 2\*\* "
-                     r"\(([\d.]+) GiB per rank at CP 1; ([\d.]+) GiB at CP 2"),
-            Quote(README, r"both (?:A14B )?experts[^.]{0,200}?(\d+(?:\.\d+)?) GiB per rank at 720p", pick=(2,),
-                  optional=True),
-            Quote(README, r"both (?:A14B )?experts[^.]{0,200}?(\d+(?:\.\d+)?) GiB \(480p\) and (\d+(?:\.\d+)?) GiB "
-                          r"\(720p\) per rank", pick=(0, 1), optional=True),
-        ]),
+        (
+            B,
+            ".*?".join(
+                [
+                    per_rank_row(A14B2, "480p x 81 (32760)", 1),
+                    per_rank_row(A14B2, "720p x 81 (75600)", 1),
+                    per_rank_row(A14B2, "720p x 81 (75600)", 2),
+                ]
+            ),
+        ),
+        [
+            Quote(
+                B,
+                r"\*\*Both experts need ([\d.]+) GiB per rank at 480p x 81 and, at\s+720p x 81, CP 2\*\* "
+                r"\(([\d.]+) GiB per rank at CP 1; ([\d.]+) GiB at CP 2",
+            ),
+            Quote(
+                README,
+                r"both (?:A14B )?experts[^.]{0,200}?(\d+(?:\.\d+)?) GiB per rank at 720p",
+                pick=(2,),
+                optional=True,
+            ),
+            Quote(
+                README,
+                r"both (?:A14B )?experts[^.]{0,200}?(\d+(?:\.\d+)?) GiB \(480p\) and (\d+(?:\.\d+)?) GiB "
+                r"\(720p\) per rank",
+                pick=(0, 1),
+                optional=True,
+            ),
+        ],
+    ),
     # memory model: one card
     "A14B both experts on one card: 480p, 720p (GiB)": Headline(
-        (B, one_card_row(A14B2, "480p x 81 (32760)") + ".*?" + one_card_row(A14B2, "720p x 81 (75600)")), [
+        (B, one_card_row(A14B2, "480p x 81 (32760)") + ".*?" + one_card_row(A14B2, "720p x 81 (75600)")),
+        [
             Quote(B, r"fit one H200 at 480p \(([\d.]+) GiB\) but not at 720p \(([\d.]+) GiB\)"),
-            *(Quote(f"training/configs/wan2.2-{kind}-a14b.yaml",
-                    r"both experts in one run: (\d+) GiB at 480p x 81 fits one H200, 720p \((\d+) GiB\) does not")
-              for kind in ("t2v", "i2v")),
+            *(
+                Quote(
+                    f"training/configs/wan2.2-{kind}-a14b.yaml",
+                    r"both experts in one run: (\d+) GiB at 480p x 81 fits one H200, 720p \((\d+) GiB\) does not",
+                )
+                for kind in ("t2v", "i2v")
+            ),
             Quote(README, r"in one run need about (\d+) GiB at 480p \(one H200\), (\d+) GiB at 720p", optional=True),
-        ]),
+        ],
+    ),
     "1.3B 480p x 81 on one card: full, selective (GiB)": Headline(
-        (B, r"^\| Wan2\.1-T2V-1\.3B \| 480p x 81 \(32760\) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|"), [
+        (B, r"^\| Wan2\.1-T2V-1\.3B \| 480p x 81 \(32760\) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|"),
+        [
             Quote(B, r"at 480p x 81 only with `full` checkpointing \(([\d.]+) GiB\); `selective` \(([\d.]+) GiB\)"),
             Quote(B, r"1\.3B distils on a 24 GB card in LoRA mode \(([\d.]+) GiB\)", pick=(0,)),
             Quote(B, r"\(prediction for that setup: ([\d.]+) GiB\)", pick=(0,)),
-            Quote(README, r"1\.3B[^.]{0,60}?480p x 81[^.]{0,60}?24 GB[^.]{0,40}?\((\d+\.\d) GiB\)", pick=(0,),
-                  optional=True),
-        ]),
+            Quote(
+                README,
+                r"1\.3B[^.]{0,60}?480p x 81[^.]{0,60}?24 GB[^.]{0,40}?\((\d+\.\d) GiB\)",
+                pick=(0,),
+                optional=True,
+            ),
+        ],
+    ),
     "1.3B 480p x 33 on one card: full, selective (GiB)": Headline(
-        (B, r"^\| Wan2\.1-T2V-1\.3B \| 480p x 33 \(14040\) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|"), [
+        (B, r"^\| Wan2\.1-T2V-1\.3B \| 480p x 33 \(14040\) \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|"),
+        [
             Quote(B, r"fits 48 GB only at 480p x 33 \(([\d.]+) GiB\)", pick=(1,)),
             Quote(B, r"480p x 33 \(14 040 tokens;\s+predicted ([\d.]+) / ([\d.]+) GiB\)"),
-        ]),
+        ],
+    ),
     # QAD on digits: gap recovered, NVFP4 from the EMA and from the last weights
     "QAD NVFP4 gap recovered, EMA (mean, sd)": Headline(
-        (B, r"^\| NVFP4 W\+A, CFG 1\.5 folded, \*\*power EMA 0\.1\*\* \|.*? \| \*\*(\d+)% ± (\d+)\*\* \|$"), [
+        (B, r"^\| NVFP4 W\+A, CFG 1\.5 folded, \*\*power EMA 0\.1\*\* \|.*? \| \*\*(\d+)% ± (\d+)\*\* \|$"),
+        [
             Quote("training/configs/qad-digits.yaml", r"recovers (\d+)% ± (\d+) of the"),
             Quote("docs/qad.md", r"recovers (\d+) ?% ± (\d+) of the naive-PTQ gap", optional=True),
             Quote(README, r"recovers (\d+) ?% ± (\d+) of the naive-PTQ gap", optional=True),
-        ]),
+        ],
+    ),
     "QAD NVFP4 gap recovered, last weights (mean, sd)": Headline(
-        (B, r"^\| NVFP4 W\+A, CFG 1\.5 folded, last weights \|.*? \| (\d+)% ± (\d+) \|$"), [
+        (B, r"^\| NVFP4 W\+A, CFG 1\.5 folded, last weights \|.*? \| (\d+)% ± (\d+) \|$"),
+        [
             Quote("training/configs/qad-digits.yaml", r"vs (\d+)% ± (\d+) from the last weights"),
             Quote("docs/qad.md", r"against\s+(\d+) ?% ± (\d+) from the last\s+weights", optional=True),
             Quote(README, r"against\s+(\d+) ?% ± (\d+) from the last\s+weights", optional=True),
-        ]),
+        ],
+    ),
 }
 
 
@@ -277,9 +362,11 @@ def test_benchmarks_page_holds_current_results_only():
     links = re.findall(r"\]\((?:docs/)?screens\.md(?:#[^)]*)?\)", text)
     assert len(links) == 1, f"{B} should link docs/screens.md once, not {len(links)} times"
     sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
-    undated = [s.splitlines()[0] for s in sections
-               if not s.startswith("Contents") and "not run" not in s.splitlines()[0]
-               and not re.search(r"20\d\d-\d\d-\d\d", s)]
+    undated = [
+        s.splitlines()[0]
+        for s in sections
+        if not s.startswith("Contents") and "not run" not in s.splitlines()[0] and not re.search(r"20\d\d-\d\d-\d\d", s)
+    ]
     assert not undated, f"sections of {B} without a date: {undated}"
 
 

@@ -13,35 +13,60 @@ from rcm_diffusers.distill import inputs as R
 from rcm_diffusers.distill.data import write_latent_dataset
 from rcm_diffusers.distill.families import UnsupportedTeacher, family_of, supported, teacher_family
 
-SUPPORTED = ("supported: WanPipeline / WanImageToVideoPipeline (WanTransformer3DModel), "
-             "FluxPipeline (FluxTransformer2DModel)")
+SUPPORTED = (
+    "supported: WanPipeline / WanImageToVideoPipeline (WanTransformer3DModel), FluxPipeline (FluxTransformer2DModel)"
+)
 
 
 def _index(pipeline, transformer, transformer_2=None):
-    return {"_class_name": pipeline, "transformer": ["diffusers", transformer],
-            "transformer_2": ["diffusers", transformer_2] if transformer_2 else [None, None]}
+    return {
+        "_class_name": pipeline,
+        "transformer": ["diffusers", transformer],
+        "transformer_2": ["diffusers", transformer_2] if transformer_2 else [None, None],
+    }
 
 
-@pytest.mark.parametrize("index, family", [
-    (_index("WanPipeline", "WanTransformer3DModel"), "wan"),
-    (_index("WanImageToVideoPipeline", "WanTransformer3DModel"), "wan"),
-    (_index("WanImageToVideoPipeline", "WanTransformer3DModel", "WanTransformer3DModel"), "wan"),  # Wan 2.2 experts
-    (_index("FluxPipeline", "FluxTransformer2DModel"), "flux"),
-])
+@pytest.mark.parametrize(
+    "index, family",
+    [
+        (_index("WanPipeline", "WanTransformer3DModel"), "wan"),
+        (_index("WanImageToVideoPipeline", "WanTransformer3DModel"), "wan"),
+        (_index("WanImageToVideoPipeline", "WanTransformer3DModel", "WanTransformer3DModel"), "wan"),  # Wan 2.2 experts
+        (_index("FluxPipeline", "FluxTransformer2DModel"), "flux"),
+    ],
+)
 def test_supported_teachers_by_exact_class(index, family):
     assert teacher_family(index).name == family
 
 
-@pytest.mark.parametrize("index, match", [
-    (_index("Flux2Pipeline", "Flux2Transformer2DModel"), "a Flux2Pipeline with Flux2Transformer2DModel is not a supported"),
-    (_index("WanAnimatePipeline", "WanAnimateTransformer3DModel"), "a WanAnimatePipeline with WanAnimateTransformer3DModel"),
-    (_index("WanPipeline", "WanVACETransformer3DModel"), "a WanPipeline with WanVACETransformer3DModel is not a supported "
-                                                         r"teacher \(a WanPipeline takes WanTransformer3DModel\)"),
-    (_index("FluxPipeline", "Flux2Transformer2DModel"), "a FluxPipeline with Flux2Transformer2DModel"),
-    (_index("QwenImagePipeline", "QwenImageTransformer2DModel"), "a QwenImagePipeline with QwenImageTransformer2DModel"),
-    (_index("WanPipeline", "WanTransformer3DModel", "WanAnimateTransformer3DModel"), "with WanAnimateTransformer3DModel"),
-    ({"_class_name": "FluxPipeline", "transformer": [None, None]}, "a FluxPipeline with no transformer"),
-])
+@pytest.mark.parametrize(
+    "index, match",
+    [
+        (
+            _index("Flux2Pipeline", "Flux2Transformer2DModel"),
+            "a Flux2Pipeline with Flux2Transformer2DModel is not a supported",
+        ),
+        (
+            _index("WanAnimatePipeline", "WanAnimateTransformer3DModel"),
+            "a WanAnimatePipeline with WanAnimateTransformer3DModel",
+        ),
+        (
+            _index("WanPipeline", "WanVACETransformer3DModel"),
+            "a WanPipeline with WanVACETransformer3DModel is not a supported "
+            r"teacher \(a WanPipeline takes WanTransformer3DModel\)",
+        ),
+        (_index("FluxPipeline", "Flux2Transformer2DModel"), "a FluxPipeline with Flux2Transformer2DModel"),
+        (
+            _index("QwenImagePipeline", "QwenImageTransformer2DModel"),
+            "a QwenImagePipeline with QwenImageTransformer2DModel",
+        ),
+        (
+            _index("WanPipeline", "WanTransformer3DModel", "WanAnimateTransformer3DModel"),
+            "with WanAnimateTransformer3DModel",
+        ),
+        ({"_class_name": "FluxPipeline", "transformer": [None, None]}, "a FluxPipeline with no transformer"),
+    ],
+)
 def test_other_teachers_are_refused_naming_the_supported_ones(index, match):
     with pytest.raises(UnsupportedTeacher, match=match) as e:
         teacher_family(index)
@@ -67,19 +92,28 @@ def _fake_teacher(root, pipeline, transformer):
 
 def _data(root):
     g = torch.Generator().manual_seed(0)
-    write_latent_dataset(str(root), {"latents": torch.randn(2, 4, 4, 4, generator=g)}, family="flux",
-                         tables={"prompt_embeds": torch.randn(1, 6, 32, generator=g),
-                                 "pooled_prompt_embeds": torch.randn(1, 32, generator=g)},
-                         table_index={"prompt_embeds": None, "pooled_prompt_embeds": None})
+    write_latent_dataset(
+        str(root),
+        {"latents": torch.randn(2, 4, 4, 4, generator=g)},
+        family="flux",
+        tables={
+            "prompt_embeds": torch.randn(1, 6, 32, generator=g),
+            "pooled_prompt_embeds": torch.randn(1, 32, generator=g),
+        },
+        table_index={"prompt_embeds": None, "pooled_prompt_embeds": None},
+    )
     return root
 
 
-@pytest.mark.parametrize("pipeline, transformer", [("Flux2Pipeline", "Flux2Transformer2DModel"),
-                                                   ("WanAnimatePipeline", "WanAnimateTransformer3DModel")])
+@pytest.mark.parametrize(
+    "pipeline, transformer",
+    [("Flux2Pipeline", "Flux2Transformer2DModel"), ("WanAnimatePipeline", "WanAnimateTransformer3DModel")],
+)
 def test_check_inputs_refuses_flux2_and_wan_animate_in_one_line(tmp_path, capsys, pipeline, transformer):
     teacher = _fake_teacher(tmp_path / "teacher", pipeline, transformer)
-    cfg = SimpleNamespace(pretrained=str(teacher), data_dir=str(tmp_path / "no_data"), transformer_subfolder="transformer",
-                          experts="auto")
+    cfg = SimpleNamespace(
+        pretrained=str(teacher), data_dir=str(tmp_path / "no_data"), transformer_subfolder="transformer", experts="auto"
+    )
     with pytest.raises(SystemExit) as e:
         R.check_inputs(cfg)
     err = capsys.readouterr().err
@@ -91,7 +125,12 @@ def test_check_inputs_refuses_flux2_and_wan_animate_in_one_line(tmp_path, capsys
 def test_rcm_script_refuses_a_flux2_folder_before_the_teacher_loads(tmp_path):
     teacher = _fake_teacher(tmp_path / "flux2", "Flux2Pipeline", "Flux2Transformer2DModel")
     out = tmp_path / "run"
-    p = run_script(["--pretrained", str(teacher), "--data_dir", str(_data(tmp_path / "data")), "--output_dir", str(out)])
+    p = run_script(
+        ["--pretrained", str(teacher), "--data_dir", str(_data(tmp_path / "data")), "--output_dir", str(out)]
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert p.stderr.strip().count("\n") == 0 and "a Flux2Pipeline with Flux2Transformer2DModel is not a supported" in p.stderr
+    assert (
+        p.stderr.strip().count("\n") == 0
+        and "a Flux2Pipeline with Flux2Transformer2DModel is not a supported" in p.stderr
+    )
     assert p.stderr.strip().endswith(SUPPORTED) and not out.exists()

@@ -80,7 +80,9 @@ def _form(entry):
     if isinstance(entry, str):
         return entry
     installed = Version(diffusers.__version__).release[:2]
-    return [form for v, form in sorted(entry.items(), key=lambda kv: Version(kv[0])) if Version(v).release <= installed][-1]
+    return [
+        form for v, form in sorted(entry.items(), key=lambda kv: Version(kv[0])) if Version(v).release <= installed
+    ][-1]
 
 
 def _available(name):
@@ -113,8 +115,11 @@ def _time_recorder(pipe, c, seen):
         t = kwargs.get(c.t_arg) if isinstance(c.t_arg, str) else args[c.t_arg]
         seen.append(float(t.reshape(-1)[0]))
 
-    return [m.register_forward_pre_hook(hook, with_kwargs=True)
-            for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None]
+    return [
+        m.register_forward_pre_hook(hook, with_kwargs=True)
+        for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None))
+        if m is not None
+    ]
 
 
 def _call(pipe, c, batch=None, **kw):
@@ -204,7 +209,8 @@ DEFAULT_FORMS = {
     "timesteps=np.linspace(1000, 1, n)": lambda n: dict(timesteps=np.linspace(1000.0, 1.0, n)),
     "CogView4 timesteps + sigmas": lambda n: dict(
         timesteps=np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32),
-        sigmas=np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32) / 1000),
+        sigmas=np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32) / 1000,
+    ),
 }
 
 
@@ -232,10 +238,14 @@ def test_explicit_times_stay_explicit():
         (dict(sigmas=[0.9, 0.6, 0.3]), [0.9, 0.6, 0.3]),
         (dict(sigmas=np.linspace(0.99, 0.33, 3)), [0.99, 0.66, 0.33]),
         (dict(sigmas=[1.0, 0.5 + 1e-3]), [1.0, 0.501]),  # 1e-3 off the 2-step default: explicit
-        (dict(timesteps=np.linspace(1000, 1.0, 3).astype(np.int64).astype(np.float32), sigmas=[0.9, 0.6, 0.3]),
-         [0.9, 0.6, 0.3]),
-        (dict(timesteps=np.array([900.0, 600.0, 300.0]), sigmas=np.array([900.0, 600.0, 300.0]) / 1000),
-         [0.9, 0.6, 0.3]),
+        (
+            dict(timesteps=np.linspace(1000, 1.0, 3).astype(np.int64).astype(np.float32), sigmas=[0.9, 0.6, 0.3]),
+            [0.9, 0.6, 0.3],
+        ),
+        (
+            dict(timesteps=np.array([900.0, 600.0, 300.0]), sigmas=np.array([900.0, 600.0, 300.0]) / 1000),
+            [0.9, 0.6, 0.3],
+        ),
     ]:
         s = RCMScheduler(time_input="float")
         s.set_timesteps(**kw)

@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import REPO, run_trainer, tiny_wan_run
 
 from rcm_diffusers import rng
 from rcm_diffusers.distill.config import RCMConfig, load_config, noise_seeding_of
 from rcm_diffusers.distill.data import sample_generators, step_noise
 from rcm_diffusers.trigflow import sample_p_D, sample_p_G
-from train_helpers import REPO, run_trainer, tiny_wan_run
 
 WAN = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 QAD = os.path.join(REPO, "training", "configs", "qad-tiny-wan-test.yaml")
@@ -21,12 +21,17 @@ QAD = os.path.join(REPO, "training", "configs", "qad-tiny-wan-test.yaml")
 def test_per_sample_draws_do_not_depend_on_the_split():
     """A batch of 4 drawn at once equals its halves drawn apart (same generators per row), bit for bit; a plain
     generator draws exactly what torch does (the historical stream)."""
+
     def draws(gens, B):
-        return [sample_p_G(B, generator=gens), rng.randn((B, 3, 5), generator=gens, dtype=torch.float64),
-                sample_p_D(B, generator=gens), rng.randint(7, (B,), generator=gens)]
+        return [
+            sample_p_G(B, generator=gens),
+            rng.randn((B, 3, 5), generator=gens, dtype=torch.float64),
+            sample_p_D(B, generator=gens),
+            rng.randint(7, (B,), generator=gens),
+        ]
 
     whole = draws(sample_generators(0, 3, 0, 4), 4)
-    halves = [draws(sample_generators(0, 3, 0, 4)[a:a + 2], 2) for a in (0, 2)]
+    halves = [draws(sample_generators(0, 3, 0, 4)[a : a + 2], 2) for a in (0, 2)]
     for w, h0, h1 in zip(whole, *halves):
         assert torch.equal(w, torch.cat([h0, h1]))
     # rank 1's two rows are rows 2 and 3 of the global batch
@@ -54,8 +59,10 @@ def wan(tmp_path_factory):
 def _max_rel(a: dict, b: dict):
     """max |a - b| and max |b| over every tensor of two exports with the same keys."""
     assert a.keys() == b.keys() and a
-    return (max(float((a[k].double() - b[k].double()).abs().max()) for k in a),
-            max(float(b[k].double().abs().max()) for k in b))
+    return (
+        max(float((a[k].double() - b[k].double()).abs().max()) for k in a),
+        max(float(b[k].double().abs().max()) for k in b),
+    )
 
 
 # The two runs do the same arithmetic per sample; what differs is float32 round-off: a matmul over 2 rows or 1 may
@@ -74,11 +81,36 @@ TOL = 1e-6
 def test_rcm_accumulation_equals_larger_batch(wan, reduction):
     """rCM (student with DMD, fake score, EMA; alternating from iteration 0): batch 1 x 2 micro-batches exports the same
     LoRA and EMA LoRA as batch 2, and logs the same learning rates and losses."""
-    common = ["--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1], "--max_steps", "4", "--tangent_warmup", "0",
-              "--student_update_freq", "2", "--lr_warmup_steps", "2", "--checkpoint_every", "0", "--adam_eps", "1e-3",
-              "--ema_rate", "0.3", "--loss_reduction", reduction, "--fd_type", "0"]
-    runs = {"accum": ["--batch_size", "1", "--gradient_accumulation_steps", "2"],
-            "batch": ["--batch_size", "2", "--noise_seeding", "sample"]}
+    common = [
+        "--config",
+        WAN,
+        "--pretrained",
+        wan[0],
+        "--data_dir",
+        wan[1],
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--lr_warmup_steps",
+        "2",
+        "--checkpoint_every",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+        "--loss_reduction",
+        reduction,
+        "--fd_type",
+        "0",
+    ]
+    runs = {
+        "accum": ["--batch_size", "1", "--gradient_accumulation_steps", "2"],
+        "batch": ["--batch_size", "2", "--noise_seeding", "sample"],
+    }
     for name, extra in runs.items():
         run_trainer([*common, *extra, "--output_dir", str(wan[2] / f"{reduction}-{name}")], timeout=300)
     out = {n: wan[2] / f"{reduction}-{n}" for n in runs}
@@ -102,14 +134,38 @@ def test_qad_accumulation_equals_larger_batch(wan):
     batch 2. Compared: the final checkpoint's float32 weights (the export rounds to bf16, where a round-off difference
     can flip a rounding). ``--target fake`` (weight-only): ``comfyui`` quantizes activations to NVFP4 as well, a step
     function whose codes round-off can flip (measured: 6.4e-4 apart in the bf16 export)."""
-    common = ["--config", QAD, "--pretrained", wan[0], "--data_dir", wan[1], "--max_steps", "4", "--warm_start_batches", "0",
-              "--checkpoint_every", "0", "--adam_eps", "1e-3", "--lr", "1e-3", "--ema_rate", "0.3", "--target", "fake"]
-    runs = {"accum": ["--batch_size", "1", "--gradient_accumulation_steps", "2"],
-            "batch": ["--batch_size", "2", "--noise_seeding", "sample"]}
+    common = [
+        "--config",
+        QAD,
+        "--pretrained",
+        wan[0],
+        "--data_dir",
+        wan[1],
+        "--max_steps",
+        "4",
+        "--warm_start_batches",
+        "0",
+        "--checkpoint_every",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--lr",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+        "--target",
+        "fake",
+    ]
+    runs = {
+        "accum": ["--batch_size", "1", "--gradient_accumulation_steps", "2"],
+        "batch": ["--batch_size", "2", "--noise_seeding", "sample"],
+    }
     for name, extra in runs.items():
         run_trainer([*common, *extra, "--output_dir", str(wan[2] / f"qad-{name}")], timeout=300, script="qad.py")
     for f in ("trainable", "ema"):
-        a, b = (load_file(str(wan[2] / f"qad-{n}" / "checkpoints" / "step-00000004" / f"{f}.safetensors")) for n in runs)
+        a, b = (
+            load_file(str(wan[2] / f"qad-{n}" / "checkpoints" / "step-00000004" / f"{f}.safetensors")) for n in runs
+        )
         diff, scale = _max_rel(a, b)
         print(f"qad {f}: max |dW| {diff:.3g}, max |W| {scale:.3g}")
         assert diff <= TOL * scale, (f, diff, scale)
@@ -120,11 +176,34 @@ def test_rcm_accumulation_on_two_processes_equals_one_batch(wan):
     """2 DDP processes x batch 1 x 2 micro-batches (DDP's all-reduce skipped on the first micro-batch) export the same
     LoRA and EMA as 1 process with batch 4: per-sample noise is keyed by the position in the global batch, so the
     split over processes and micro-batches does not change a sample's noise."""
-    common = ["--config", WAN, "--pretrained", wan[0], "--data_dir", wan[1], "--max_steps", "4", "--tangent_warmup", "0",
-              "--student_update_freq", "2", "--lr_warmup_steps", "2", "--checkpoint_every", "0", "--adam_eps", "1e-3",
-              "--ema_rate", "0.3", "--fd_type", "0"]
-    runs = {"ddp_accum": (2, ["--batch_size", "1", "--gradient_accumulation_steps", "2"]),
-            "batch4": (1, ["--batch_size", "4", "--noise_seeding", "sample"])}
+    common = [
+        "--config",
+        WAN,
+        "--pretrained",
+        wan[0],
+        "--data_dir",
+        wan[1],
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--lr_warmup_steps",
+        "2",
+        "--checkpoint_every",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+        "--fd_type",
+        "0",
+    ]
+    runs = {
+        "ddp_accum": (2, ["--batch_size", "1", "--gradient_accumulation_steps", "2"]),
+        "batch4": (1, ["--batch_size", "4", "--noise_seeding", "sample"]),
+    }
     for name, (procs, extra) in runs.items():
         run_trainer([*common, *extra, "--output_dir", str(wan[2] / name)], num_processes=procs, timeout=300)
     assert json.load(open(wan[2] / "ddp_accum" / "env.json"))["world_size"] == 2

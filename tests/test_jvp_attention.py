@@ -281,9 +281,16 @@ def test_sdpa_arguments_match_forward_ad_through_math_sdpa(backend):
         q, tq = r(*qlead, Lq, D), r(*qlead, Lq, D)
         k, v, tk, tv = (r(*kvlead, Lk, D) for _ in range(4))
         with sdpa_kernel(SDPBackend.MATH):
-            o_r, t_r = torch.func.jvp(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
-                a, b, c, **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in kw.items()}),
-                (q.double(), k.double(), v.double()), (tq.double(), tk.double(), tv.double()))
+            o_r, t_r = torch.func.jvp(
+                lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                    a,
+                    b,
+                    c,
+                    **{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in kw.items()},
+                ),
+                (q.double(), k.double(), v.double()),
+                (tq.double(), tk.double(), tv.double()),
+            )
         before = dict(STATS)
         o, t = torch.func.jvp(lambda a, b, c: sdpa_jvp(a, b, c, **kw, backend=backend), (q, k, v), (tq, tk, tv))
         assert STATS["fused_calls"] == before["fused_calls"] + 1 and STATS["jvp_recomputes"] == before["jvp_recomputes"]

@@ -23,9 +23,18 @@ from rcm_diffusers.attention import (
 from rcm_diffusers.attention.function import STATS, has_tangent
 
 WAN = dict(
-    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-    text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=32,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
 )
 # every transformer class of the table once (Wan 2.2's experts are Wan 2.1's class), plus Wan I2V's image branch
 MODELS = [c.name for c in CASES if c.name != "Wan 2.2"] + ["Wan 2.1 I2V"]
@@ -48,9 +57,12 @@ def _wan_i2v():
     torch.manual_seed(0)
     model = WanTransformer3DModel(**WAN, image_dim=8, added_kv_proj_dim=24).eval()
     g = torch.Generator().manual_seed(1)
-    kwargs = dict(hidden_states=torch.randn(1, 4, 2, 4, 4, generator=g), timestep=torch.tensor([400.0]),
-                  encoder_hidden_states=torch.randn(1, 512, 16, generator=g),  # the last 512 context tokens are text
-                  encoder_hidden_states_image=torch.randn(1, 3, 8, generator=g))
+    kwargs = dict(
+        hidden_states=torch.randn(1, 4, 2, 4, 4, generator=g),
+        timestep=torch.tensor([400.0]),
+        encoder_hidden_states=torch.randn(1, 512, 16, generator=g),  # the last 512 context tokens are text
+        encoder_hidden_states_image=torch.randn(1, 3, 8, generator=g),
+    )
     return model, (), kwargs, "hidden_states", "timestep", False
 
 
@@ -78,14 +90,18 @@ def make_case(name):
 
     def call(m, x_, t_):
         dtype = next(m.parameters()).dtype
-        a, k = tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
-                        (list(args), dict(kwargs)))
+        a, k = tree_map(
+            lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
+            (list(args), dict(kwargs)),
+        )
         _put(a, k, x_key, list(x_.unbind(0)) if list_x else x_)
         _put(a, k, t_key, t_)
         if takes_return_dict:
             k["return_dict"] = False
         out = m(*a, **k)
-        return torch.cat([o.reshape(-1) for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()])
+        return torch.cat(
+            [o.reshape(-1) for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        )
 
     return model, call, x.float(), t.float()
 
@@ -136,7 +152,9 @@ def test_jvp_matches_forward_ad_through_math_sdpa_in_float64(name):
     ref = copy.deepcopy(model).double()
     with sdpa_kernel(SDPBackend.MATH):
         with CountSDPA() as count:
-            y_r, ty_r = torch.func.jvp(lambda a, b: call(ref, a, b), (x.double(), t.double()), (dx.double(), dt.double()))
+            y_r, ty_r = torch.func.jvp(
+                lambda a, b: call(ref, a, b), (x.double(), t.double()), (dx.double(), dt.double())
+            )
         y_32, ty_32 = torch.func.jvp(lambda a, b: call(copy.deepcopy(model), a, b), (x, t), (dx, dt))
     enable_jvp_attention(model)
     calls = STATS["fused_calls"]
@@ -218,10 +236,15 @@ def test_models_it_cannot_serve_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"needs a torch.nn.Module .*, got dict"):
         check_jvp_servable({})
     m = copy.deepcopy(model)
-    for proc in m.attn_processors.values():  # as set_attention_backend("flash") leaves them (flash-attn not needed here)
+    for (
+        proc
+    ) in m.attn_processors.values():  # as set_attention_backend("flash") leaves them (flash-attn not needed here)
         proc._attention_backend = "flash"
-    with pytest.raises(ValueError, match=r"attention backend 'flash' at blocks.0.attn1 has no forward-mode rule.*"
-                                         r"reset_attention_backend\(\)") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"attention backend 'flash' at blocks.0.attn1 has no forward-mode rule.*"
+        r"reset_attention_backend\(\)",
+    ) as e:
         enable_jvp_attention(m)
     assert "\n" not in str(e.value)
     sd3, *_ = make_case("SD3")
@@ -249,8 +272,13 @@ def test_wan_i2v_text_of_other_than_512_tokens_is_refused():
     enable_jvp_attention(model)
     x = torch.randn(1, 4, 1, 4, 4)
     with pytest.raises(ValueError, match="max_sequence_length=512"):
-        model(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, 6, 16),
-              encoder_hidden_states_image=torch.randn(1, 3, 8), return_dict=False)
+        model(
+            hidden_states=x,
+            timestep=torch.tensor([500.0]),
+            encoder_hidden_states=torch.randn(1, 6, 16),
+            encoder_hidden_states_image=torch.randn(1, 3, 8),
+            return_dict=False,
+        )
 
 
 def test_mode_intercepts_only_calls_with_tangents():

@@ -7,11 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny import tiny_wan_pipeline, tiny_wan_transformer, wan_embeds, wan_scheduler_config
 
 from rcm_diffusers import RCMScheduler
 from rcm_diffusers.lora.pipeline import WEIGHT_NAME, load_rcm_lora
-
-from tiny import tiny_wan_pipeline, tiny_wan_transformer, wan_embeds, wan_scheduler_config
 
 TRAINED = {"rcm_sigma_max": 5000.0, "mid_t": [0.8, 0.5, 0.25], "time_input": "float"}  # not the from_config defaults
 WAN_KW = dict(height=16, width=16, num_frames=5, guidance_scale=1.0, output_type="latent")
@@ -34,8 +33,13 @@ def run_dir(tmp_path_factory):
         for p in lora_parameters(tr, "student").values():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     shadow = {n: p.detach() * 0.5 for n, p in lora_parameters(tr, "student").items()}
-    cfg = SimpleNamespace(sigma_max=TRAINED["rcm_sigma_max"], mid_t=TRAINED["mid_t"], time_input=TRAINED["time_input"],
-                          output_dir=str(out), mode="shared")
+    cfg = SimpleNamespace(
+        sigma_max=TRAINED["rcm_sigma_max"],
+        mid_t=TRAINED["mid_t"],
+        time_input=TRAINED["time_input"],
+        output_dir=str(out),
+        mode="shared",
+    )
     export_student(WanPipeline, cfg, tr, SimpleNamespace(shadow=shadow))
     return out
 
@@ -46,8 +50,9 @@ def _settings(sched):
 
 def _sample(pipe, steps):
     with torch.no_grad():
-        return pipe(prompt_embeds=wan_embeds(2), num_inference_steps=steps, generator=torch.Generator().manual_seed(3),
-                    **WAN_KW).frames
+        return pipe(
+            prompt_embeds=wan_embeds(2), num_inference_steps=steps, generator=torch.Generator().manual_seed(3), **WAN_KW
+        ).frames
 
 
 def test_load_rcm_lora_sets_the_exported_scheduler(run_dir, caplog):
@@ -64,7 +69,10 @@ def test_load_rcm_lora_sets_the_exported_scheduler(run_dir, caplog):
     assert isinstance(pipe.scheduler, RCMScheduler) and _settings(pipe.scheduler) == TRAINED
     assert pipe.scheduler.config.flow_shift == 3.0
     assert stock.from_config(pipe.scheduler.config).config.flow_shift == 3.0
-    assert f"RCMScheduler from {run_dir / 'scheduler'}: sigma_max 5000, mid_t [0.8, 0.5, 0.25], time_input float" in caplog.text
+    assert (
+        f"RCMScheduler from {run_dir / 'scheduler'}: sigma_max 5000, mid_t [0.8, 0.5, 0.25], time_input float"
+        in caplog.text
+    )
 
     ema = tiny_wan_pipeline()
     with caplog.at_level(logging.INFO, logger="rcm_diffusers"):
@@ -101,8 +109,11 @@ def test_without_a_scheduler_folder_it_falls_back_with_a_message(run_dir, tmp_pa
     bare.mkdir()
     shutil.copy(run_dir / WEIGHT_NAME, bare / WEIGHT_NAME)
     pipe = tiny_wan_pipeline()
-    with pytest.warns(UserWarning, match=r"no RCMScheduler config .* using RCMScheduler.from_config defaults "
-                                         r"\(sigma_max 80, mid_t \[1.5, 1.4, 1.0\], time_input bf16\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"no RCMScheduler config .* using RCMScheduler.from_config defaults "
+        r"\(sigma_max 80, mid_t \[1.5, 1.4, 1.0\], time_input bf16\)",
+    ):
         load_rcm_lora(pipe, str(bare))
     assert pipe.scheduler.config.rcm_sigma_max == 80.0 and pipe.scheduler.config.time_input == "bf16"
 
@@ -131,11 +142,25 @@ def test_per_step_mid_t_of_the_trainer_config_reaches_the_user(tmp_path):
     from rcm_diffusers.distill.export import export_student
 
     out = tmp_path / "run"
-    cfg = load_config(["--pretrained", "p", "--data_dir", "d", "--output_dir", str(out), "--sigma_max", "200",
-                       "--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8"])
+    cfg = load_config(
+        [
+            "--pretrained",
+            "p",
+            "--data_dir",
+            "d",
+            "--output_dir",
+            str(out),
+            "--sigma_max",
+            "200",
+            "--mid_t",
+            "2: 1.0; 4: 1.5, 1.4, 0.8",
+        ]
+    )
     tr = tiny_wan_transformer()
     add_rcm_adapters(tr, rank=4, alpha=None, with_fake=False)
-    export_student(WanPipeline, cfg, tr, SimpleNamespace(shadow={n: p.detach() for n, p in lora_parameters(tr, "student").items()}))
+    export_student(
+        WanPipeline, cfg, tr, SimpleNamespace(shadow={n: p.detach() for n, p in lora_parameters(tr, "student").items()})
+    )
 
     def rf(angles):
         t = np.array([math.atan(200.0), *angles, 0.0])

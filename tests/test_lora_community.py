@@ -19,10 +19,10 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_lora_keys import assert_same_effect, tiny_flux, tiny_wan
 
 from rcm_diffusers import comfy
 from rcm_diffusers.lora import cli, io, keys, merge
-from test_lora_keys import assert_same_effect, tiny_flux, tiny_wan
 
 
 def original_wan():
@@ -36,7 +36,10 @@ def factors(base, seed=0, rank=2, blocks_only=False):
     for k, v in base.items():
         if k.endswith(".weight") and v.dim() == 2 and (k.startswith("blocks.") or not blocks_only):
             m = k[: -len(".weight")]
-            out[m] = (torch.randn(rank, v.shape[1], generator=g) * 0.3, torch.randn(v.shape[0], rank, generator=g) * 0.3)
+            out[m] = (
+                torch.randn(rank, v.shape[1], generator=g) * 0.3,
+                torch.randn(v.shape[0], rank, generator=g) * 0.3,
+            )
     return out
 
 
@@ -53,11 +56,13 @@ def expected(base, fac, alpha=None, diffs=None):
 
 def _diffs(base, seed=5):
     g = torch.Generator().manual_seed(seed)
-    return {"blocks.0.modulation": torch.randn(1, 6, 24, generator=g) * 0.1,
-            "blocks.1.modulation": torch.randn(1, 6, 24, generator=g) * 0.1,
-            "head.modulation": torch.randn(1, 2, 24, generator=g) * 0.1,
-            "blocks.0.self_attn.q.bias": torch.randn(24, generator=g) * 0.1,
-            "blocks.1.norm3.weight": torch.randn(24, generator=g) * 0.1}
+    return {
+        "blocks.0.modulation": torch.randn(1, 6, 24, generator=g) * 0.1,
+        "blocks.1.modulation": torch.randn(1, 6, 24, generator=g) * 0.1,
+        "head.modulation": torch.randn(1, 2, 24, generator=g) * 0.1,
+        "blocks.0.self_attn.q.bias": torch.randn(24, generator=g) * 0.1,
+        "blocks.1.norm3.weight": torch.randn(24, generator=g) * 0.1,
+    }
 
 
 def layout(name, base, fac, diffs):
@@ -122,8 +127,10 @@ def test_wan_layout_converts_and_merges_exactly(tmp_path, name):
     # convert -> ComfyUI file -> RCMLoraLoader's reader: the same deltas (bitwise; alpha outside the blocks folded
     # into lora_down, exactly for these power-of-two alpha/r), ComfyUI names, modulation as .diff
     save_file(sd, tmp_path / "in.safetensors")
-    assert cli.main(["convert", str(tmp_path / "in.safetensors"), str(tmp_path / "c.safetensors"),
-                     "--format", "comfyui"]) == 0
+    assert (
+        cli.main(["convert", str(tmp_path / "in.safetensors"), str(tmp_path / "c.safetensors"), "--format", "comfyui"])
+        == 0
+    )
     c = comfy.load_lora_file(str(tmp_path / "c.safetensors"), "wan")
     direct = comfy.load_lora_file(str(tmp_path / "in.safetensors"), "wan")  # the original file, loaded as it is
     assert_same_effect(c, direct)
@@ -186,8 +193,11 @@ def test_diffusers_load_lora_weights_applies_converted_layouts(tmp_path, name):
     pipe = WanPipeline(transformer=tiny_wan(), vae=None, scheduler=None, text_encoder=None, tokenizer=None)
     pipe.load_lora_weights(str(tmp_path), weight_name=f"{name}.out.safetensors")
     pipe.fuse_lora()
-    got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
-                            if "lora_" not in k}, "wan", prefix="")
+    got = keys.to_original(
+        {k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items() if "lora_" not in k},
+        "wan",
+        prefix="",
+    )
     want = expected(base, fac, alpha)
     for m in fac:
         torch.testing.assert_close(got[f"{m}.weight"].double(), want[f"{m}.weight"], rtol=1e-5, atol=1e-6)
@@ -221,8 +231,11 @@ def test_flux_kohya_fused_layers():
 COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
 
 
-@pytest.mark.skipif(not COMFYUI_PATH, reason="set COMFYUI_PATH to a ComfyUI checkout (with its requirements) "
-                                             "to compare with stock ComfyUI's own LoRA loader")
+@pytest.mark.skipif(
+    not COMFYUI_PATH,
+    reason="set COMFYUI_PATH to a ComfyUI checkout (with its requirements) "
+    "to compare with stock ComfyUI's own LoRA loader",
+)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_stock_comfyui_loader_gives_the_same_deltas(tmp_path, name):
     """Stock ComfyUI (comfy/lora.py ``model_lora_keys_unet`` + ``load_lora`` + ``calculate_weight``) on the
@@ -242,6 +255,7 @@ def test_stock_comfyui_loader_gives_the_same_deltas(tmp_path, name):
     fac = factors(base, blocks_only=blocks_only)
     diffs = _diffs(base) if with_diffs else {}
     sd = cconv.convert_lora(layout(name, base, fac, diffs))
+
     class WanLike:  # what model_lora_keys_unet reads of a Wan BaseModel: its state dict and unet_config
         model_config = types.SimpleNamespace(unet_config={"image_model": "wan2.1"})
 
@@ -256,12 +270,13 @@ def test_stock_comfyui_loader_gives_the_same_deltas(tmp_path, name):
     ours = comfy_style_apply(base, keys.to_comfy_keys(sd, "wan"))  # what RCMLoraLoader reads and applies
     applied = set()
     for full, patch in patches.items():
-        k = full[len("diffusion_model."):]
+        k = full[len("diffusion_model.") :]
         if not k.endswith((".weight", ".bias")):
             continue  # registered on a raw parameter (Kijai .modulation.diff): stock ComfyUI never applies it
         applied.add(k)
-        w = clora.calculate_weight([(1.0, patch, 1.0, None, None)], base[k].double().clone(), full,
-                                   intermediate_dtype=torch.float64)
+        w = clora.calculate_weight(
+            [(1.0, patch, 1.0, None, None)], base[k].double().clone(), full, intermediate_dtype=torch.float64
+        )
         torch.testing.assert_close(w, want[k], rtol=1e-6, atol=1e-6)
     assert applied >= {f"{m}.weight" for m in fac}
     stock_drops = sorted(k for k in diffs if k not in applied)
@@ -283,12 +298,22 @@ def test_flux_kohya_converted_loads_in_diffusers(tmp_path):
         n = "lora_unet_" + m.replace(".", "_")
         sd[f"{n}.lora_down.weight"], sd[f"{n}.lora_up.weight"], sd[f"{n}.alpha"] = down, up, torch.tensor(2.0)
     assert cli.main(["convert", "--format", "diffusers", *_paths(tmp_path, "fk", sd)]) == 0
-    pipe = FluxPipeline(transformer=tiny_flux(), scheduler=None, vae=None, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None)
+    pipe = FluxPipeline(
+        transformer=tiny_flux(),
+        scheduler=None,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+    )
     pipe.load_lora_weights(str(tmp_path), weight_name="fk.out.safetensors")
     pipe.fuse_lora()
-    got = keys.to_original({k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items()
-                            if "lora_" not in k}, "flux", prefix="")
+    got = keys.to_original(
+        {k.replace(".base_layer", ""): v for k, v in pipe.transformer.state_dict().items() if "lora_" not in k},
+        "flux",
+        prefix="",
+    )
     want = expected(fbase, fac, 2.0)
     for m in fac:
         torch.testing.assert_close(got[f"{m}.weight"].double(), want[f"{m}.weight"], rtol=1e-5, atol=1e-6)
@@ -296,8 +321,12 @@ def test_flux_kohya_converted_loads_in_diffusers(tmp_path):
 
 def _wan_inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g), timestep=torch.tensor([500]),
-                encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
+    return dict(
+        hidden_states=torch.randn(1, 16, 1, 4, 4, generator=g),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+        return_dict=False,
+    )
 
 
 def _rel(a, b):
@@ -309,6 +338,7 @@ def test_load_full_lora_applies_every_delta_live_with_strength_and_exact_unload(
     """LightX2V / Kijai files on a live WanPipeline: stock load_lora_weights drops the norm, bias and modulation
     deltas; load_full_lora applies them all and equals merge_lora at each strength; unload is bit-exact."""
     from diffusers import WanPipeline
+
     from rcm_diffusers import load_full_lora
 
     dbase = {k: v.clone() for k, v in tiny_wan().state_dict().items()}
@@ -341,9 +371,16 @@ def test_load_full_lora_applies_every_delta_live_with_strength_and_exact_unload(
     assert stock_err > 0.05 * effect
 
     handle = load_full_lora(pipe, str(tmp_path / "l.safetensors"), adapter_name="distill")
-    assert sorted(handle.full_deltas) == sorted([  # diffusers names of the modulation, norm and patch-embedding deltas
-        "blocks.0.scale_shift_table", "blocks.1.scale_shift_table", "scale_shift_table", "blocks.0.norm2.bias",
-        "blocks.1.norm2.weight", "patch_embedding.weight"])
+    assert sorted(handle.full_deltas) == sorted(
+        [  # diffusers names of the modulation, norm and patch-embedding deltas
+            "blocks.0.scale_shift_table",
+            "blocks.1.scale_shift_table",
+            "scale_shift_table",
+            "blocks.0.norm2.bias",
+            "blocks.1.norm2.weight",
+            "patch_embedding.weight",
+        ]
+    )
     errs = {}
     for w in (1.0, 0.4, 1.0):
         handle.set_weight(w)
@@ -354,8 +391,10 @@ def test_load_full_lora_applies_every_delta_live_with_strength_and_exact_unload(
         params = {k.replace(".base_layer", ""): v for k, v in pipe.transformer.named_parameters()}
         for p in handle.full_deltas:
             assert torch.equal(params[p.replace(".base_layer", "")], ref[p.replace(".base_layer", "")]), p
-    print(f"\n{name}: LoRA effect {effect:.3f}, stock load_lora_weights misses {stock_err:.3f}, "
-          f"load_full_lora vs merge {max(errs.values()):.2e}")
+    print(
+        f"\n{name}: LoRA effect {effect:.3f}, stock load_lora_weights misses {stock_err:.3f}, "
+        f"load_full_lora vs merge {max(errs.values()):.2e}"
+    )
     # float32 round-off only: the unfused peft path (x W^T + (x A^T) B^T) vs the merged weight, a few ulp per layer
     assert max(errs.values()) <= 1e-6
     handle.unload()
@@ -372,19 +411,31 @@ def test_load_full_lora_into_the_second_expert():
     """Wan 2.2: a LightX2V-layout LoRA (as a dict) into ``transformer_2`` only, at strength 0.7: equals merge_lora there,
     the high-noise expert keeps its weights; unload restores the second expert bit for bit."""
     from diffusers import WanImageToVideoPipeline
-    from rcm_diffusers import load_full_lora
     from tiny import tiny_wan_transformer
 
-    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, image_encoder=None,
-                                   image_processor=None, boundary_ratio=0.9,
-                                   transformer=tiny_wan_transformer(seed=1, in_channels=12),
-                                   transformer_2=tiny_wan_transformer(seed=2, in_channels=12))
+    from rcm_diffusers import load_full_lora
+
+    pipe = WanImageToVideoPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        scheduler=None,
+        image_encoder=None,
+        image_processor=None,
+        boundary_ratio=0.9,
+        transformer=tiny_wan_transformer(seed=1, in_channels=12),
+        transformer_2=tiny_wan_transformer(seed=2, in_channels=12),
+    )
     d1, d2 = ({k: v.clone() for k, v in t.state_dict().items()} for t in (pipe.transformer, pipe.transformer_2))
     base2 = keys.to_original(d2, "wan", prefix="")
     sd = layout("lightx2v", base2, factors(base2, seed=11), _diffs(base2))
     g = torch.Generator().manual_seed(1)
-    x = dict(hidden_states=torch.randn(1, 12, 1, 4, 4, generator=g), timestep=torch.tensor([300]),
-             encoder_hidden_states=torch.randn(1, 6, 32, generator=g), return_dict=False)
+    x = dict(
+        hidden_states=torch.randn(1, 12, 1, 4, 4, generator=g),
+        timestep=torch.tensor([300]),
+        encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+        return_dict=False,
+    )
     merged = tiny_wan_transformer(seed=2, in_channels=12)
     merged.load_state_dict(merge.merge_lora(d2, sd, weight=0.7)[0])
     handle = load_full_lora(pipe, sd, adapter_name="low", weight=0.7, component="transformer_2")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_lora_keys import random_lora, tiny_flux, tiny_wan
 
 from rcm_diffusers.lora import extract, io, keys, merge
-from test_lora_keys import random_lora, tiny_flux, tiny_wan
 
 
 def with_low_rank_delta(sd, r, seed=0):
@@ -44,7 +44,7 @@ def test_extract_recovers_rank_r_delta_and_reports_lower_rank_error(tmp_path):
     low = {r.name: r for r in low}
     k = "blocks.0.ffn.net.0.proj.weight"
     S = torch.linalg.svdvals(true[k].double())
-    expect = float((S[1:] ** 2).sum().sqrt() / (S ** 2).sum().sqrt())
+    expect = float((S[1:] ** 2).sum().sqrt() / (S**2).sum().sqrt())
     assert low[k].rank == 1 and abs(low[k].rel_error - expect) < 1e-4 and low[k].rel_error > 0.2
     assert low["blocks.1.scale_shift_table"].kind == "dropped"
     # energy-chosen rank: 100% energy needs exactly the true rank 3 (or fewer on tiny dims)
@@ -106,8 +106,10 @@ def test_two_experts_and_save_model(tmp_path):
     high = {k: v.clone() for k, v in tiny_wan(seed=3).state_dict().items()}
     low = {k: v.clone() for k, v in tiny_wan(seed=4).state_dict().items()}
     lh, ll = random_lora(tiny_wan(), rank=2, seed=5), random_lora(tiny_wan(), rank=2, seed=6)
-    both = {**{"transformer." + k[len("transformer."):]: v for k, v in lh.items()},
-            **{"transformer_2." + k[len("transformer."):]: v for k, v in ll.items()}}
+    both = {
+        **{"transformer." + k[len("transformer.") :]: v for k, v in lh.items()},
+        **{"transformer_2." + k[len("transformer.") :]: v for k, v in ll.items()},
+    }
     out = merge.merge_experts({"transformer": high, "transformer_2": low}, {"transformer": both, "transformer_2": both})
     k = "blocks.0.ffn.net.2.weight"
     assert torch.allclose(out["transformer"][k], merge.merge_lora(high, lh)[0][k])
@@ -136,8 +138,16 @@ def test_streamed_merge_writes_sharded_diffusers_folder_and_flux_comfy_file(tmp_
     base = {k: v.clone() for k, v in model.state_dict().items()}
     lora = random_lora(model, rank=2)
     want, _ = merge.merge_lora(base, lora, 0.6)
-    out, skipped = merge.merge_lora_to(tmp_path / "w", keys.to_original(base, prefix=""), lora, 0.6, layout="diffusers",
-                                       config=dict(model.config), max_shard_size=30_000, progress=False)
+    out, skipped = merge.merge_lora_to(
+        tmp_path / "w",
+        keys.to_original(base, prefix=""),
+        lora,
+        0.6,
+        layout="diffusers",
+        config=dict(model.config),
+        max_shard_size=30_000,
+        progress=False,
+    )
     index = json.loads((out / "diffusion_pytorch_model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and sorted(index["weight_map"]) == sorted(base)
     loaded = WanTransformer3DModel.from_pretrained(out).state_dict()
@@ -154,8 +164,9 @@ def test_streamed_merge_writes_sharded_diffusers_folder_and_flux_comfy_file(tmp_
     for k in fwant:
         torch.testing.assert_close(got[k], fwant[k], rtol=1e-6, atol=1e-6)
     # Flux: original base -> diffusers folder, fused layers split while streaming (bias with its weight)
-    out, _ = merge.merge_lora_to(tmp_path / "fd", keys.to_original(fbase, "flux", prefix=""), flora, layout="diffusers",
-                                 progress=False)
+    out, _ = merge.merge_lora_to(
+        tmp_path / "fd", keys.to_original(fbase, "flux", prefix=""), flora, layout="diffusers", progress=False
+    )
     gotd = load_file(out / "diffusion_pytorch_model.safetensors")
     want_d = merge.merge_lora(fbase, flora)[0]
     assert sorted(gotd) == sorted(want_d)

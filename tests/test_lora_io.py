@@ -7,23 +7,38 @@ import pickle
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+from test_lora_keys import assert_same, assert_same_effect, random_lora, tiny_flux, tiny_wan
 
 from rcm_diffusers.lora import checkpoint, io, keys
-from test_lora_keys import assert_same, assert_same_effect, random_lora, tiny_flux, tiny_wan
 
 
 def tiny_pipe():
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
-    return WanPipeline(transformer=tiny_wan(), vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                       text_encoder=None, tokenizer=None)
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    return WanPipeline(
+        transformer=tiny_wan(),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        text_encoder=None,
+        tokenizer=None,
+    )
 
 
 def run(pipe):
     emb = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(5))
-    return pipe(prompt_embeds=emb, negative_prompt_embeds=torch.zeros_like(emb), height=16, width=16, num_frames=5,
-                num_inference_steps=2, guidance_scale=2.0, output_type="latent",
-                generator=torch.Generator().manual_seed(7)).frames
+    return pipe(
+        prompt_embeds=emb,
+        negative_prompt_embeds=torch.zeros_like(emb),
+        height=16,
+        width=16,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(7),
+    ).frames
 
 
 def test_lora_via_comfyui_and_back_reproduces_pipeline_output(tmp_path):
@@ -36,8 +51,13 @@ def test_lora_via_comfyui_and_back_reproduces_pipeline_output(tmp_path):
     ref = run(pipe)
     assert (ref - base).abs().max() > 1e-2  # the LoRA matters
 
-    info = io.save_lora(tmp_path / "comfy.safetensors", lora, "wan", format="comfyui",
-                        metadata={"base_model": "tiny-wan", "made_by": "test"})
+    info = io.save_lora(
+        tmp_path / "comfy.safetensors",
+        lora,
+        "wan",
+        format="comfyui",
+        metadata={"base_model": "tiny-wan", "made_by": "test"},
+    )
     raw = io.read_metadata(tmp_path / "comfy.safetensors")
     assert json.loads(raw["rcm_lora"])["base_model"] == "tiny-wan" and info["n_lora_modules"] == 2 * 10 + 6
     sd, meta = io.load_lora(tmp_path / "comfy.safetensors", format="diffusers")
@@ -61,7 +81,9 @@ def test_lora_via_comfyui_and_back_reproduces_pipeline_output(tmp_path):
         else:  # alpha folded into lora_down (outside the blocks): float32 round-off of B A * alpha/r
             folded += 1
             ref_d = m.get_delta_weight("ref")
-            torch.testing.assert_close(m.get_delta_weight("back"), ref_d, rtol=0, atol=4 * 2**-23 * ref_d.abs().max().item())
+            torch.testing.assert_close(
+                m.get_delta_weight("back"), ref_d, rtol=0, atol=4 * 2**-23 * ref_d.abs().max().item()
+            )
         assert (m.lora_B["ref"].bias is None) == (m.lora_B["back"].bias is None)
         if m.lora_B["ref"].bias is not None:
             assert torch.equal(m.lora_B["back"].bias, m.lora_B["ref"].bias)
@@ -142,7 +164,11 @@ def test_nested_and_prefixed_checkpoints_keep_dtype(tmp_path, wrap):
     if wrap == "plain":
         obj = {f"model.diffusion_model.{k}": v for k, v in sd.items()}
     elif wrap == "ema":
-        obj = {"iteration": 7, "net": {k: torch.zeros_like(v) for k, v in sd.items()}, "ema": {f"net.{k}": v for k, v in sd.items()}}
+        obj = {
+            "iteration": 7,
+            "net": {k: torch.zeros_like(v) for k, v in sd.items()},
+            "ema": {f"net.{k}": v for k, v in sd.items()},
+        }
     else:
         obj = {wrap: {f"module.{k}": v for k, v in sd.items()}, "step": 3}
     p = tmp_path / "ckpt.pt"

@@ -12,15 +12,34 @@ from rcm_diffusers.lora import keys
 def tiny_wan(i2v=False, seed=0):
     torch.manual_seed(seed)
     kw = dict(image_dim=24, added_kv_proj_dim=24, in_channels=36) if i2v else dict(in_channels=16)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, out_channels=16,
-                                 text_dim=32, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True, **kw)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        **kw,
+    )
 
 
 def tiny_flux(seed=0):
     torch.manual_seed(seed)
-    return FluxTransformer2DModel(patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                  guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
 
 
 def random_lora(model, rank=4, seed=1, alpha=True, vary=False):
@@ -96,7 +115,9 @@ def test_flux_full_weights_round_trip_fused():
     lin1 = orig["single_blocks.0.linear1.bias"]
     assert lin1.shape == (32 * 3 + 128,)
     assert torch.equal(lin1[96:], sd["single_transformer_blocks.0.proj_mlp.bias"])
-    assert torch.equal(orig["single_blocks.0.norm.query_norm.scale"], sd["single_transformer_blocks.0.attn.norm_q.weight"])
+    assert torch.equal(
+        orig["single_blocks.0.norm.query_norm.scale"], sd["single_transformer_blocks.0.attn.norm_q.weight"]
+    )
     ada = orig["final_layer.adaLN_modulation.1.weight"]
     assert torch.equal(ada[:32], sd["norm_out.linear.weight"][32:])  # (shift, scale) vs (scale, shift)
     assert not any(k.startswith(("transformer_blocks", "single_transformer_blocks")) for k in orig)
@@ -159,9 +180,11 @@ def test_flux_partial_qkv_lora_and_dense_fused_lora():
     assert_same(keys.from_any(comfy, "flux"), sd)
     # a LoRA trained on the fused layer (dense B) splits into exact per-slice LoRAs of the full rank
     g = torch.Generator().manual_seed(3)
-    dense = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight": torch.randn(5, 32, generator=g),
-             "diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight": torch.randn(96, 5, generator=g),
-             "diffusion_model.double_blocks.0.img_attn.qkv.alpha": torch.tensor(10.0)}
+    dense = {
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight": torch.randn(5, 32, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight": torch.randn(96, 5, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.qkv.alpha": torch.tensor(10.0),
+    }
     split = keys.from_any(dense, "flux")
     d = lora_deltas(split)
     full = lora_deltas(dense)["double_blocks.0.img_attn.qkv"]
@@ -170,15 +193,22 @@ def test_flux_partial_qkv_lora_and_dense_fused_lora():
 
 def test_deltas_diff_keys_round_trip():
     g = torch.Generator().manual_seed(0)
-    sd = {"transformer.blocks.0.scale_shift_table.diff": torch.randn(1, 6, 24, generator=g),
-          "transformer.blocks.0.norm2.diff": torch.randn(24, generator=g),
-          "transformer.blocks.0.attn1.to_q.diff_b": torch.randn(24, generator=g)}
+    sd = {
+        "transformer.blocks.0.scale_shift_table.diff": torch.randn(1, 6, 24, generator=g),
+        "transformer.blocks.0.norm2.diff": torch.randn(24, generator=g),
+        "transformer.blocks.0.attn1.to_q.diff_b": torch.randn(24, generator=g),
+    }
     comfy = keys.to_comfy_keys(sd, "wan")
-    assert sorted(comfy) == ["diffusion_model.blocks.0.modulation.diff", "diffusion_model.blocks.0.norm3.diff",
-                             "diffusion_model.blocks.0.self_attn.q.diff_b"]
+    assert sorted(comfy) == [
+        "diffusion_model.blocks.0.modulation.diff",
+        "diffusion_model.blocks.0.norm3.diff",
+        "diffusion_model.blocks.0.self_attn.q.diff_b",
+    ]
     assert_same(keys.from_any(comfy, "wan"), sd)
-    fsd = {"transformer.single_transformer_blocks.0.attn.norm_k.diff": torch.randn(16, generator=g),
-           "transformer.norm_out.linear.diff_b": torch.randn(64, generator=g)}
+    fsd = {
+        "transformer.single_transformer_blocks.0.attn.norm_k.diff": torch.randn(16, generator=g),
+        "transformer.norm_out.linear.diff_b": torch.randn(64, generator=g),
+    }
     fc = keys.to_comfy_keys(fsd, "flux")
     assert "diffusion_model.single_blocks.0.norm.key_norm.scale.diff" in fc
     assert_same(keys.from_any(fc, "flux"), fsd)

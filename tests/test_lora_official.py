@@ -18,9 +18,9 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import load_file
+from test_lora_keys import tiny_wan
 
 from rcm_diffusers.lora import checkpoint, cli, extract, keys, merge, turbodiffusion
-from test_lora_keys import tiny_wan
 
 DIM, C = 24, 16
 
@@ -69,15 +69,29 @@ def test_official_rcm_pt_converts_to_diffusers_and_matches_hand_loaded_forward(t
     assert off["net.patch_embedding.weight"].shape == (DIM, C * 4)
     torch.save(off, tmp_path / "rcm.pt")
     (tmp_path / "cfg.json").write_text(json.dumps(dict(model.config)))
-    assert cli.main(["convert", str(tmp_path / "rcm.pt"), str(tmp_path / "diff"), "--format", "diffusers",
-                     "--config", str(tmp_path / "cfg.json")]) == 0
+    assert (
+        cli.main(
+            [
+                "convert",
+                str(tmp_path / "rcm.pt"),
+                str(tmp_path / "diff"),
+                "--format",
+                "diffusers",
+                "--config",
+                str(tmp_path / "cfg.json"),
+            ]
+        )
+        == 0
+    )
     loaded = WanTransformer3DModel.from_pretrained(tmp_path / "diff").eval()
     ref = hand_loaded({k[4:]: v for k, v in off.items()}, model.config)
     torch.testing.assert_close(forward(loaded.float()), forward(ref.float()), rtol=1e-6, atol=1e-6)
     # ComfyUI single file: Conv3d form, original names, bf16 kept
     assert cli.main(["convert", str(tmp_path / "rcm.pt"), str(tmp_path / "c.safetensors"), "--format", "comfyui"]) == 0
     c = load_file(tmp_path / "c.safetensors")
-    assert c["patch_embedding.weight"].shape == (DIM, C, 1, 2, 2) and c["patch_embedding.weight"].dtype == torch.bfloat16
+    assert (
+        c["patch_embedding.weight"].shape == (DIM, C, 1, 2, 2) and c["patch_embedding.weight"].dtype == torch.bfloat16
+    )
     assert torch.equal(c["patch_embedding.weight"].flatten(1), off["net.patch_embedding.weight"])
     # ... and back to the official Linear form by a merge into an official base: same bytes
     back = keys.to_diffusers(c, "wan", prefix="")
@@ -116,10 +130,31 @@ def test_extract_merge_transfer_official_vs_sharded_diffusers_folder(tmp_path, c
     assert (tmp_path / "base" / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
     ft = low_rank_ft(base)
     off_ft = official_from(ft)
-    torch.save({**{f"net_ema.{k}": v for k, v in off_ft.items()},
-                **{f"net.{k}": torch.zeros_like(v) for k, v in off_ft.items()}}, tmp_path / "ft.pt")
-    assert cli.main(["extract", "--finetuned", str(tmp_path / "ft.pt"), "--base", str(tmp_path / "base"),
-                     "--output", str(tmp_path / "x.safetensors"), "--rank", "2", "--format", "diffusers"]) == 0
+    torch.save(
+        {
+            **{f"net_ema.{k}": v for k, v in off_ft.items()},
+            **{f"net.{k}": torch.zeros_like(v) for k, v in off_ft.items()},
+        },
+        tmp_path / "ft.pt",
+    )
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--finetuned",
+                str(tmp_path / "ft.pt"),
+                "--base",
+                str(tmp_path / "base"),
+                "--output",
+                str(tmp_path / "x.safetensors"),
+                "--rank",
+                "2",
+                "--format",
+                "diffusers",
+            ]
+        )
+        == 0
+    )
     assert "took the 'net_ema' network" in capsys.readouterr().out
     x = load_file(tmp_path / "x.safetensors")
     assert x["transformer.patch_embedding.lora_A.weight"].shape == (2, C, 1, 2, 2)
@@ -128,34 +163,96 @@ def test_extract_merge_transfer_official_vs_sharded_diffusers_folder(tmp_path, c
     # 2-D weights (the rest are biases/norms/modulation, dropped from a diffusers file)
     from diffusers import WanPipeline
 
-    pipe = WanPipeline(transformer=WanTransformer3DModel.from_pretrained(tmp_path / "base" / "transformer"),
-                       vae=None, scheduler=None, text_encoder=None, tokenizer=None)
+    pipe = WanPipeline(
+        transformer=WanTransformer3DModel.from_pretrained(tmp_path / "base" / "transformer"),
+        vae=None,
+        scheduler=None,
+        text_encoder=None,
+        tokenizer=None,
+    )
     pipe.load_lora_weights(str(tmp_path), weight_name="x.safetensors")
     pipe.fuse_lora()
     got = pipe.transformer.state_dict()
     for k in ("patch_embedding.weight", "blocks.1.attn2.to_v.weight", "proj_out.weight"):
-        torch.testing.assert_close(got.get(k, got.get(k.replace(".weight", ".base_layer.weight"))), ft[k],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got.get(k, got.get(k.replace(".weight", ".base_layer.weight"))), ft[k], rtol=1e-5, atol=1e-5
+        )
     # merge the ComfyUI-layout LoRA (all deltas) into the sharded folder: the fine-tuned weights
-    assert cli.main(["extract", "--finetuned", str(tmp_path / "ft.pt"), "--base", str(tmp_path / "base"),
-                     "--output", str(tmp_path / "xc.safetensors"), "--rank", "2"]) == 0
-    assert cli.main(["merge", "--base", str(tmp_path / "base"), "--lora", str(tmp_path / "xc.safetensors"),
-                     "--output", str(tmp_path / "m"), "--layout", "diffusers"]) == 0
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--finetuned",
+                str(tmp_path / "ft.pt"),
+                "--base",
+                str(tmp_path / "base"),
+                "--output",
+                str(tmp_path / "xc.safetensors"),
+                "--rank",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            [
+                "merge",
+                "--base",
+                str(tmp_path / "base"),
+                "--lora",
+                str(tmp_path / "xc.safetensors"),
+                "--output",
+                str(tmp_path / "m"),
+                "--layout",
+                "diffusers",
+            ]
+        )
+        == 0
+    )
     m = load_file(tmp_path / "m" / "diffusion_pytorch_model.safetensors")
     assert sorted(m) == sorted(base)
     for k in base:
         torch.testing.assert_close(m[k], ft[k], rtol=1e-5, atol=1e-5)
     # the same LoRA into the official 2-D base: the official form comes back
     torch.save({f"net.{k}": v for k, v in official_from(base).items()}, tmp_path / "base_off.pt")
-    assert cli.main(["merge", "--base", str(tmp_path / "base_off.pt"), "--lora", str(tmp_path / "xc.safetensors"),
-                     "--output", str(tmp_path / "mo.safetensors")]) == 0
+    assert (
+        cli.main(
+            [
+                "merge",
+                "--base",
+                str(tmp_path / "base_off.pt"),
+                "--lora",
+                str(tmp_path / "xc.safetensors"),
+                "--output",
+                str(tmp_path / "mo.safetensors"),
+            ]
+        )
+        == 0
+    )
     mo = load_file(tmp_path / "mo.safetensors")
-    torch.testing.assert_close(mo["patch_embedding.weight"].flatten(1), off_ft["patch_embedding.weight"],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mo["patch_embedding.weight"].flatten(1), off_ft["patch_embedding.weight"], rtol=1e-5, atol=1e-5
+    )
     # transfer into the Conv3d folder from the official pair: the patch embedding changes too
-    assert cli.main(["transfer", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft.pt"),
-                     "--finetuned-base", str(tmp_path / "base_off.pt"), "--weight", "0.5",
-                     "--output", str(tmp_path / "t.safetensors")]) == 0
+    assert (
+        cli.main(
+            [
+                "transfer",
+                "--base",
+                str(tmp_path / "base"),
+                "--finetuned",
+                str(tmp_path / "ft.pt"),
+                "--finetuned-base",
+                str(tmp_path / "base_off.pt"),
+                "--weight",
+                "0.5",
+                "--output",
+                str(tmp_path / "t.safetensors"),
+            ]
+        )
+        == 0
+    )
     t = load_file(tmp_path / "t.safetensors")
     expect = base["patch_embedding.weight"] + 0.5 * (ft["patch_embedding.weight"] - base["patch_embedding.weight"])
     torch.testing.assert_close(t["patch_embedding.weight"], expect, rtol=1e-6, atol=1e-6)
@@ -169,9 +266,11 @@ def _quantize_blocks(w):
     s = torch.empty(math.ceil(out_f / 128), math.ceil(in_f / 128))
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            blk = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
             s[i, j] = blk.abs().max().clamp_min(1e-8) / 128
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / s[i, j]).round().clamp(-128, 127).to(torch.int8)
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (
+                (blk / s[i, j]).round().clamp(-128, 127).to(torch.int8)
+            )
     return q, s
 
 
@@ -223,13 +322,41 @@ def test_turbodiffusion_file_dequantizes_sets_sla_aside_and_extracts(tmp_path, c
     torch.save({f"net.{k}": v for k, v in base.items()}, tmp_path / "base.pt")
     assert cli.main(["inspect", str(tmp_path / "turbo.pth")]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["layout"].startswith("TurboDiffusion") and "int8" in info["layout"] and info["dtypes_stored"]["int8"] == 20
-    assert cli.main(["extract", "--finetuned", str(tmp_path / "turbo.pth"), "--base", str(tmp_path / "base.pt"),
-                     "--output", str(tmp_path / "x.safetensors"), "--rank", "24"]) == 0
+    assert (
+        info["layout"].startswith("TurboDiffusion") and "int8" in info["layout"] and info["dtypes_stored"]["int8"] == 20
+    )
+    assert (
+        cli.main(
+            [
+                "extract",
+                "--finetuned",
+                str(tmp_path / "turbo.pth"),
+                "--base",
+                str(tmp_path / "base.pt"),
+                "--output",
+                str(tmp_path / "x.safetensors"),
+                "--rank",
+                "24",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "set aside 4 sparse-linear-attention key(s)" in out and "dequantized 20 int8" in out
-    assert cli.main(["merge", "--base", str(tmp_path / "base.pt"), "--lora", str(tmp_path / "x.safetensors"),
-                     "--output", str(tmp_path / "m.safetensors")]) == 0
+    assert (
+        cli.main(
+            [
+                "merge",
+                "--base",
+                str(tmp_path / "base.pt"),
+                "--lora",
+                str(tmp_path / "x.safetensors"),
+                "--output",
+                str(tmp_path / "m.safetensors"),
+            ]
+        )
+        == 0
+    )
     m = load_file(tmp_path / "m.safetensors")
     k = "blocks.0.cross_attn.o.weight"
     deq = turbodiffusion.dequantize_int8(raw["blocks.0.cross_attn.o.int8_weight"], raw["blocks.0.cross_attn.o.scale"])
@@ -239,7 +366,13 @@ def test_turbodiffusion_file_dequantizes_sets_sla_aside_and_extracts(tmp_path, c
     # the dequantized file converts to a loadable diffusers model
     assert cli.main(["convert", str(tmp_path / "turbo.pth"), str(tmp_path / "d"), "--format", "diffusers"]) == 0
     d = load_file(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
-    assert torch.equal(d["blocks.1.ffn.net.0.proj.weight"], w) and d["patch_embedding.weight"].shape == (DIM, C, 1, 2, 2)
+    assert torch.equal(d["blocks.1.ffn.net.0.proj.weight"], w) and d["patch_embedding.weight"].shape == (
+        DIM,
+        C,
+        1,
+        2,
+        2,
+    )
 
 
 def test_extract_reader_aligns_naming_lazily():
@@ -253,8 +386,12 @@ def test_extract_reader_aligns_naming_lazily():
     lora, rep = extract.extract_lora(official_from(low_rank_ft(base)), base, rank=2, progress=False)
     assert {r.name for r in rep if r.kind == "lora"} >= {"patch_embedding.weight", "blocks.0.self_attn.q.weight"}
     merged, _ = merge.merge_lora(official_from(base), lora)
-    torch.testing.assert_close(merged["patch_embedding.weight"], official_from(low_rank_ft(base))["patch_embedding.weight"],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        merged["patch_embedding.weight"],
+        official_from(low_rank_ft(base))["patch_embedding.weight"],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_single_network_dump_is_unwrapped():
@@ -280,8 +417,14 @@ def test_official_layout_written_back_exactly(tmp_path):
     lora = tmp_path / "l.safetensors"
     from rcm_diffusers.lora import io
 
-    io.save_lora(lora, {"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, DIM),
-                        "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(DIM, 2)}, "wan")
+    io.save_lora(
+        lora,
+        {
+            "transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, DIM),
+            "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(DIM, 2),
+        },
+        "wan",
+    )
     assert cli.main(["convert", str(lora), str(tmp_path / "x.pt"), "--format", "rcm"]) == 2
 
 
@@ -292,14 +435,31 @@ def test_extracted_comfyui_file_loads_in_stock_diffusers(tmp_path):
     pair). Everything else equals the diffusers-format file's load; ``load_full_lora`` applies every delta of the
     file (merge's result)."""
     from diffusers import WanPipeline
+
     from rcm_diffusers import load_full_lora
 
     base = {k: v.clone() for k, v in tiny_wan().state_dict().items()}
     torch.save({f"net.{k}": v for k, v in official_from(low_rank_ft(base)).items()}, tmp_path / "ft.pt")
     torch.save(base, tmp_path / "base.pt")
     for fmt in ("comfyui", "diffusers"):
-        assert cli.main(["extract", "--finetuned", str(tmp_path / "ft.pt"), "--base", str(tmp_path / "base.pt"),
-                         "--output", str(tmp_path / f"x_{fmt}.safetensors"), "--rank", "2", "--format", fmt]) == 0
+        assert (
+            cli.main(
+                [
+                    "extract",
+                    "--finetuned",
+                    str(tmp_path / "ft.pt"),
+                    "--base",
+                    str(tmp_path / "base.pt"),
+                    "--output",
+                    str(tmp_path / f"x_{fmt}.safetensors"),
+                    "--rank",
+                    "2",
+                    "--format",
+                    fmt,
+                ]
+            )
+            == 0
+        )
     xc = load_file(tmp_path / "x_comfyui.safetensors")
     assert xc["diffusion_model.patch_embedding.diff"].shape == (DIM, C, 1, 2, 2)
     assert not any(k.startswith("diffusion_model.patch_embedding.lora") for k in xc)

@@ -60,7 +60,9 @@ def test_fd0_matches_closed_form_derivative(case):
         ti = float(t[i])
         cs = math.cos(ti) * math.sin(ti)
         np.testing.assert_allclose(F_minus[i].numpy(), np_F(W, b, x[i].numpy(), ti), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(dF[i].numpy(), np_dF(W, b, x[i].numpy(), ti, cs * F_T[i].numpy(), cs), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(
+            dF[i].numpy(), np_dF(W, b, x[i].numpy(), ti, cs * F_T[i].numpy(), cs), rtol=1e-10, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("fd_type", [1, 2])
@@ -143,7 +145,7 @@ def test_warmup_ramps_only_the_x_term():
     out = L.scm_g(x, t, Fm, FT, dF, r=0.0)
     assert torch.allclose(out, -c * (Fm - FT) - dF, atol=1e-14)
     full = L.scm_g(x, t, Fm, FT, dF, r=1.0)
-    assert torch.allclose(full, -c**2 * (Fm - FT) - (cs * x + dF), atol=1e-14)
+    assert torch.allclose(full, -(c**2) * (Fm - FT) - (cs * x + dF), atol=1e-14)
     half = L.scm_g(x, t, Fm, FT, dF, r=0.5)
     s2 = torch.sin(t)[:, None] ** 2
     assert torch.allclose(half, -c * torch.sqrt(1 - 0.25 * s2) * (Fm - FT) - (0.5 * cs * x + dF), atol=1e-14)
@@ -274,13 +276,17 @@ def test_backward_simulation_fixed_angles(n):
         return 0.5 * x
 
     fixed = [1.5, 1.4, 1.0]
-    G, angles = L.backward_simulation(student_x0, (3, 2), n, generator=torch.Generator().manual_seed(0), fixed_angles=fixed)
+    G, angles = L.backward_simulation(
+        student_x0, (3, 2), n, generator=torch.Generator().manual_seed(0), fixed_angles=fixed
+    )
     want = torch.tensor([math.pi / 2, *fixed[: n - 1]], dtype=torch.float64)[:, None].expand(n, 3)
     assert torch.equal(angles, want)
     gen2 = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2, dtype=torch.float64, generator=gen2)
     for k in range(1, n):
-        x = math.cos(fixed[k - 1]) * 0.5 * x + math.sin(fixed[k - 1]) * torch.randn(3, 2, dtype=torch.float64, generator=gen2)
+        x = math.cos(fixed[k - 1]) * 0.5 * x + math.sin(fixed[k - 1]) * torch.randn(
+            3, 2, dtype=torch.float64, generator=gen2
+        )
         torch.testing.assert_close(calls[k][1], x, rtol=1e-15, atol=0)
     torch.testing.assert_close(G, 0.5 * x, rtol=1e-15, atol=0)
     with pytest.raises(ValueError, match="fixed angles"):
@@ -300,7 +306,9 @@ def test_dcm_angles_grid():
             r = 5 * s / (1 + 4 * s)
             assert float(t[k, b]) == pytest.approx(math.atan2(r, 1 - r), rel=1e-14)
     s = 1 - 0.3 - 1 / 48
-    assert float(L.dcm_angles(torch.tensor([0.3], dtype=torch.float64), 48, 1, 1.0)[1, 0]) == pytest.approx(math.atan2(s, 1 - s))
+    assert float(L.dcm_angles(torch.tensor([0.3], dtype=torch.float64), 48, 1, 1.0)[1, 0]) == pytest.approx(
+        math.atan2(s, 1 - s)
+    )
 
 
 def test_dcm_loss_reference_toy():

@@ -34,9 +34,18 @@ def _wan(layers: int = 2, seed: int = 0):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
-                                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=layers,
-                                 rope_max_seq_len=32)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
 
 
 def _dequantize_base(model, fmt):
@@ -84,8 +93,13 @@ def _build(fmt, *, reference=False, swap=0, acts=False, layers=2, window=LM.PREF
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     enable_checkpointing(m, "full", 4)
     enable_jvp_attention(m)
-    low = None if reference else LM.apply_low_memory(m, base_dtype=fmt, blocks_to_swap=swap, activation_offload=acts,
-                                                     device="cpu", swap_window=window)
+    low = (
+        None
+        if reference
+        else LM.apply_low_memory(
+            m, base_dtype=fmt, blocks_to_swap=swap, activation_offload=acts, device="cpu", swap_window=window
+        )
+    )
     return m, nets, low
 
 
@@ -132,11 +146,14 @@ def test_swap_loads_every_swapped_block_in_every_pass_host_to_device_only():
     device at any block and none after the pass; the host copies are never written, the LoRA weights never move."""
     m, nets, low = _build("fp8", swap=3, layers=4)
     sw = low.swap
-    host = {k: [(h, h._version, h.clone()) for s in stores for h in s.host if h is not None]
-            for k, stores in sw.stores.items()}
+    host = {
+        k: [(h, h._version, h.clone()) for s in stores for h in s.host if h is not None]
+        for k, stores in sw.stores.items()
+    }
     lora = {n: (p.data_ptr(), p.device) for n, p in m.named_parameters() if p.requires_grad}
-    assert not any(h.untyped_storage().data_ptr() in {p for p, _ in lora.values()}
-                   for hs in host.values() for h, _, _ in hs)
+    assert not any(
+        h.untyped_storage().data_ptr() in {p for p, _ in lora.values()} for hs in host.values() for h, _, _ in hs
+    )
     per_block = {k: sum(h.numel() * h.element_size() for h, _, _ in hs) for k, hs in host.items()}
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 2, 4, 8, generator=g)
@@ -148,8 +165,10 @@ def test_swap_loads_every_swapped_block_in_every_pass_host_to_device_only():
         with torch.no_grad(), nets.role("teacher"):
             yield "nograd", lambda: den.F(x, t, **cond)
         with torch.no_grad(), nets.role("student"):
-            yield "jvp", lambda: torch.func.jvp(lambda a: den.F(a, t, **cond), (x.double(),),
-                                                (torch.ones_like(x).double(),))
+            yield (
+                "jvp",
+                lambda: torch.func.jvp(lambda a: den.F(a, t, **cond), (x.double(),), (torch.ones_like(x).double(),)),
+            )
         with nets.role("student"):
             yield "grad", lambda: den.F(x, t, **cond).square().sum().backward()
 
@@ -195,15 +214,27 @@ def test_memory_terms_match_the_tensors_counted_on_cpu():
     out.sum().backward()
     prefetch = max(sum(low.swap.block_bytes(k) for k in res) for _, res in low.swap.trace)
     lora = {id(p) for r in ("student", "fake") for p in nets.trainable_parameters(r).values()}
-    resident = (sum(p.numel() * p.element_size() for p in m.parameters() if id(p) not in lora)
-                + low.device_weight_bytes())
-    s = TrainSetup.from_config(arch_config("wan2.1-t2v-1.3b", **over), "WanTransformer3DModel",
-                               tokens=frames * hw * hw // 4, text_tokens=text, lora_rank=4, weight_dtype="float32",
-                               base_dtype="fp8", blocks_to_swap=3, activation_offload=True)
+    resident = (
+        sum(p.numel() * p.element_size() for p in m.parameters() if id(p) not in lora) + low.device_weight_bytes()
+    )
+    s = TrainSetup.from_config(
+        arch_config("wan2.1-t2v-1.3b", **over),
+        "WanTransformer3DModel",
+        tokens=frames * hw * hw // 4,
+        text_tokens=text,
+        lora_rank=4,
+        weight_dtype="float32",
+        base_dtype="fp8",
+        blocks_to_swap=3,
+        activation_offload=True,
+    )
     parts = weight_parts(s)
-    ratios = {"resident": (parts["device"] - parts["prefetch"]) / resident,
-              "host": parts["host"] / low.swap.host_bytes(),
-              "prefetch": parts["prefetch"] / prefetch, "host_activations": host_activation_bytes(s) / host_acts}
+    ratios = {
+        "resident": (parts["device"] - parts["prefetch"]) / resident,
+        "host": parts["host"] / low.swap.host_bytes(),
+        "prefetch": parts["prefetch"] / prefetch,
+        "host_activations": host_activation_bytes(s) / host_acts,
+    }
     assert all(0.95 <= r <= 1.05 for r in ratios.values()), ratios
     pred = predict_training(s)
     assert pred["host"] == parts["host"] + host_activation_bytes(s) and pred["dequant"] == 1024 * 512 * 4
@@ -235,9 +266,20 @@ def _train(teachers, pipe, name, **kw):
 
     pipes, data, root = teachers
     out = str(root / name)
-    cfg = RCMConfig.from_yaml(CONFIG, pretrained=pipes[pipe], data_dir=data, output_dir=out, max_steps=2,
-                              tangent_warmup=0, student_update_freq=2, checkpoint_every=0, fd_type=0,
-                              gradient_checkpointing=True, progress=False, **kw)
+    cfg = RCMConfig.from_yaml(
+        CONFIG,
+        pretrained=pipes[pipe],
+        data_dir=data,
+        output_dir=out,
+        max_steps=2,
+        tangent_warmup=0,
+        student_update_freq=2,
+        checkpoint_every=0,
+        fd_type=0,
+        gradient_checkpointing=True,
+        progress=False,
+        **kw,
+    )
     trainer = RCMTrainer(cfg)
     trainer.train()
     return out, trainer
@@ -248,10 +290,14 @@ def _loras(out):
     return {os.path.relpath(f, out): load_file(f) for f in files}
 
 
-@pytest.mark.parametrize("pipe,kw", [
-    ("one-fp8", dict(cm_type="scm", base_dtype="fp8", blocks_to_swap=1, activation_offload=True)),
-    ("two-int8", dict(cm_type="dcm", base_dtype="int8", blocks_to_swap=2, activation_offload=True)),
-], ids=["scm-fp8-swap1-offload", "two-experts-dcm-int8-swap2-offload"])
+@pytest.mark.parametrize(
+    "pipe,kw",
+    [
+        ("one-fp8", dict(cm_type="scm", base_dtype="fp8", blocks_to_swap=1, activation_offload=True)),
+        ("two-int8", dict(cm_type="dcm", base_dtype="int8", blocks_to_swap=2, activation_offload=True)),
+    ],
+    ids=["scm-fp8-swap1-offload", "two-experts-dcm-int8-swap2-offload"],
+)
 def test_training_on_one_card_equals_the_dequantized_base(teachers, pipe, kw):
     """A student iteration (sCM with the exact JVP, or dCM; DMD) and a fake-score iteration on the quantized, swapped,
     offloaded base export the LoRA and its EMA of the plain run on the base holding the dequantized weights, bit for
@@ -285,8 +331,20 @@ def test_bad_settings_one_line_exit_2_nothing_written(teachers, capsys, monkeypa
 
     assert "has 2 transformer blocks" in _refused(capsys, teachers, "swap3", blocks_to_swap=3)
     with pytest.raises(SystemExit) as e:
-        main(["--config", CONFIG, "--pretrained", teachers[0]["one"], "--data_dir", teachers[1], "--output_dir",
-              str(teachers[2] / "fp4"), "--base_dtype", "fp4"])
+        main(
+            [
+                "--config",
+                CONFIG,
+                "--pretrained",
+                teachers[0]["one"],
+                "--data_dir",
+                teachers[1],
+                "--output_dir",
+                str(teachers[2] / "fp4"),
+                "--base_dtype",
+                "fp4",
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err == ["error: config option base_dtype = 'fp4': use 'weight_dtype', 'fp8' or 'int8'"]
     monkeypatch.setattr(LM, "_card", lambda: ("mps", None, "mps"))
@@ -301,10 +359,22 @@ def test_bad_settings_one_line_exit_2_nothing_written(teachers, capsys, monkeypa
     # a budget between the plain setting's predicted peak and the all-swapped one's
     from rcm_diffusers.distill.memory import GiB
 
-    s = LM.train_setup(RCMConfig.from_yaml(CONFIG, pretrained="p", data_dir="d", fd_type=0, gradient_checkpointing=True,
-                                           student_update_freq=2, tangent_warmup=0),
-                       {k: v for k, v in _wan().config.items() if not k.startswith("_")}, "WanTransformer3DModel",
-                       (4, 1, 4, 4), 4, 1)
+    s = LM.train_setup(
+        RCMConfig.from_yaml(
+            CONFIG,
+            pretrained="p",
+            data_dir="d",
+            fd_type=0,
+            gradient_checkpointing=True,
+            student_update_freq=2,
+            tangent_warmup=0,
+        ),
+        {k: v for k, v in _wan().config.items() if not k.startswith("_")},
+        "WanTransformer3DModel",
+        (4, 1, 4, 4),
+        4,
+        1,
+    )
     plain = predict_training(s)["total"]
     import dataclasses
 
@@ -315,6 +385,7 @@ def test_bad_settings_one_line_exit_2_nothing_written(teachers, capsys, monkeypa
     assert f"predicted peak {plain / GiB:.1f} GiB does not fit" in line
     assert "the cheapest setting that fits: --base_dtype" in line
     words = line.split("fits: ")[1].split()
-    named = dataclasses.replace(s, base_dtype=words[1], blocks_to_swap=int(words[3]),
-                                activation_offload=words[5] == "true")
+    named = dataclasses.replace(
+        s, base_dtype=words[1], blocks_to_swap=int(words[3]), activation_offload=words[5] == "true"
+    )
     assert predict_training(named)["total"] <= 0.9 * budget

@@ -9,13 +9,20 @@ student forward on held-out widths, depths, token and text counts, to within 15 
 import pytest
 import torch
 
-from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.arch import build_transformer
+from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing
+from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.distill.data import _flux_img_ids
 from rcm_diffusers.distill.ema import PowerEMA
-from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing
-from rcm_diffusers.distill.memory import (TrainSetup, activation_bytes, checkpoint_held, checkpoint_held_bytes, fits,
-                                          predict_training, saved_activation_bytes)
+from rcm_diffusers.distill.memory import (
+    TrainSetup,
+    activation_bytes,
+    checkpoint_held,
+    checkpoint_held_bytes,
+    fits,
+    predict_training,
+    saved_activation_bytes,
+)
 from rcm_diffusers.models import velocity_fn
 
 WAN_CASES = [  # held-out widths: the Wan ACT_COEFFS were counted at D 512 / 1536 / 3072 / 5120, F 1024 / 8960 / 13824
@@ -41,16 +48,27 @@ def _measure(arch, dtype, case):
     else:
         hw = case["hw"]
         x = torch.randn(1, hw * hw // 4, cfg.in_channels, generator=g).to(dtype)
-        cond = {"encoder_hidden_states": torch.randn(1, case["text"], cfg.joint_attention_dim, generator=g).to(dtype),
-                "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
-                "txt_ids": torch.zeros(case["text"], 3), "img_ids": _flux_img_ids(hw, hw), "guidance": torch.full((1,), 3.5)}
+        cond = {
+            "encoder_hidden_states": torch.randn(1, case["text"], cfg.joint_attention_dim, generator=g).to(dtype),
+            "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
+            "txt_ids": torch.zeros(case["text"], 3),
+            "img_ids": _flux_img_ids(hw, hw),
+            "guidance": torch.full((1,), 3.5),
+        }
         tokens = hw * hw // 4
     v = velocity_fn(m)
     # bf16: bf16 weights under bf16 autocast, as mixed_precision bf16 runs (the shipped configs)
     with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         measured = saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
-    setup = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=tokens, text_tokens=case["text"], lora_rank=4,
-                                   weight_dtype=str(dtype).split(".")[-1], gradient_checkpointing=False)
+    setup = TrainSetup.from_config(
+        dict(cfg),
+        type(m).__name__,
+        tokens=tokens,
+        text_tokens=case["text"],
+        lora_rank=4,
+        weight_dtype=str(dtype).split(".")[-1],
+        gradient_checkpointing=False,
+    )
     return measured, setup, nets, m
 
 
@@ -91,15 +109,24 @@ def test_static_parts_are_exact():
 
 
 def test_checkpointing_and_devices():
-    s = TrainSetup.from_arch("wan2.1-t2v-1.3b", tokens=32760, text_tokens=512, lora_rank=64, gradient_checkpointing=False)
+    s = TrainSetup.from_arch(
+        "wan2.1-t2v-1.3b", tokens=32760, text_tokens=512, lora_rank=64, gradient_checkpointing=False
+    )
     full, _ = activation_bytes(s)
     s.gradient_checkpointing = True
     ckpt, one = activation_bytes(s)
     assert ckpt < full / 10 and one < ckpt
-    assert fits(100e9) == {"H200 (141 GB)": True, "80 GB (A100/H100)": False, "48 GB (L40S / RTX 6000 Ada)": False,
-                           "24 GB (RTX 4090)": False}
+    assert fits(100e9) == {
+        "H200 (141 GB)": True,
+        "80 GB (A100/H100)": False,
+        "48 GB (L40S / RTX 6000 Ada)": False,
+        "24 GB (RTX 4090)": False,
+    }
     s.mode = "full"
-    assert predict_training(s)["total"] > predict_training(TrainSetup.from_arch("wan2.1-t2v-1.3b", tokens=32760, text_tokens=512))["total"]
+    assert (
+        predict_training(s)["total"]
+        > predict_training(TrainSetup.from_arch("wan2.1-t2v-1.3b", tokens=32760, text_tokens=512))["total"]
+    )
 
 
 def test_context_parallel_and_accumulation():
@@ -117,16 +144,27 @@ def test_context_parallel_and_accumulation():
     assert p4["cp_exchange"] == 2 * 9450 * one.dim * 2 and p1["cp_exchange"] == 0
     acc = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, gradient_accumulation_steps=4, **kw)
     assert predict_training(acc) == p1
-    assert predict_training(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, batch=4, **kw))["activations"] > 3.9 * p1["activations"]
+    assert (
+        predict_training(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, batch=4, **kw))["activations"]
+        > 3.9 * p1["activations"]
+    )
     r = per_rank(one, 8)
     assert r["weights"] == p1["weights"] / 8 + 2 * p1["weights"] / one.num_layers
     with pytest.raises(ValueError, match="does not divide"):
         per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=9450, context_parallel=3, **kw), 8)
-    gib = {cp: per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=21 * 45 * 80, context_parallel=cp, **kw), 8)["total_gib"]
-           for cp in (1, 2, 8)}
+    gib = {
+        cp: per_rank(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=21 * 45 * 80, context_parallel=cp, **kw), 8)[
+            "total_gib"
+        ]
+        for cp in (1, 2, 8)
+    }
     assert gib[1] > gib[2] > gib[8]
-    both = {cp: per_rank(TrainSetup.from_arch("wan2.2-i2v-a14b", tokens=21 * 45 * 80, context_parallel=cp, experts=2, **kw), 8)
-            ["total_gib"] for cp in (1, 2)}
+    both = {
+        cp: per_rank(
+            TrainSetup.from_arch("wan2.2-i2v-a14b", tokens=21 * 45 * 80, context_parallel=cp, experts=2, **kw), 8
+        )["total_gib"]
+        for cp in (1, 2)
+    }
     assert both[1] > 72 > both[2]  # both A14B experts at 720p x 81 need CP 2 on 8 x 80 GB
 
 
@@ -139,10 +177,15 @@ def test_step_peak_is_the_largest_phase():
     kw = dict(text_tokens=512, lora_rank=64)
     for policy in ("full", "selective"):
         for gc in (True, False):
-            s = TrainSetup.from_arch("wan2.1-t2v-14b", tokens=32760, gradient_checkpointing=gc, checkpointing_policy=policy, **kw)
+            s = TrainSetup.from_arch(
+                "wan2.1-t2v-14b", tokens=32760, gradient_checkpointing=gc, checkpointing_policy=policy, **kw
+            )
             p = predict_training(s)
-            half = predict_training(TrainSetup.from_arch("wan2.1-t2v-14b", tokens=16380, gradient_checkpointing=gc,
-                                                         checkpointing_policy=policy, **kw))
+            half = predict_training(
+                TrainSetup.from_arch(
+                    "wan2.1-t2v-14b", tokens=16380, gradient_checkpointing=gc, checkpointing_policy=policy, **kw
+                )
+            )
             # the transients are per-token working sets: half the video tokens, half the bytes; in bf16 the
             # forward's (upcasts) exceeds the backward's
             assert p["backward"] == 2 * half["backward"] and p["forward"] == 2 * half["forward"] > 0
@@ -183,8 +226,15 @@ def test_checkpoint_held_bytes_within_10_percent(case, dtype):
         enable_checkpointing(m, policy, 8)
         with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             measured = checkpoint_held_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
-        s = TrainSetup.from_config(dict(cfg), type(m).__name__, tokens=c["frames"] * c["hw"] ** 2 // 4, text_tokens=c["text"],
-                                   lora_rank=8, weight_dtype=str(dtype).split(".")[-1], checkpointing_policy=policy)
+        s = TrainSetup.from_config(
+            dict(cfg),
+            type(m).__name__,
+            tokens=c["frames"] * c["hw"] ** 2 // 4,
+            text_tokens=c["text"],
+            lora_rank=8,
+            weight_dtype=str(dtype).split(".")[-1],
+            checkpointing_policy=policy,
+        )
         held[policy] = measured, checkpoint_held(s)
         assert 0.9 <= held[policy][1] / measured <= 1.1, (policy, held[policy])
     (ms, ps), (mf, pf) = held["selective"], held["full"]
@@ -194,11 +244,16 @@ def test_checkpoint_held_bytes_within_10_percent(case, dtype):
 def test_selective_between_full_and_none():
     """Wan2.1-14B 720p x 81: activations full < selective < none, and selective is refused for Flux."""
     kw = dict(tokens=21 * 45 * 80, text_tokens=512, lora_rank=64)
-    a = {p: activation_bytes(TrainSetup.from_arch("wan2.1-t2v-14b", checkpointing_policy=p, **kw))[0] for p in ("full", "selective")}
+    a = {
+        p: activation_bytes(TrainSetup.from_arch("wan2.1-t2v-14b", checkpointing_policy=p, **kw))[0]
+        for p in ("full", "selective")
+    }
     a["none"] = activation_bytes(TrainSetup.from_arch("wan2.1-t2v-14b", gradient_checkpointing=False, **kw))[0]
     assert a["full"] < a["selective"] < a["none"], a
     with pytest.raises(ValueError, match="Wan only"):
-        activation_bytes(TrainSetup.from_arch("flux.1-dev", tokens=4096, text_tokens=512, checkpointing_policy="selective"))
+        activation_bytes(
+            TrainSetup.from_arch("flux.1-dev", tokens=4096, text_tokens=512, checkpointing_policy="selective")
+        )
 
 
 @pytest.mark.slow
@@ -217,8 +272,13 @@ def test_context_parallel_memory_per_rank_within_10_percent(tmp_path):
     from train_helpers import REPO, run_trainer
 
     t0 = time.perf_counter()
-    run_trainer([], num_processes=2, timeout=240, script=os.path.join(REPO, "tests", "cp_memory_check.py"),
-                env={"CP_OUT": str(tmp_path)})
+    run_trainer(
+        [],
+        num_processes=2,
+        timeout=240,
+        script=os.path.join(REPO, "tests", "cp_memory_check.py"),
+        env={"CP_OUT": str(tmp_path)},
+    )
     print(f"launch: {time.perf_counter() - t0:.0f} s")
     ranks = [json.load(open(tmp_path / f"memory-rank{r}.json")) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2]
@@ -227,8 +287,10 @@ def test_context_parallel_memory_per_rank_within_10_percent(tmp_path):
         assert len(res["rows"]) == 2 * 2 * 3
         for row in res["rows"]:
             ratio, unsplit = row["predicted"] / row["measured"], row["unsplit"] / row["measured"]
-            print(f"rank {r} case {row['case']} {row['dtype']} {row['policy']}: predicted / measured {ratio:.3f} "
-                  f"(unsplit rule {unsplit:.3f})")
+            print(
+                f"rank {r} case {row['case']} {row['dtype']} {row['policy']}: predicted / measured {ratio:.3f} "
+                f"(unsplit rule {unsplit:.3f})"
+            )
             assert row["rank_tokens"] == [row["tokens"] // 2], row  # the blocks really ran on half the tokens
             assert 0.9 <= ratio <= 1.1, (r, row)
             assert unsplit > 1.3, (r, row)  # the test tells the split rule from the unsplit one
@@ -286,8 +348,19 @@ def test_memory_peaks_rescore_uses_the_current_model(tmp_path):
     spec = importlib.util.spec_from_file_location("memory_peaks", path)
     mp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mp)
-    base = dict(arch="wan2.1-t2v-1.3b", num_layers=2, tokens=1156, text_tokens=512, lora_rank=32, dtype="float32",
-                cp=2, rank=0, measured=1e8, predicted=1.0, ratio=1e8)
+    base = dict(
+        arch="wan2.1-t2v-1.3b",
+        num_layers=2,
+        tokens=1156,
+        text_tokens=512,
+        lora_rank=32,
+        dtype="float32",
+        cp=2,
+        rank=0,
+        measured=1e8,
+        predicted=1.0,
+        ratio=1e8,
+    )
     rows = [dict(base, policy="full", phase="saved"), dict(base, policy="off", phase="jvp")]
     src, out = tmp_path / "rows.json", tmp_path / "rescored.json"
     src.write_text(json.dumps(rows))

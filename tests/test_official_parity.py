@@ -15,10 +15,9 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_wan_i2v_pipeline, tiny_wan_pipeline, wan_embeds
 
 from rcm_diffusers import RCMScheduler
-
-from tiny import tiny_wan_i2v_pipeline, tiny_wan_pipeline, wan_embeds
 
 WAN_KW = dict(height=16, width=16, num_frames=5, output_type="latent")
 SHAPE = (2, 4, 2, 2, 2)  # two samples, Wan latents [B, C, T, H, W] of a 5-frame 16x16 video
@@ -40,14 +39,18 @@ def official_loop(net, noise, generator, sigma_max, num_steps, ode=False, low_ne
         if ode:
             x = x - (t_cur - t_next) * v
         else:
-            x = (1 - t_next) * (x - t_cur * v) + t_next * torch.randn(*x.shape, dtype=torch.float32, generator=generator)
+            x = (1 - t_next) * (x - t_cur * v) + t_next * torch.randn(
+                *x.shape, dtype=torch.float32, generator=generator
+            )
     return x.float()
 
 
 def _pipe_run(pipe, sigma_max, n, ode, time_input="bf16", **call):
     g = torch.Generator().manual_seed(2024)
     noise = torch.randn(*SHAPE, generator=g, dtype=torch.float32)
-    pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, sigma_max=sigma_max, stochastic=not ode, time_input=time_input)
+    pipe.scheduler = RCMScheduler.from_config(
+        pipe.scheduler.config, sigma_max=sigma_max, stochastic=not ode, time_input=time_input
+    )
     pipe.scheduler.set_timesteps(n)
     pipe.scheduler.set_generator(g)  # the official loop draws the fresh noise from the initial-noise generator
     latents = pipe.scheduler.scale_initial_noise(noise)
@@ -87,8 +90,8 @@ def test_wan_pipeline_equals_official_loop(sigma_max, ode):
 def test_wan22_two_expert_pipeline_equals_official_loop(ode):
     """Wan 2.2 I2V, boundary 0.9, sigma_max 200: the pipeline's switch on the rounded timesteps picks the same
     expert as the official switch on the float64 RF times, and the samples agree."""
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     pipe = tiny_wan_i2v_pipeline(two_experts=True)
     embeds = wan_embeds(batch=2)
@@ -103,10 +106,13 @@ def test_wan22_two_expert_pipeline_equals_official_loop(ode):
         out, noise = _pipe_run(pipe, 200.0, n, ode, prompt_embeds=embeds, image=image)
 
         def make(tr):
-            return lambda x, ts: tr(hidden_states=torch.cat([x, cond["c"]], 1), timestep=ts, encoder_hidden_states=embeds,
-                                    return_dict=False)[0]
+            return lambda x, ts: tr(
+                hidden_states=torch.cat([x, cond["c"]], 1), timestep=ts, encoder_hidden_states=embeds, return_dict=False
+            )[0]
 
-        ref = _official_ref(noise, 200.0, n, ode, make(pipe.transformer), low_net=make(pipe.transformer_2), boundary=0.9)
+        ref = _official_ref(
+            noise, 200.0, n, ode, make(pipe.transformer), low_net=make(pipe.transformer_2), boundary=0.9
+        )
         err = (out - ref).abs().max().item()
         assert err <= 1e-6, (n, err)
     h.remove()
@@ -183,7 +189,9 @@ def _official_dcm_loss(student, teacher, x0, eps, u, ehs_c, ehs_u, total, skip, 
     return (loss_scale * ((x0_pred - target) ** 2).sum(dim=(1, 2, 3, 4))).sum()
 
 
-@pytest.mark.parametrize("total,skip,shift,guidance", [(48, 1, 5.0, 5.0), (8, 3, 3.0, 2.5)], ids=["official-defaults", "skip3"])
+@pytest.mark.parametrize(
+    "total,skip,shift,guidance", [(48, 1, 5.0, 5.0), (8, 3, 3.0, 2.5)], ids=["official-defaults", "skip3"]
+)
 def test_dcm_loss_and_gradients_equal_the_official_step(total, skip, shift, guidance):
     """``trainer.student_step`` with ``cm_type dcm`` (full mode, float64, ``loss_reduction sum``, ``scm_weight`` = the
     official ``loss_scale`` 100): the back-propagated loss and the student's gradients equal the official dCM step's on
@@ -198,8 +206,16 @@ def test_dcm_loss_and_gradients_equal_the_official_step(total, skip, shift, guid
     with torch.no_grad():  # the student starts off the teacher, so the teacher's steps and the student's target differ
         for p in trainable["student"].parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=F64))
-    cfg = SimpleNamespace(cm_type="dcm", scm_weight=100.0, dmd_weight=0.0, dcm_total_steps=total, dcm_skipping_interval_steps=skip,
-                          dcm_timestep_shift=shift, guidance_scale=guidance, loss_reduction="sum")
+    cfg = SimpleNamespace(
+        cm_type="dcm",
+        scm_weight=100.0,
+        dmd_weight=0.0,
+        dcm_total_steps=total,
+        dcm_skipping_interval_steps=skip,
+        dcm_timestep_shift=shift,
+        guidance_scale=guidance,
+        loss_reduction="sum",
+    )
     g = torch.Generator().manual_seed(7)
     x0 = torch.randn(3, 4, 1, 4, 4, generator=g, dtype=F64)
     ehs_c, ehs_u = torch.randn(3, 3, 16, generator=g, dtype=F64), torch.zeros(3, 3, 16, dtype=F64)
@@ -209,9 +225,16 @@ def test_dcm_loss_and_gradients_equal_the_official_step(total, skip, shift, guid
         losses.append(loss.detach())
         loss.backward()
 
-    logs = T.student_step(nets, x0, {"encoder_hidden_states": ehs_c}, {"encoder_hidden_states": ehs_u},
-                          StepPlan(i=0, student=True, student_eff=0, fake_eff=0, dmd=False, n_sim=1), cfg,
-                          torch.Generator().manual_seed(11), backward)
+    logs = T.student_step(
+        nets,
+        x0,
+        {"encoder_hidden_states": ehs_c},
+        {"encoder_hidden_states": ehs_u},
+        StepPlan(i=0, student=True, student_eff=0, fake_eff=0, dmd=False, n_sim=1),
+        cfg,
+        torch.Generator().manual_seed(11),
+        backward,
+    )
     ours = {n: p.grad.clone() for n, p in trainable["student"].named_parameters()}
 
     g = torch.Generator().manual_seed(11)
@@ -219,19 +242,26 @@ def test_dcm_loss_and_gradients_equal_the_official_step(total, skip, shift, guid
     u = torch.rand(3, generator=g, dtype=F64) * (1.0 - skip / total)
     student = trainable["student"]
     student.zero_grad(set_to_none=True)
-    ref = _official_dcm_loss(student, nets.modules["teacher"], x0, eps, u.reshape(-1), ehs_c, ehs_u, total, skip, shift, guidance, 100.0)
+    ref = _official_dcm_loss(
+        student, nets.modules["teacher"], x0, eps, u.reshape(-1), ehs_c, ehs_u, total, skip, shift, guidance, 100.0
+    )
     ref.backward()
     assert len(losses) == 1 and "loss_dcm" in logs and "loss_scm" not in logs
     ref = ref.detach()
     rel = abs(float(losses[0]) - float(ref)) / float(ref)
     assert rel < 1e-10, (float(losses[0]), float(ref))
-    gmax = max(float((ours[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
-               for n, p in student.named_parameters() if p.grad is not None and p.grad.abs().max() > 0)
+    gmax = max(
+        float((ours[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+        for n, p in student.named_parameters()
+        if p.grad is not None and p.grad.abs().max() > 0
+    )
     assert gmax < 1e-8, gmax
     assert sum(p.grad.abs().sum() for p in student.parameters() if p.grad is not None) > 0
     # the check can fail: another shift changes the loss
     student.zero_grad(set_to_none=True)
-    other = _official_dcm_loss(student, nets.modules["teacher"], x0, eps, u, ehs_c, ehs_u, total, skip, shift + 1, guidance, 100.0)
+    other = _official_dcm_loss(
+        student, nets.modules["teacher"], x0, eps, u, ehs_c, ehs_u, total, skip, shift + 1, guidance, 100.0
+    )
     assert abs(float(other.detach()) - float(ref)) / float(ref) > 1e-4
     print(f"dCM parity total={total} skip={skip}: loss rel err {rel:.2e}, grad max rel err {gmax:.2e}")
 
@@ -239,7 +269,9 @@ def test_dcm_loss_and_gradients_equal_the_official_step(total, skip, shift, guid
 def _official_fixed_backward_simulation(student, shape, n, backward_timesteps, ehs, generator):
     x = torch.randn(shape, generator=generator, dtype=F64)
     B = shape[0]
-    t_traj = [torch.full((B,), math.pi / 2, dtype=F64)] + [torch.full((B,), float(a), dtype=F64) for a in backward_timesteps[: n - 1]]
+    t_traj = [torch.full((B,), math.pi / 2, dtype=F64)] + [
+        torch.full((B,), float(a), dtype=F64) for a in backward_timesteps[: n - 1]
+    ]
     t_traj.append(0 * t_traj[-1])
     for step, (t_cur, t_next) in enumerate(zip(t_traj[:-1], t_traj[1:])):
         with torch.enable_grad() if step == n - 1 else torch.no_grad():
@@ -253,10 +285,11 @@ def _official_fixed_backward_simulation(student, shape, n, backward_timesteps, e
 def test_fixed_angle_backward_simulation_follows_the_official_trajectory():
     """``losses.backward_simulation`` with ``fixed_angles`` (what ``dmd_fix_timesteps`` passes) equals the official
     trajectory for n = 1..4 on the same noise; the gradient reaches the student through the last call only."""
+    from types import SimpleNamespace
+
     from rcm_diffusers.distill import losses as L
     from rcm_diffusers.distill import terms as T
     from rcm_diffusers.distill.adapters import Networks
-    from types import SimpleNamespace
 
     nets, trainable = Networks.build(_tiny_wan64(3), "full", with_fake=False, time_input="float")
     ehs = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0), dtype=F64)
@@ -265,16 +298,27 @@ def test_fixed_angle_backward_simulation_follows_the_official_trajectory():
     shape = (2, 4, 1, 4, 4)
     errs = []
     for n in (1, 2, 3, 4):
-        G, angles = L.backward_simulation(nets.x0_fn("student", {"encoder_hidden_states": ehs}), shape, n,
-                                          generator=torch.Generator().manual_seed(n), fixed_angles=bt)
-        ref, ref_angles = _official_fixed_backward_simulation(trainable["student"], shape, n, bt, ehs, torch.Generator().manual_seed(n))
+        G, angles = L.backward_simulation(
+            nets.x0_fn("student", {"encoder_hidden_states": ehs}),
+            shape,
+            n,
+            generator=torch.Generator().manual_seed(n),
+            fixed_angles=bt,
+        )
+        ref, ref_angles = _official_fixed_backward_simulation(
+            trainable["student"], shape, n, bt, ehs, torch.Generator().manual_seed(n)
+        )
         assert torch.equal(angles, ref_angles)
         errs.append(float((G - ref).detach().abs().max()))
         assert errs[-1] < 1e-12, (n, errs[-1])
         assert G.requires_grad
         # drawn angles (dmd_fix_timesteps false) give another trajectory from n = 2 on
         if n > 1:
-            G_drawn, a = L.backward_simulation(nets.x0_fn("student", {"encoder_hidden_states": ehs}), shape, n,
-                                               generator=torch.Generator().manual_seed(n))
+            G_drawn, a = L.backward_simulation(
+                nets.x0_fn("student", {"encoder_hidden_states": ehs}),
+                shape,
+                n,
+                generator=torch.Generator().manual_seed(n),
+            )
             assert not torch.equal(a, ref_angles) and (G_drawn - ref).detach().abs().max() > 1e-3
     print(f"fixed-angle backward simulation parity: max abs err {max(errs):.2e}")

@@ -7,10 +7,18 @@ import subprocess
 import sys
 
 import pytest
-
-from rcm_diffusers.distill.config import (OPTIONS_BEGIN, OPTIONS_END, CommonOptions, QADConfig, RCMConfig, format_help,
-                                          options_markdown, resume_policy)
 from train_helpers import REPO, tiny_wan_run
+
+from rcm_diffusers.distill.config import (
+    OPTIONS_BEGIN,
+    OPTIONS_END,
+    CommonOptions,
+    QADConfig,
+    RCMConfig,
+    format_help,
+    options_markdown,
+    resume_policy,
+)
 
 DOC = os.path.join(REPO, "docs", "training.md")
 
@@ -19,7 +27,8 @@ def test_docs_options_tables_are_the_declared_options():
     text = open(DOC).read()
     between = text.split(OPTIONS_BEGIN, 1)[1].split(OPTIONS_END, 1)[0]
     assert between.strip() == options_markdown().strip(), (
-        "docs/training.md differs from the option declarations: python -m rcm_diffusers.distill.config --write docs/training.md")
+        "docs/training.md differs from the option declarations: python -m rcm_diffusers.distill.config --write docs/training.md"
+    )
     rows = set(re.findall(r"^\| `(\w+)` \|", between, flags=re.M))
     assert rows == set(RCMConfig.model_fields) | set(QADConfig.model_fields)
     # the two-expert and time-input options are refused on resume, and the table says so
@@ -33,20 +42,25 @@ def test_help_lists_every_option_and_no_test_aid():
         assert all(f"--{n} (" in h for n in cls.model_fields)
         for gone in ("exit_after_step", "synthetic", "pipeline_class"):
             assert f"  --{gone} (" not in h and gone not in cls.model_fields
-    p = subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), "--help"], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, os.path.join(REPO, "training", "rcm.py"), "--help"], capture_output=True, text=True
+    )
     assert p.returncode == 0 and "--regression_weight (0.0)" in p.stdout and "exit_after_step" not in p.stdout
 
 
 def test_the_installed_package_trains_without_a_clone():
     """``accelerate launch -m rcm_diffusers.distill.rcm_trainer`` / ``rcm-distill`` (pip users have no training/):
     the module answers --help and, without a teacher, refuses in one line with exit status 2 (bad input)."""
-    for module, usage in (("rcm_diffusers.distill.rcm_trainer", "training/rcm.py"), ("rcm_diffusers.distill.qad_trainer",
-                                                                                      "training/qad.py")):
+    for module, usage in (
+        ("rcm_diffusers.distill.rcm_trainer", "training/rcm.py"),
+        ("rcm_diffusers.distill.qad_trainer", "training/qad.py"),
+    ):
         p = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd="/")
         assert p.returncode == 0 and usage in p.stdout and "--lora_rank (" in p.stdout, p.stderr[-2000:]
         p = subprocess.run([sys.executable, "-m", module, "--max_steps", "3"], capture_output=True, text=True, cwd="/")
-        assert p.returncode == 2 and p.stderr.strip() == ("error: config option pretrained = '': set the teacher "
-                                                          "pipeline directory or hub id"), p.stderr[-2000:]
+        assert p.returncode == 2 and p.stderr.strip() == (
+            "error: config option pretrained = '': set the teacher pipeline directory or hub id"
+        ), p.stderr[-2000:]
 
 
 def test_qad_shares_the_common_options_with_its_own_defaults():
@@ -87,8 +101,9 @@ def test_the_python_snippet_of_the_docs_trains_the_tiny_wan(tmp_path_factory):
     cfg = re.sub(r"^(pretrained|data_dir|max_steps|checkpoint_every):.*$", "", cfg, flags=re.M)
     (work / "my.yaml").write_text(cfg + f"pretrained: {pipe}\ndata_dir: {data}\nmax_steps: 12\ncheckpoint_every: 0\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    p = subprocess.run([sys.executable, "-c", _python_snippet()], cwd=work, env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", _python_snippet()], cwd=work, env=env, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = work / "out"
     assert (out / "final.json").is_file() and (out / "pytorch_lora_weights.safetensors").is_file()

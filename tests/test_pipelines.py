@@ -8,10 +8,9 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
+from tiny import flux_embeds, tiny_flux_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline, wan_embeds
 
 from rcm_diffusers import RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler
-
-from tiny import flux_embeds, tiny_flux_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline, wan_embeds
 
 SPEC_RF_4 = [0.98765, 0.93378, 0.85289, 0.60898]
 WAN_KW = dict(height=16, width=16, num_frames=5, output_type="latent")
@@ -45,7 +44,11 @@ def test_wan_official_sampler_exact():
     embeds = wan_embeds()
     rec = CallRecorder(pipe.transformer)
     out = pipe(
-        prompt_embeds=embeds, num_inference_steps=4, guidance_scale=1.0, latents=pipe.scheduler.scale_initial_noise(noise), **WAN_KW
+        prompt_embeds=embeds,
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        latents=pipe.scheduler.scale_initial_noise(noise),
+        **WAN_KW,
     ).frames
     rec.remove()
     assert len(rec.calls) == 4
@@ -60,7 +63,10 @@ def test_wan_official_sampler_exact():
     with torch.no_grad():
         for i in range(4):
             v = pipe.transformer(
-                hidden_states=x.float(), timestep=torch.tensor([1000 * r[i]]), encoder_hidden_states=embeds, return_dict=False
+                hidden_states=x.float(),
+                timestep=torch.tensor([1000 * r[i]]),
+                encoder_hidden_states=embeds,
+                return_dict=False,
             )[0].double()
             x0 = x - r[i] * v
             if r[i + 1] > 0:
@@ -77,7 +83,11 @@ def test_wan_seed_reproduces_sample():
 
     def run(seed):
         return pipe(
-            prompt_embeds=embeds, num_inference_steps=4, guidance_scale=1.0, generator=torch.Generator().manual_seed(seed), **WAN_KW
+            prompt_embeds=embeds,
+            num_inference_steps=4,
+            guidance_scale=1.0,
+            generator=torch.Generator().manual_seed(seed),
+            **WAN_KW,
         ).frames
 
     a, b, c = run(0), run(0), run(1)
@@ -91,7 +101,15 @@ def test_wan_rcm_step_counts_and_decode(n):
     pipe = tiny_wan_pipeline()
     pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, stochastic=(n % 2 == 0))
     rec = CallRecorder(pipe.transformer)
-    video = pipe(prompt_embeds=wan_embeds(), num_inference_steps=n, guidance_scale=1.0, height=16, width=16, num_frames=5, output_type="np").frames
+    video = pipe(
+        prompt_embeds=wan_embeds(),
+        num_inference_steps=n,
+        guidance_scale=1.0,
+        height=16,
+        width=16,
+        num_frames=5,
+        output_type="np",
+    ).frames
     assert len(rec.calls) == n
     assert video.shape == (1, 5, 16, 16, 3) and np.isfinite(video).all()
 
@@ -100,7 +118,13 @@ def test_wan_rcm_with_cfg_calls_twice_per_step():
     pipe = tiny_wan_pipeline()
     pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
     rec = CallRecorder(pipe.transformer)
-    pipe(prompt_embeds=wan_embeds(), negative_prompt_embeds=wan_embeds(seed=9), num_inference_steps=2, guidance_scale=3.0, **WAN_KW)
+    pipe(
+        prompt_embeds=wan_embeds(),
+        negative_prompt_embeds=wan_embeds(seed=9),
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        **WAN_KW,
+    )
     assert len(rec.calls) == 4
 
 
@@ -142,10 +166,20 @@ def test_flux_rcm(n):
     pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config)
     rec = CallRecorder(pipe.transformer)
     pe, pp = flux_embeds()
-    img = pipe(prompt_embeds=pe, pooled_prompt_embeds=pp, num_inference_steps=n, height=16, width=16, guidance_scale=1.0, output_type="np").images
+    img = pipe(
+        prompt_embeds=pe,
+        pooled_prompt_embeds=pp,
+        num_inference_steps=n,
+        height=16,
+        width=16,
+        guidance_scale=1.0,
+        output_type="np",
+    ).images
     assert len(rec.calls) == n and np.isfinite(img).all() and img.shape == (1, 16, 16, 3)
     # FluxPipeline divides timesteps by 1000: the transformer sees bf16(1000 r) / 1000 (time_input "bf16")
-    expected = [float(torch.tensor(1000 * _rf(a)).to(torch.bfloat16)) / 1000 for a in [math.atan(80.0), 1.5, 1.4, 1.0][:n]]
+    expected = [
+        float(torch.tensor(1000 * _rf(a)).to(torch.bfloat16)) / 1000 for a in [math.atan(80.0), 1.5, 1.4, 1.0][:n]
+    ]
     assert [float(c["timestep"][0]) for c in rec.calls] == pytest.approx(expected, abs=1e-6)
 
 
@@ -154,7 +188,13 @@ def test_teacher_schedulers_in_pipelines(cls):
     pipe = tiny_wan_pipeline()
     pipe.scheduler = cls.from_config(pipe.scheduler.config)
     rec = CallRecorder(pipe.transformer)
-    out = pipe(prompt_embeds=wan_embeds(), negative_prompt_embeds=wan_embeds(seed=9), num_inference_steps=4, guidance_scale=5.0, **WAN_KW).frames
+    out = pipe(
+        prompt_embeds=wan_embeds(),
+        negative_prompt_embeds=wan_embeds(seed=9),
+        num_inference_steps=4,
+        guidance_scale=5.0,
+        **WAN_KW,
+    ).frames
     assert len(rec.calls) == 8 and torch.isfinite(out).all()
     assert float(rec.calls[0]["timestep"][0]) == pytest.approx(1000 * 5000 / 5001, abs=1e-2)
 
@@ -162,7 +202,9 @@ def test_teacher_schedulers_in_pipelines(cls):
     fpipe.scheduler = cls.from_config(fpipe.scheduler.config)
     frec = CallRecorder(fpipe.transformer)
     pe, pp = flux_embeds()
-    img = fpipe(prompt_embeds=pe, pooled_prompt_embeds=pp, num_inference_steps=3, height=16, width=16, output_type="np").images
+    img = fpipe(
+        prompt_embeds=pe, pooled_prompt_embeds=pp, num_inference_steps=3, height=16, width=16, output_type="np"
+    ).images
     assert len(frec.calls) == 3 and np.isfinite(img).all()
     assert float(frec.calls[0]["timestep"][0]) == pytest.approx(5000 / 5001, abs=1e-5)
 
@@ -235,8 +277,17 @@ def test_flux_sample_i_depends_only_on_generator_i():
 
     def run(seeds):
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        return pipe(prompt_embeds=pe, pooled_prompt_embeds=pp, num_inference_steps=4, height=16, width=16, guidance_scale=1.0,
-                    num_images_per_prompt=len(seeds), generator=gens, output_type="latent").images
+        return pipe(
+            prompt_embeds=pe,
+            pooled_prompt_embeds=pp,
+            num_inference_steps=4,
+            height=16,
+            width=16,
+            guidance_scale=1.0,
+            num_images_per_prompt=len(seeds),
+            generator=gens,
+            output_type="latent",
+        ).images
 
     a, b, single = run([0, 1]), run([0, 5]), run([0])
     torch.testing.assert_close(a[0], b[0], rtol=0, atol=PER_SAMPLE_ATOL)
@@ -253,8 +304,15 @@ def test_flux_per_call_sigmas_reach_the_transformer(cls):
     pipe.scheduler = cls.from_config(pipe.scheduler.config)
     pe, pp = flux_embeds()
     rec = CallRecorder(pipe.transformer)
-    pipe(prompt_embeds=pe, pooled_prompt_embeds=pp, sigmas=[0.9, 0.6, 0.3], height=16, width=16, guidance_scale=1.0,
-         output_type="latent")
+    pipe(
+        prompt_embeds=pe,
+        pooled_prompt_embeds=pp,
+        sigmas=[0.9, 0.6, 0.3],
+        height=16,
+        width=16,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
     # 900, 600, 300 are exact in bf16, so every time_input gives the given RF times
     assert [float(c["timestep"][0]) for c in rec.calls] == pytest.approx([0.9, 0.6, 0.3], abs=1e-6)
 
@@ -265,7 +323,9 @@ def test_wan_config_times_reach_the_transformer():
 
     times = [0.95, 0.8, 0.5]
     for pipe, kw in ((tiny_wan_pipeline(), {}), (tiny_wan_i2v_pipeline(), {"image": _image()})):
-        pipe.scheduler = RCMScheduler.from_config(pipe.scheduler.config, time_input="float", **rcm_config_for_rf_times(times))
+        pipe.scheduler = RCMScheduler.from_config(
+            pipe.scheduler.config, time_input="float", **rcm_config_for_rf_times(times)
+        )
         rec = CallRecorder(pipe.transformer)
         pipe(prompt_embeds=wan_embeds(), num_inference_steps=3, guidance_scale=1.0, **WAN_KW, **kw)
         assert [float(c["timestep"][0]) for c in rec.calls] == pytest.approx([950.0, 800.0, 500.0], abs=1e-3)
@@ -311,8 +371,8 @@ def test_from_pretrained_needs_import_rcm_diffusers(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert "LOADED RCMScheduler" in out.stdout, out.stderr[-2000:]
     # from 0.42 diffusers will not import a library because a repository names it; before, it imported it itself
-    from packaging.version import Version
     import diffusers
+    from packaging.version import Version
 
     before = "REFUSED-WITHOUT-IMPORT" if Version(diffusers.__version__) >= Version("0.42") else "LOADED-WITHOUT-IMPORT"
     assert before in out.stdout, out.stdout

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from train_helpers import REPO, TEXT_DIM, tiny_wan_transformer
 
 from rcm_diffusers.distill.data import LatentDataset
-from train_helpers import REPO, TEXT_DIM, tiny_wan_transformer
 
 sys.path.insert(0, os.path.join(REPO, "training"))
 import prepare_data  # noqa: E402
@@ -34,8 +34,15 @@ def _vae():
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(1)
-    return AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-                            latents_mean=MEAN, latents_std=STD).eval()
+    return AutoencoderKLWan(
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=MEAN,
+        latents_std=STD,
+    ).eval()
 
 
 def _smooth(seed, n=1, size=32):
@@ -52,10 +59,24 @@ def env(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("prep")
     torch.manual_seed(0)
-    te = UMT5EncoderModel(UMT5Config(vocab_size=len(WORDS) + 3, d_model=TEXT_DIM, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-                                     relative_attention_num_buckets=8)).eval()
-    WanPipeline(tokenizer=_tokenizer(), text_encoder=te, vae=_vae(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                transformer=tiny_wan_transformer()).save_pretrained(str(root / "pipe"))
+    te = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(WORDS) + 3,
+            d_model=TEXT_DIM,
+            d_kv=8,
+            d_ff=32,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+        )
+    ).eval()
+    WanPipeline(
+        tokenizer=_tokenizer(),
+        text_encoder=te,
+        vae=_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=tiny_wan_transformer(),
+    ).save_pretrained(str(root / "pipe"))
     imgs = root / "imgs"
     imgs.mkdir()
     for k, cap in enumerate(["a red cat", "blue dog on the grass", "a red cat"]):
@@ -73,8 +94,22 @@ def env(tmp_path_factory):
 
 def _prepare(env, *args):
     root = env[0]
-    prepare_data.main(["--pretrained", str(root / "pipe"), "--height", "32", "--width", "32", "--max_sequence_length", str(L),
-                       "--no_progress", "--device", "cpu", *args])
+    prepare_data.main(
+        [
+            "--pretrained",
+            str(root / "pipe"),
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--max_sequence_length",
+            str(L),
+            "--no_progress",
+            "--device",
+            "cpu",
+            *args,
+        ]
+    )
 
 
 def _pixels(path, n):
@@ -110,8 +145,17 @@ def ds_img(env):
 @pytest.fixture(scope="module")
 def ds_vid(env):
     out = env[0] / "ds_vid"
-    _prepare(env, "--source", str(env[0] / "vids" / "m.jsonl"), "--output_dir", str(out), "--num_frames", "5",
-             "--negative_prompt", "grass")
+    _prepare(
+        env,
+        "--source",
+        str(env[0] / "vids" / "m.jsonl"),
+        "--output_dir",
+        str(out),
+        "--num_frames",
+        "5",
+        "--negative_prompt",
+        "grass",
+    )
     return out
 
 
@@ -146,8 +190,9 @@ def test_video_manifest_roundtrip(env, ds_vid):
     b = ds.get([0, 1])
     assert b["latents"].shape == (2, 4, 2, 4, 4)  # (5 - 1) / 4 + 1 latent frames
     for k in range(2):
-        torch.testing.assert_close(b["latents"][k], _direct_latents(pipe, _pixels(root / "vids" / f"v{k}.gif", 5))[0],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            b["latents"][k], _direct_latents(pipe, _pixels(root / "vids" / f"v{k}.gif", 5))[0], rtol=1e-5, atol=1e-5
+        )
     torch.testing.assert_close(b["negative_prompt_embeds"][1], _direct_text(pipe, "grass"), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(b["prompt_embeds"][1], _direct_text(pipe, "sky"), rtol=1e-5, atol=1e-6)
 
@@ -169,20 +214,34 @@ def test_clear_errors(env, tmp_path):
     with pytest.raises(ValueError, match="cannot read .*y.png"):
         _prepare(env, "--source", str(bad), "--output_dir", str(tmp_path / "o2"), "--resize", "crop")
     with pytest.raises(ValueError, match="4 k \\+ 1"):
-        _prepare(env, "--source", str(root / "vids" / "m.jsonl"), "--output_dir", str(tmp_path / "o3"), "--num_frames", "4")
+        _prepare(
+            env, "--source", str(root / "vids" / "m.jsonl"), "--output_dir", str(tmp_path / "o3"), "--num_frames", "4"
+        )
     with pytest.raises(ValueError, match="has 6 frame\\(s\\), --num_frames asks for 9"):
-        _prepare(env, "--source", str(root / "vids" / "m.jsonl"), "--output_dir", str(tmp_path / "o3"), "--num_frames", "9")
+        _prepare(
+            env, "--source", str(root / "vids" / "m.jsonl"), "--output_dir", str(tmp_path / "o3"), "--num_frames", "9"
+        )
     (tmp_path / "m.csv").write_text("file,caption\nmissing.png,a cat\n")
     with pytest.raises(FileNotFoundError, match="missing.png does not exist"):
         _prepare(env, "--source", str(tmp_path / "m.csv"), "--output_dir", str(tmp_path / "o4"))
-    assert not (tmp_path / "o2" / "meta.json").exists() and not (tmp_path / "o3" / "meta.json").exists()  # no half dataset
+    assert (
+        not (tmp_path / "o2" / "meta.json").exists() and not (tmp_path / "o3" / "meta.json").exists()
+    )  # no half dataset
 
 
 def test_help_explains_options(capsys):
     with pytest.raises(SystemExit):
         prepare_data.main(["--help"])
     h = capsys.readouterr().out
-    for opt in ("--source", "--synthetic", "--num_samples", "--resize", "--negative_prompt", "--guidance_scale", "--solver"):
+    for opt in (
+        "--source",
+        "--synthetic",
+        "--num_samples",
+        "--resize",
+        "--negative_prompt",
+        "--guidance_scale",
+        "--solver",
+    ):
         assert opt in h
 
 
@@ -198,18 +257,51 @@ def test_synthetic_equals_pipeline_with_teacher_scheduler(env, solver):
     (root / f"p_{solver}.txt").write_text("\n".join(prompts) + "\n")
     out = root / f"ds_syn_{solver}"
     n = 4 if solver == "euler" else 1  # euler: 4 samples of 2 prompts -> a prompt table
-    _prepare(env, "--synthetic", "--prompts", str(root / f"p_{solver}.txt"), "--num_samples", str(n), "--steps", "6",
-             "--shift", "3", "--guidance_scale", "3", "--seed", "7", "--solver", solver, "--output_dir", str(out), "--batch_size", "2")
+    _prepare(
+        env,
+        "--synthetic",
+        "--prompts",
+        str(root / f"p_{solver}.txt"),
+        "--num_samples",
+        str(n),
+        "--steps",
+        "6",
+        "--shift",
+        "3",
+        "--guidance_scale",
+        "3",
+        "--seed",
+        "7",
+        "--solver",
+        solver,
+        "--output_dir",
+        str(out),
+        "--batch_size",
+        "2",
+    )
     b = LatentDataset(str(out)).get(list(range(n)))
     assert LatentDataset(str(out)).meta["source"] == "synthetic"
     if n == 4:
-        assert b["prompt_index"].tolist() == [0, 1, 0, 1] and LatentDataset(str(out)).tables["prompt_embeds"].shape == (2, L, TEXT_DIM)
+        assert b["prompt_index"].tolist() == [0, 1, 0, 1] and LatentDataset(str(out)).tables["prompt_embeds"].shape == (
+            2,
+            L,
+            TEXT_DIM,
+        )
     cls = TrigFlowEulerScheduler if solver == "euler" else TrigFlowUniPCScheduler
     pipe.scheduler = cls(shift=3.0, sigma_max=5000.0)
     for i in range(n):
-        ref = pipe(prompt=prompts[i % 2], negative_prompt="", height=32, width=32, num_frames=1, num_inference_steps=6,
-                   guidance_scale=3.0, generator=torch.Generator().manual_seed(7 + i), output_type="latent",
-                   max_sequence_length=L).frames[0]
+        ref = pipe(
+            prompt=prompts[i % 2],
+            negative_prompt="",
+            height=32,
+            width=32,
+            num_frames=1,
+            num_inference_steps=6,
+            guidance_scale=3.0,
+            generator=torch.Generator().manual_seed(7 + i),
+            output_type="latent",
+            max_sequence_length=L,
+        ).frames[0]
         torch.testing.assert_close(b["latents"][i], ref, rtol=1e-4, atol=1e-5)
         noise = torch.randn((4, 1, 4, 4), generator=torch.Generator().manual_seed(7 + i))
         assert (b["latents"][i] - noise).abs().max() > 0.1  # the teacher moved it
@@ -228,7 +320,9 @@ def test_i2v_condition_matches_pipeline():
     img = Image.fromarray(_smooth(3)[0])
     px = pipe.video_processor.preprocess(img, height=32, width=32)
     got = enc.encode_condition(px)
-    _, ref = pipe.prepare_latents(px, 1, 4, 32, 32, 5, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    _, ref = pipe.prepare_latents(
+        px, 1, 4, 32, 32, 5, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
     assert got["condition"].shape == (1, 8, 2, 4, 4)
     torch.testing.assert_close(got["condition"], ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["image_embeds"], pipe.encode_image(img, device="cpu"), rtol=1e-5, atol=1e-5)
@@ -236,11 +330,11 @@ def test_i2v_condition_matches_pipeline():
 
 @torch.no_grad()
 def test_sample_grid_png_and_gif(env, ds_img, ds_vid, tmp_path):
+    from safetensors.torch import load_file
+
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.config import RCMConfig
-    from rcm_diffusers.distill.previews import SampleDecoder
-    from rcm_diffusers.distill.previews import write_samples
-    from safetensors.torch import load_file
+    from rcm_diffusers.distill.previews import SampleDecoder, write_samples
 
     root, pipe = env
     tr = tiny_wan_transformer()
@@ -252,18 +346,29 @@ def test_sample_grid_png_and_gif(env, ds_img, ds_vid, tmp_path):
     assert png.size == (3 * 32, 3 * 32)  # 3 conditions x 3 step counts, 32x32 pixels each
     lat = load_file(path)
     grid = np.asarray(png)
-    for r, k in enumerate([1, 2, 4]):  # row r = k steps; cell = VAE decode of the saved latents, independently denormalised
+    for r, k in enumerate(
+        [1, 2, 4]
+    ):  # row r = k steps; cell = VAE decode of the saved latents, independently denormalised
         z = lat[f"steps_{k}"] * torch.tensor(STD).view(1, 4, 1, 1, 1) + torch.tensor(MEAN).view(1, 4, 1, 1, 1)
-        px = ((pipe.vae.decode(z).sample[:, :, 0] / 2 + 0.5).clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
+        px = (
+            ((pipe.vae.decode(z).sample[:, :, 0] / 2 + 0.5).clamp(0, 1) * 255)
+            .round()
+            .byte()
+            .permute(0, 2, 3, 1)
+            .numpy()
+        )
         for c in range(3):
-            cell = grid[32 * r:32 * (r + 1), 32 * c:32 * (c + 1)].astype(int)
+            cell = grid[32 * r : 32 * (r + 1), 32 * c : 32 * (c + 1)].astype(int)
             assert np.abs(cell - px[c].astype(int)).max() <= 1
     vid = write_samples(nets, LatentDataset(str(ds_vid)), cfg, 6, torch.device("cpu"), tr, decoder=dec)
     assert Image.open(vid.replace(".safetensors", ".png")).size == (2 * 32, 3 * 32)
     gif = Image.open(vid.replace(".safetensors", ".gif"))
     assert gif.size == (64, 96) and gif.n_frames == 5
     # no VAE in the pipeline (the shipped digits teacher): latents only
-    assert SampleDecoder.from_pretrained(os.path.join(REPO, "rcm_diffusers", "digits", "assets", "digits_teacher"), "wan") is None
+    assert (
+        SampleDecoder.from_pretrained(os.path.join(REPO, "rcm_diffusers", "digits", "assets", "digits_teacher"), "wan")
+        is None
+    )
 
 
 @torch.no_grad()
@@ -289,13 +394,36 @@ def test_flux_latents_synthetic_and_decode():
 
     pe, pooled = flux_embeds(seed=1)
     ne, npooled = flux_embeds(seed=2)
-    batch = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled, "negative_prompt_embeds": ne, "negative_pooled_prompt_embeds": npooled}
-    got = teacher_samples(pipe.transformer, "flux", batch, seed_noise((4, 16, 16), [11]), steps=4, shift=3.0, guidance_scale=2.0,
-                          flux_guidance=3.5)
+    batch = {
+        "prompt_embeds": pe,
+        "pooled_prompt_embeds": pooled,
+        "negative_prompt_embeds": ne,
+        "negative_pooled_prompt_embeds": npooled,
+    }
+    got = teacher_samples(
+        pipe.transformer,
+        "flux",
+        batch,
+        seed_noise((4, 16, 16), [11]),
+        steps=4,
+        shift=3.0,
+        guidance_scale=2.0,
+        flux_guidance=3.5,
+    )
     pipe.scheduler = TrigFlowEulerScheduler(shift=3.0, sigma_max=5000.0)
-    want = pipe(prompt_embeds=pe, pooled_prompt_embeds=pooled, negative_prompt_embeds=ne, negative_pooled_prompt_embeds=npooled,
-                true_cfg_scale=2.0, guidance_scale=3.5, height=32, width=32, num_inference_steps=4,
-                generator=torch.Generator().manual_seed(11), output_type="latent").images
+    want = pipe(
+        prompt_embeds=pe,
+        pooled_prompt_embeds=pooled,
+        negative_prompt_embeds=ne,
+        negative_pooled_prompt_embeds=npooled,
+        true_cfg_scale=2.0,
+        guidance_scale=3.5,
+        height=32,
+        width=32,
+        num_inference_steps=4,
+        generator=torch.Generator().manual_seed(11),
+        output_type="latent",
+    ).images
     torch.testing.assert_close(pack_flux_latents(got), want, rtol=1e-4, atol=1e-5)
 
 
@@ -305,9 +433,26 @@ def test_trainer_reads_prepared_data_and_writes_grid(env, ds_img, tmp_path):
 
     root, _ = env
     out = tmp_path / "run"
-    p = run_trainer(["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", str(root / "pipe"),
-                     "--data_dir", str(ds_img), "--output_dir", str(out), "--max_steps", "2", "--sample_every", "2",
-                     "--checkpoint_every", "0", "--sample_steps", "[1, 2]"])
+    p = run_trainer(
+        [
+            "--config",
+            os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+            "--pretrained",
+            str(root / "pipe"),
+            "--data_dir",
+            str(ds_img),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--sample_every",
+            "2",
+            "--checkpoint_every",
+            "0",
+            "--sample_steps",
+            "[1, 2]",
+        ]
+    )
     assert "PNG decoded with the pipeline's VAE" in p.stdout + p.stderr
     assert Image.open(out / "samples" / "step-00000002.png").size == (3 * 32, 2 * 32)
     assert (out / "pytorch_lora_weights.safetensors").exists()

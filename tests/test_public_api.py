@@ -31,15 +31,24 @@ def test_top_level_names_are_the_documented_classes():
 
     assert rcm_diffusers.RCMScheduler is RCMScheduler
     assert rcm_diffusers.load_lora is load_lora
-    assert set(rcm_diffusers.__all__) >= {"RCMScheduler", "TrigFlowEulerScheduler", "TrigFlowUniPCScheduler",
-                                           "enable_jvp_attention", "save_lora", "load_lora", "extract_lora"}
+    assert set(rcm_diffusers.__all__) >= {
+        "RCMScheduler",
+        "TrigFlowEulerScheduler",
+        "TrigFlowUniPCScheduler",
+        "enable_jvp_attention",
+        "save_lora",
+        "load_lora",
+        "extract_lora",
+    }
 
 
 def test_import_is_light():
     """ComfyUI imports the package at start-up: no diffusers, accelerate, peft or transformers on a bare import."""
-    code = ("import sys, rcm_diffusers; "
-            "print(sorted(k for k in sys.modules if k.split('.')[0] in "
-            "('diffusers', 'accelerate', 'peft', 'transformers')))")
+    code = (
+        "import sys, rcm_diffusers; "
+        "print(sorted(k for k in sys.modules if k.split('.')[0] in "
+        "('diffusers', 'accelerate', 'peft', 'transformers')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -106,7 +115,7 @@ def test_no_import_cycles():
         state[n] = 1
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                cycles.append(stack[stack.index(m):] + [m])
+                cycles.append(stack[stack.index(m) :] + [m])
             elif m not in state:
                 visit(m, stack + [m])
         state[n] = 2

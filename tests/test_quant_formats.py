@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from rcm_diffusers.quant.formats import (E2M1_VALUES, FORMATS, dequantize, fake_quant, quantize, round_e2m1,
-                                         round_e4m3)
+from rcm_diffusers.quant.formats import E2M1_VALUES, FORMATS, dequantize, fake_quant, quantize, round_e2m1, round_e4m3
 
 # ----------------------------------------------------------------------------- float64 reference
 
@@ -26,8 +25,12 @@ def _nearest(y: float, grid: list[tuple[float, int]]) -> float:
 
 E2M1_GRID = [(v, i) for i, v in enumerate(E2M1_VALUES)]
 # E4M3 (fn): exponent bias 7, subnormals m/8 * 2^-6, no infinities, 0x7F is NaN -> max 448
-E4M3_GRID = [((m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), (e << 3) | m)
-             for e in range(16) for m in range(8) if not (e == 15 and m == 7)]
+E4M3_GRID = [
+    ((m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), (e << 3) | m)
+    for e in range(16)
+    for m in range(8)
+    if not (e == 15 and m == 7)
+]
 
 
 def ref_e2m1(y):
@@ -46,7 +49,7 @@ def ref_nvfp4(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(rows, k, dtype=torch.float64)
     for i in range(rows):
         for b0 in range(0, k, 16):
-            blk = xs[i][b0:b0 + 16]
+            blk = xs[i][b0 : b0 + 16]
             s_b = ref_e4m3(f32(f32(max(abs(v) for v in blk) / 6) / s2))
             tot = f32(s2 * s_b)
             for j, v in enumerate(blk):
@@ -60,7 +63,7 @@ def ref_mxfp4(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(rows, k, dtype=torch.float64)
     for i in range(rows):
         for b0 in range(0, k, 32):
-            blk = xs[i][b0:b0 + 32]
+            blk = xs[i][b0 : b0 + 32]
             a = max(abs(v) for v in blk)
             e = math.floor(math.log2(a)) - 2 if a > 0 else -127
             s = 2.0 ** max(-127, min(127, e))
@@ -109,8 +112,13 @@ def test_e2m1_value_set_and_ties():
 
 def test_e4m3_matches_reference():
     g = torch.Generator().manual_seed(2)
-    y = torch.cat([torch.randn(3000, generator=g) * 100, torch.randn(1000, generator=g) * 2.0**-8,
-                   torch.tensor([448.0, 460.0, 1e4, -1e4, 2.0**-10, 3 * 2.0**-11])])
+    y = torch.cat(
+        [
+            torch.randn(3000, generator=g) * 100,
+            torch.randn(1000, generator=g) * 2.0**-8,
+            torch.tensor([448.0, 460.0, 1e4, -1e4, 2.0**-10, 3 * 2.0**-11]),
+        ]
+    )
     assert round_e4m3(y).tolist() == [ref_e4m3(max(-448.0, min(448.0, v))) for v in y.tolist()]
     assert round_e4m3(torch.tensor([1e4])).item() == 448.0
 
@@ -207,7 +215,9 @@ def test_nvfp4_and_mxfp4_agree_with_torchao():
     # torchao clamps NVFP4 block scales below at E4M3's smallest normal (2^-6); we (like ComfyUI's
     # quantizer) round them to E4M3 subnormals. The rules differ only for such tiny blocks:
     tiny = x[4, 16:32].clone()
-    assert not torch.equal(quantize(x, "nvfp4").scale[4, 1:2], round_e4m3(quantize(x, "nvfp4").scale[4, 1:2]).clamp(min=2.0**-6))
+    assert not torch.equal(
+        quantize(x, "nvfp4").scale[4, 1:2], round_e4m3(quantize(x, "nvfp4").scale[4, 1:2]).clamp(min=2.0**-6)
+    )
     x[4, 16:32] = tiny * 1e4
     ours = dequantize(quantize(x, "nvfp4"))
     theirs = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max())).dequantize(torch.float32)
@@ -230,7 +240,7 @@ def ref_comfy_nvfp4(rows, input_scale=None):
     for r in rows:
         o = []
         for b0 in range(0, len(r), 16):
-            blk = r[b0:b0 + 16]
+            blk = r[b0 : b0 + 16]
             s_b = ref_e4m3(min(f32(f32(max(abs(v) for v in blk) / 6.0) / s2), 448.0))
             tot = f32(s2 * s_b)
             o += [0.0 if tot == 0 else ref_e2m1(max(-6.0, min(6.0, v / tot))) * tot for v in blk]
@@ -247,7 +257,9 @@ def test_comfy_nvfp4_activations_static_and_dynamic_vs_float64():
     rows = x.reshape(-1, 40).double().tolist()
     for scale in (None, input_scale_of("nvfp4", torch.tensor(4.0))):
         got = comfy_act_quant(x, "nvfp4", scale).reshape(-1, 40).double()
-        ref = torch.tensor(ref_comfy_nvfp4(rows, None if scale is None else float(scale))).double()  # x_hat held in fp32
+        ref = torch.tensor(
+            ref_comfy_nvfp4(rows, None if scale is None else float(scale))
+        ).double()  # x_hat held in fp32
         # fp32 vs float64 division can only move a value lying within ~1e-7 of a rounding boundary
         assert (got == ref).double().mean() > 0.995 and torch.allclose(got, ref, rtol=0, atol=0.35), scale
     # static range: |x| > 6 * 448 * s2 = 4 saturates at +-4 and gets no gradient; the rest passes straight through
@@ -255,8 +267,9 @@ def test_comfy_nvfp4_activations_static_and_dynamic_vs_float64():
     y = comfy_act_fake_quant(xs, "nvfp4", input_scale_of("nvfp4", torch.tensor(4.0)))
     assert y[0, 1, 7].item() == pytest.approx(4.0, rel=1e-6)
     y.sum().backward()
-    assert xs.grad[0, 1, 7] == 0 and torch.equal(xs.grad.flatten()[x.abs().flatten() <= 4.0 - 1e-6],
-                                                torch.ones(int((x.abs() <= 4.0 - 1e-6).sum())))
+    assert xs.grad[0, 1, 7] == 0 and torch.equal(
+        xs.grad.flatten()[x.abs().flatten() <= 4.0 - 1e-6], torch.ones(int((x.abs() <= 4.0 - 1e-6).sum()))
+    )
     # dynamic: the tensor scale is the whole call's amax (the batch matters), not a per-sample one
     a, b = comfy_act_quant(x, "nvfp4"), comfy_act_quant(x[1:], "nvfp4")
     assert not torch.equal(a[1:], b)
@@ -271,8 +284,17 @@ def test_comfy_fp8_activations_multiply_by_the_rounded_reciprocal():
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         r = float((1.0 / s).to(dtype))  # ComfyUI: x * (1 / scale).to(x.dtype), product in x.dtype
-        ref = torch.tensor([[ref_e4m3(max(-448.0, min(448.0, float(torch.tensor(v * r, dtype=torch.float64).to(dtype)))))
-                             * float(s) for v in row] for row in xd.double().tolist()], dtype=torch.float64)
+        ref = torch.tensor(
+            [
+                [
+                    ref_e4m3(max(-448.0, min(448.0, float(torch.tensor(v * r, dtype=torch.float64).to(dtype)))))
+                    * float(s)
+                    for v in row
+                ]
+                for row in xd.double().tolist()
+            ],
+            dtype=torch.float64,
+        )
         got = comfy_act_quant(xd, "fp8_e4m3", s).double()
         assert torch.allclose(got, ref.to(dtype).double(), rtol=0, atol=0), dtype
     # bf16: dividing by the scale instead would give other numbers (the reciprocal is rounded to bf16 first)

@@ -7,21 +7,44 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-
-from rcm_diffusers.quant.export import (dequantized_copy, export_quantized, from_blocked, load_quantized, pack_e2m1, to_blocked,
-                                        unpack_e2m1)
-from rcm_diffusers.quant.modules import QuantLinear, calibration, quant_layers, quantize_transformer
 from tiny import tiny_flux_pipeline, tiny_wan_transformer, wan_embeds
 
-WAN_QUANTIZED = {f"blocks.{i}.{m}" for i in range(2) for m in
-                 ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
-                  "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"]}
+from rcm_diffusers.quant.export import (
+    dequantized_copy,
+    export_quantized,
+    from_blocked,
+    load_quantized,
+    pack_e2m1,
+    to_blocked,
+    unpack_e2m1,
+)
+from rcm_diffusers.quant.modules import QuantLinear, calibration, quant_layers, quantize_transformer
+
+WAN_QUANTIZED = {
+    f"blocks.{i}.{m}"
+    for i in range(2)
+    for m in [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "attn2.to_q",
+        "attn2.to_k",
+        "attn2.to_v",
+        "attn2.to_out.0",
+        "ffn.net.0.proj",
+        "ffn.net.2",
+    ]
+}
 
 
 def wan_inputs(seed=0, B=1):
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(B, 4, 2, 8, 8, generator=g), timestep=torch.tensor([500.0] * B),
-                encoder_hidden_states=wan_embeds(B, seed))
+    return dict(
+        hidden_states=torch.randn(B, 4, 2, 8, 8, generator=g),
+        timestep=torch.tensor([500.0] * B),
+        encoder_hidden_states=wan_embeds(B, seed),
+    )
 
 
 def test_default_exclusions_wan_and_flux():
@@ -36,8 +59,9 @@ def test_default_exclusions_wan_and_flux():
 
 def test_overrides_and_bad_patterns():
     m = tiny_wan_transformer()
-    layers = quantize_transformer(m, "nvfp4", extra_exclude=["blocks.1.*"], overrides={"*ffn*": "fp8_e4m3",
-                                                                                      "*attn2.to_k": None})
+    layers = quantize_transformer(
+        m, "nvfp4", extra_exclude=["blocks.1.*"], overrides={"*ffn*": "fp8_e4m3", "*attn2.to_k": None}
+    )
     assert "blocks.1.attn1.to_q" not in layers and "blocks.0.attn2.to_k" not in layers
     assert layers["blocks.0.ffn.net.2"].fmt == "fp8_e4m3" and layers["blocks.1.ffn.net.2"].fmt == "fp8_e4m3"
     assert layers["blocks.0.attn1.to_q"].fmt == "nvfp4"
@@ -135,11 +159,14 @@ def test_export_reload_exact(tmp_path, fmt, act):
         assert raw[f"{W}.weight"].dtype == torch.int8 and raw[f"{W}.weight_scale"].shape == (32, 1)
     if act:
         qmax = 6 * 448 if fmt == "nvfp4" else 448
-        assert raw[f"{W}.input_scale"].item() == pytest.approx(layers["blocks.0.ffn.net.0.proj"].input_amax.item() / qmax, rel=1e-6)
+        assert raw[f"{W}.input_scale"].item() == pytest.approx(
+            layers["blocks.0.ffn.net.0.proj"].input_amax.item() / qmax, rel=1e-6
+        )
     assert "head.head.weight" in raw and raw["head.head.weight"].dtype == torch.float32  # excluded: kept as is
     sd, _ = load_quantized(path)
     for name, lay in layers.items():
         from rcm_diffusers.lora.keys import to_original
+
         orig = next(iter(to_original({f"{name}.weight": torch.zeros(1)}, arch="wan", prefix="")))
         assert torch.equal(sd[orig], lay.quantized_weight().detach()), name
         assert torch.equal(sd[orig.replace("weight", "bias")], lay.bias.detach())
@@ -160,8 +187,9 @@ def test_export_refuses_mxfp4_and_uncalibrated(tmp_path):
     assert not (tmp_path / "x.safetensors").exists()
 
 
-@pytest.mark.parametrize("fmt,act_scale", [("nvfp4", "static"), ("nvfp4", "dynamic"), ("fp8_e4m3", "static"),
-                                           ("int8", "dynamic")])
+@pytest.mark.parametrize(
+    "fmt,act_scale", [("nvfp4", "static"), ("nvfp4", "dynamic"), ("fp8_e4m3", "static"), ("int8", "dynamic")]
+)
 def test_target_comfyui_forward_export_and_runtime_reload(tmp_path, fmt, act_scale):
     """Target comfyui: each layer computes comfy_act_quant(x) W_hat^T + b; the export carries exactly the
     input_scale trained with (none when dynamic), and comfy_runtime_copy of it reproduces the model."""
@@ -206,24 +234,31 @@ def test_target_comfyui_forward_export_and_runtime_reload(tmp_path, fmt, act_sca
 
 
 def test_target_comfyui_refuses_what_comfyui_cannot_run():
-    for kw, match in (({"fmt": "mxfp4"}, "no layout for 'mxfp4'"), ({"fmt": "nvfp4", "act_fmt": "fp8_e4m3"}, "not fp8_e4m3"),
-                      ({"fmt": "fp8_e4m3", "act_scale": "dynamic"}, "scale 1.0"),
-                      ({"fmt": "fp8_e4m3", "per_channel": True}, "per-channel")):
+    for kw, match in (
+        ({"fmt": "mxfp4"}, "no layout for 'mxfp4'"),
+        ({"fmt": "nvfp4", "act_fmt": "fp8_e4m3"}, "not fp8_e4m3"),
+        ({"fmt": "fp8_e4m3", "act_scale": "dynamic"}, "scale 1.0"),
+        ({"fmt": "fp8_e4m3", "per_channel": True}, "per-channel"),
+    ):
         with pytest.raises(ValueError, match=match):
             QuantLinear(32, 16, target="comfyui", **kw)
     with pytest.raises(ValueError, match="target 'gpu'"):
         QuantLinear(32, 16, target="gpu")
 
 
-@pytest.mark.parametrize("fmt,act,kind,match", [
-    ("nvfp4", None, "warn", "quantizes the activations to NVFP4 per call"),
-    ("fp8_e4m3", None, "warn", "at scale 1.0"),
-    ("int8", None, "warn", "W8A8 with dynamic per-row"),
-    ("int8", "int8", "refuse", "has no input_scale"),
-    ("nvfp4", "fp8_e4m3", "refuse", "input as NVFP4"),
-    ("fp8_e4m3", "nvfp4", "refuse", "input as float8_e4m3fn"),
-    ("nvfp4", "nvfp4", None, None),
-    ("fp8_e4m3", "fp8_e4m3", None, None)])
+@pytest.mark.parametrize(
+    "fmt,act,kind,match",
+    [
+        ("nvfp4", None, "warn", "quantizes the activations to NVFP4 per call"),
+        ("fp8_e4m3", None, "warn", "at scale 1.0"),
+        ("int8", None, "warn", "W8A8 with dynamic per-row"),
+        ("int8", "int8", "refuse", "has no input_scale"),
+        ("nvfp4", "fp8_e4m3", "refuse", "input as NVFP4"),
+        ("fp8_e4m3", "nvfp4", "refuse", "input as float8_e4m3fn"),
+        ("nvfp4", "nvfp4", None, None),
+        ("fp8_e4m3", "fp8_e4m3", None, None),
+    ],
+)
 def test_export_warns_or_refuses_train_deploy_mismatch(tmp_path, fmt, act, kind, match):
     import warnings
 

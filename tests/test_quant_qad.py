@@ -6,13 +6,20 @@ import copy
 
 import pytest
 import torch
+from tiny import tiny_wan_transformer, wan_embeds
 
+from rcm_diffusers.distill.qad import (
+    GuidanceSchedule,
+    _capture,
+    blockwise_warm_start,
+    qad_loss,
+    relative_error,
+    sample_r,
+    transformer_blocks,
+)
 from rcm_diffusers.models import velocity_fn
 from rcm_diffusers.quant.modules import quantize_transformer
-from rcm_diffusers.distill.qad import (GuidanceSchedule, _capture, blockwise_warm_start, qad_loss, relative_error,
-                                     sample_r, transformer_blocks)
 from rcm_diffusers.trigflow import shift_r
-from tiny import tiny_wan_transformer, wan_embeds
 
 
 def test_guidance_schedule_piecewise_linear():
@@ -41,8 +48,17 @@ def test_qad_loss_matches_formula_with_folded_cfg():
     student = lambda x, r, c: x  # noqa: E731
     x0 = torch.randn(3, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for alpha in (0.0, 0.3, 1.0):
-        loss, logs = qad_loss(student, teacher, x0, {"c": 2.0}, {"c": 0.5}, alpha=alpha, guidance=sched,
-                              generator=torch.Generator().manual_seed(5), model_dtype=torch.float64)
+        loss, logs = qad_loss(
+            student,
+            teacher,
+            x0,
+            {"c": 2.0},
+            {"c": 0.5},
+            alpha=alpha,
+            guidance=sched,
+            generator=torch.Generator().manual_seed(5),
+            model_dtype=torch.float64,
+        )
         g = torch.Generator().manual_seed(5)
         r = torch.rand(3, dtype=torch.float64, generator=g)
         eps = torch.randn(x0.shape, dtype=torch.float64, generator=g)
@@ -73,14 +89,16 @@ def test_qad_steps_reduce_distillation_loss_on_tiny_wan():
 
     def evaluate():
         with torch.no_grad():
-            return qad_loss(v_S, v_T, x0, cond, uncond, alpha=0.0, guidance=sched,
-                            generator=torch.Generator().manual_seed(9))[1]["loss_distill"]
+            return qad_loss(
+                v_S, v_T, x0, cond, uncond, alpha=0.0, guidance=sched, generator=torch.Generator().manual_seed(9)
+            )[1]["loss_distill"]
 
     before = evaluate()
     opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=3e-4)
     for i in range(25):
-        loss, _ = qad_loss(v_S, v_T, x0, cond, uncond, alpha=0.0, guidance=sched,
-                           generator=torch.Generator().manual_seed(100 + i))
+        loss, _ = qad_loss(
+            v_S, v_T, x0, cond, uncond, alpha=0.0, guidance=sched, generator=torch.Generator().manual_seed(100 + i)
+        )
         opt.zero_grad()
         loss.mean().backward()
         opt.step()
@@ -113,11 +131,20 @@ def test_blockwise_warm_start_one_block_graph_and_error_drop():
     def block_errors(seed):
         io_t = _capture(teacher, runner(seed), transformer_blocks(teacher))
         with torch.no_grad():
-            return [float(relative_error(b(*io_t[n][0], **io_t[n][1]), io_t[n][2])) for n, b in transformer_blocks(student)]
+            return [
+                float(relative_error(b(*io_t[n][0], **io_t[n][1]), io_t[n][2])) for n, b in transformer_blocks(student)
+            ]
 
     before = block_errors(50)
-    stats = blockwise_warm_start(student, teacher, [runner(s) for s in range(3)], steps_per_batch=10, lr=3e-4,
-                                 max_grad_norm=1.0, optimizer_cls=CheckingAdam)
+    stats = blockwise_warm_start(
+        student,
+        teacher,
+        [runner(s) for s in range(3)],
+        steps_per_batch=10,
+        lr=3e-4,
+        max_grad_norm=1.0,
+        optimizer_cls=CheckingAdam,
+    )
     after = block_errors(50)
     assert len(seen) == 60 and all(seen)  # 2 blocks x 3 batches x 10 steps, only the stepping block had gradients
     assert [s.steps for s in stats] == [30, 30]

@@ -17,8 +17,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: parameter counts of the diffusers transformers built from the shipped configs (meta device); the
 #: published sizes are 1.3B, 14B, 14B + 14B (two experts), 5B, 14B (I2V: + image branch), 12B
-PARAMS = {"wan2.1-t2v-1.3b": 1_418_996_800, "wan2.1-t2v-14b": 14_288_491_584, "wan2.1-i2v-14b-480p": 16_394_878_784,
-          "wan2.2-i2v-a14b": 14_288_901_184, "wan2.2-ti2v-5b": 4_999_787_712, "flux.1-dev": 11_901_408_320}
+PARAMS = {
+    "wan2.1-t2v-1.3b": 1_418_996_800,
+    "wan2.1-t2v-14b": 14_288_491_584,
+    "wan2.1-i2v-14b-480p": 16_394_878_784,
+    "wan2.2-i2v-a14b": 14_288_901_184,
+    "wan2.2-ti2v-5b": 4_999_787_712,
+    "flux.1-dev": 11_901_408_320,
+}
 
 
 def test_arch_configs_build_with_published_sizes():
@@ -40,7 +46,9 @@ def _real_head_wan(tmp_path, dtype, **kw):
     ``torch_dtype`` so diffusers keeps its float32 modules (norms, time embedder) as in real runs."""
     from diffusers import WanTransformer3DModel
 
-    m = build_transformer("wan2.1-t2v-1.3b", num_layers=1, num_attention_heads=1, ffn_dim=64, text_dim=32, freq_dim=32, **kw)
+    m = build_transformer(
+        "wan2.1-t2v-1.3b", num_layers=1, num_attention_heads=1, ffn_dim=64, text_dim=32, freq_dim=32, **kw
+    )
     m.save_pretrained(str(tmp_path / "t"))
     return WanTransformer3DModel.from_pretrained(str(tmp_path / "t"), torch_dtype=dtype).eval()
 
@@ -64,7 +72,9 @@ def test_wan_jvp_at_head_dim_128_bf16_mixed_dtypes(tmp_path):
     t, dt = torch.tensor([400.0]), torch.tensor([300.0])
 
     def call(m, dtype):
-        return lambda a, b: m(hidden_states=a.to(dtype), timestep=b, encoder_hidden_states=ctx.to(dtype), return_dict=False)[0]
+        return lambda a, b: m(
+            hidden_states=a.to(dtype), timestep=b, encoder_hidden_states=ctx.to(dtype), return_dict=False
+        )[0]
 
     with sdpa_kernel(SDPBackend.MATH):
         y_r, ty_r = torch.func.jvp(call(ref, torch.float64), (x.double(), t.double()), (dx.double(), dt.double()))
@@ -85,23 +95,48 @@ def test_wan_i2v_context_shorter_than_512_text_tokens_is_refused():
     from rcm_diffusers.attention import enable_jvp_attention
 
     torch.manual_seed(0)
-    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                              text_dim=16, freq_dim=16, ffn_dim=16, num_layers=1, image_dim=8, added_kv_proj_dim=16)
+    m = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=16,
+        ffn_dim=16,
+        num_layers=1,
+        image_dim=8,
+        added_kv_proj_dim=16,
+    )
     enable_jvp_attention(m)
     x = torch.randn(1, 4, 1, 4, 4)
     with pytest.raises(ValueError, match="max_sequence_length=512"):
-        m(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, 6, 16),
-          encoder_hidden_states_image=torch.randn(1, 4, 8), return_dict=False)
-    out = m(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, 512, 16),
-            encoder_hidden_states_image=torch.randn(1, 4, 8), return_dict=False)[0]
+        m(
+            hidden_states=x,
+            timestep=torch.tensor([500.0]),
+            encoder_hidden_states=torch.randn(1, 6, 16),
+            encoder_hidden_states_image=torch.randn(1, 4, 8),
+            return_dict=False,
+        )
+    out = m(
+        hidden_states=x,
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=torch.randn(1, 512, 16),
+        encoder_hidden_states_image=torch.randn(1, 4, 8),
+        return_dict=False,
+    )[0]
     assert out.shape == x.shape
 
 
 def test_wan_i2v_dataset_text_length_checked():
     from rcm_diffusers.distill.data import model_inputs
 
-    batch = {"latents": torch.zeros(1, 4, 1, 4, 4), "prompt_embeds": torch.zeros(1, 226, 16), "condition": torch.zeros(1, 8, 1, 4, 4),
-             "image_embeds": torch.zeros(1, 257, 8)}
+    batch = {
+        "latents": torch.zeros(1, 4, 1, 4, 4),
+        "prompt_embeds": torch.zeros(1, 226, 16),
+        "condition": torch.zeros(1, 8, 1, 4, 4),
+        "image_embeds": torch.zeros(1, 257, 8),
+    }
     with pytest.raises(ValueError, match="--max_sequence_length 512"):
         model_inputs("wan_i2v", batch, "cpu", torch.float32)
     batch["prompt_embeds"] = torch.zeros(1, 512, 16)
@@ -113,9 +148,9 @@ def test_prepare_pads_prompts_like_the_pipeline_samples():
     ``encode_prompt``'s own default (226): zero padding tokens go through the text projection and
     change the cross-attention output, so 226-padded training is another input than 512-padded sampling."""
     from diffusers import WanPipeline
+    from tiny import tiny_wan_pipeline, tiny_wan_transformer
 
     from rcm_diffusers.distill.prepare import PipelineEncoder
-    from tiny import tiny_wan_pipeline, tiny_wan_transformer
 
     assert inspect.signature(WanPipeline.__call__).parameters["max_sequence_length"].default == 512
     enc = PipelineEncoder(tiny_wan_pipeline(), 32, 32, num_frames=5)
@@ -125,7 +160,10 @@ def test_prepare_pads_prompts_like_the_pipeline_samples():
     e = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(0))
     x = torch.randn(1, 4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        outs = [m(x, torch.tensor([500.0]), torch.cat([e, e.new_zeros(1, n - 6, 32)], 1), return_dict=False)[0] for n in (226, 512)]
+        outs = [
+            m(x, torch.tensor([500.0]), torch.cat([e, e.new_zeros(1, n - 6, 32)], 1), return_dict=False)[0]
+            for n in (226, 512)
+        ]
     assert float((outs[0] - outs[1]).abs().max() / outs[1].abs().max()) > 1e-3
 
 
@@ -137,8 +175,21 @@ def test_real_arch_benchmark_smoke(tmp_path):
 
     out = tmp_path / "res.json"
     env = {**os.environ, "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "real_arch.py"), "--smoke", "--work", str(tmp_path / "w"),
-                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "real_arch.py"),
+            "--smoke",
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(out))
     assert set(res["runs"]) == {"pipeline", "fd0-gc", "fd2"}
@@ -153,8 +204,9 @@ def test_bf16_base_trains_float32_adapters():
     """A real run loads the base in bf16; diffusers' ``add_adapter`` then makes bf16 LoRA weights, whose
     AdamW updates at lr 1e-5 round away once a weight is ~1e-2 (bf16 spacing there: 6.1e-5). The
     adapters must be float32 (peft's autocast_adapter_dtype) while the base and the output stay bf16."""
-    from rcm_diffusers.distill.adapters import Networks
     from tiny import tiny_wan_transformer
+
+    from rcm_diffusers.distill.adapters import Networks
 
     m = tiny_wan_transformer().to(torch.bfloat16)
     nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=4)
@@ -189,8 +241,14 @@ def test_gpu_check_smoke(tmp_path):
         pytest.skip("needs bash")
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = REPO
-    p = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_check.sh"), "--smoke"], env=env, capture_output=True, text=True,
-                       timeout=900, cwd=REPO)
+    p = subprocess.run(
+        ["bash", os.path.join(REPO, "benchmarks", "gpu_check.sh"), "--smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(tmp_path / "out" / "gpu_check.json"))
     assert res["smoke"] and res["jvp_attention"] and all(r["err"] < 1e-4 for r in res["jvp_attention"])
@@ -201,5 +259,9 @@ def test_gpu_check_smoke(tmp_path):
     assert cp["ok"] and cp["exchanges"] > 0 and all(e <= cp["tol"] for e in cp["err"].values()), cp
     for policy in ("full", "selective"):  # the checkpointing-policy section trains under each policy
         ck = res["checkpointing"][policy]
-        assert ck["rc"] == 0 and ck["checkpointing_policy"] == policy and [s["net"] for s in ck["steps"]] == ["student", "fake"]
+        assert (
+            ck["rc"] == 0
+            and ck["checkpointing_policy"] == policy
+            and [s["net"] for s in ck["steps"]] == ["student", "fake"]
+        )
         assert ck["predicted"]["total_gib"] > 0

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from train_helpers import REPO, Payload
 
 from rcm_diffusers.distill import checkpoints as C
 from rcm_diffusers.distill import errors as E
@@ -29,7 +30,6 @@ from rcm_diffusers.distill.config import QADConfig, RCMConfig
 from rcm_diffusers.distill.ema import PowerEMA
 from rcm_diffusers.distill.optim import lr_lambda
 from rcm_diffusers.distill.session import MetricsWriter, TrainState
-from train_helpers import REPO, Payload
 
 
 class FakeAccelerator:
@@ -45,16 +45,28 @@ class Run:
 
     def __init__(self, lr=1e-2, ema_rate=0.1, seed=0):
         torch.manual_seed(seed)
-        self.nets = {"student": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)),
-                     "fake": torch.nn.Linear(4, 2)}
+        self.nets = {
+            "student": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)),
+            "fake": torch.nn.Linear(4, 2),
+        }
         self.named = {r: dict(m.named_parameters()) for r, m in self.nets.items()}
-        self.opts = {r: torch.optim.AdamW(m.parameters(), lr=lr if r == "student" else 1e-3, betas=(0.0, 0.999),
-                                          weight_decay=0.01) for r, m in self.nets.items()}
+        self.opts = {
+            r: torch.optim.AdamW(
+                m.parameters(), lr=lr if r == "student" else 1e-3, betas=(0.0, 0.999), weight_decay=0.01
+            )
+            for r, m in self.nets.items()
+        }
         self.scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(3)) for r, o in self.opts.items()}
         self.ema = PowerEMA(self.named["student"], s=ema_rate)
         self.state = TrainState()
-        self.ck = C.Checkpointer(FakeAccelerator(), (list(self.nets.values()), list(self.nets)),
-                                 {r: (self.opts[r], self.named[r]) for r in self.nets}, self.scheds, self.state, self.ema)
+        self.ck = C.Checkpointer(
+            FakeAccelerator(),
+            (list(self.nets.values()), list(self.nets)),
+            {r: (self.opts[r], self.named[r]) for r in self.nets},
+            self.scheds,
+            self.state,
+            self.ema,
+        )
 
     def train(self, n):
         for _ in range(n):
@@ -107,8 +119,15 @@ def test_resume_restores_everything_bitwise(tmp_path):
     ref.train(7)
     ck = _save(ref, tmp_path)
     assert os.path.basename(ck) == "step-00000007"
-    assert sorted(os.listdir(ck)) == ["ema.safetensors", "manifest.json", "optimizer-fake.safetensors",
-                                      "optimizer-student.safetensors", "rng-rank0.safetensors", "state.json", "trainable.safetensors"]
+    assert sorted(os.listdir(ck)) == [
+        "ema.safetensors",
+        "manifest.json",
+        "optimizer-fake.safetensors",
+        "optimizer-student.safetensors",
+        "rng-rank0.safetensors",
+        "state.json",
+        "trainable.safetensors",
+    ]
     py, npy = random.random(), np.random.rand()
     ref.train(8)
     other = Run(seed=5)  # other initial weights and RNG: everything must come from the checkpoint
@@ -136,11 +155,25 @@ def test_payload_is_live():
         assert os.path.exists(marker)
 
 
-SLOTS = ["trainable.safetensors", "optimizer-student.safetensors", "optimizer-fake.safetensors", "ema.safetensors",
-         "rng-rank0.safetensors", "state.json", "manifest.json",
-         # accelerate save_state's file names: never read
-         "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "random_states_0.pkl", "optimizer.bin", "optimizer_1.bin",
-         "scheduler.bin", "scheduler_1.bin", "model.safetensors", "pytorch_model.bin"]
+SLOTS = [
+    "trainable.safetensors",
+    "optimizer-student.safetensors",
+    "optimizer-fake.safetensors",
+    "ema.safetensors",
+    "rng-rank0.safetensors",
+    "state.json",
+    "manifest.json",
+    # accelerate save_state's file names: never read
+    "custom_checkpoint_0.pkl",
+    "custom_checkpoint_1.pkl",
+    "random_states_0.pkl",
+    "optimizer.bin",
+    "optimizer_1.bin",
+    "scheduler.bin",
+    "scheduler_1.bin",
+    "model.safetensors",
+    "pytorch_model.bin",
+]
 
 
 @pytest.mark.parametrize("slot", SLOTS)
@@ -268,18 +301,29 @@ def test_resume_policy_refuses_applies_and_ignores():
     older = {k: v for k, v in saved.items() if k not in ("lr_decay", "lr_final_ratio")}  # written before they existed
     assert RF.resume_changes(older, ok, 20) == RF.resume_changes(saved, ok, 20)
     assert RF.resume_changes(older, ok.model_copy(update={"lr_decay": "cosine"}), 20)["lr_decay"] == ["none", "cosine"]
-    for kw, match in (({"lora_rank": 8}, "lora_rank 32 -> 8"), ({"seed": 1}, "seed 0 -> 1"), ({"batch_size": 4}, "batch_size"),
-                      ({"tangent_warmup": 5}, "tangent_warmup"), ({"ema_rate": 0.0}, "switched on or off"),
-                      ({"max_steps": 15}, "--max_steps 15 is below the checkpoint's step 20")):
+    for kw, match in (
+        ({"lora_rank": 8}, "lora_rank 32 -> 8"),
+        ({"seed": 1}, "seed 0 -> 1"),
+        ({"batch_size": 4}, "batch_size"),
+        ({"tangent_warmup": 5}, "tangent_warmup"),
+        ({"ema_rate": 0.0}, "switched on or off"),
+        ({"max_steps": 15}, "--max_steps 15 is below the checkpoint's step 20"),
+    ):
         with pytest.raises(SystemExit, match=match):
             RF.resume_changes(saved, RCMConfig(pretrained="p", data_dir="d", **kw), 20)
     q = QADConfig(pretrained="p", data_dir="d").model_dump()
     with pytest.raises(SystemExit, match="format 'nvfp4' -> 'int8'"):
         RF.resume_changes(q, QADConfig(pretrained="p", data_dir="d", format="int8"), 3)
-    assert RF.resume_changes(q, QADConfig(pretrained="p", data_dir="d", lr=1e-3, alpha=0.5), 3) == {"lr": [1e-5, 1e-3], "alpha": [0.1, 0.5]}
+    assert RF.resume_changes(q, QADConfig(pretrained="p", data_dir="d", lr=1e-3, alpha=0.5), 3) == {
+        "lr": [1e-5, 1e-3],
+        "alpha": [0.1, 0.5],
+    }
     # every option declares its policy; the two-expert, time-input and quantizer options are refused
-    for kw, match in (({"experts": "one"}, "experts 'auto' -> 'one'"), ({"boundary_ratio": 0.5}, "boundary_ratio"),
-                      ({"time_input": "float"}, "time_input 'bf16' -> 'float'")):
+    for kw, match in (
+        ({"experts": "one"}, "experts 'auto' -> 'one'"),
+        ({"boundary_ratio": 0.5}, "boundary_ratio"),
+        ({"time_input": "float"}, "time_input 'bf16' -> 'float'"),
+    ):
         with pytest.raises(SystemExit, match=match):
             RF.resume_changes(saved, RCMConfig(pretrained="p", data_dir="d", **kw), 20)
     for kw in ({"time_input": "float"}, {"target": "fake"}, {"act_scale": "dynamic"}):
@@ -316,8 +360,14 @@ def test_a_changed_rank_is_a_clear_error_not_a_size_mismatch(tmp_path):
     wide.nets["student"] = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     wide.named["student"] = dict(wide.nets["student"].named_parameters())
     wide.opts["student"] = torch.optim.AdamW(wide.nets["student"].parameters())
-    wide.ck = C.Checkpointer(FakeAccelerator(), (list(wide.nets.values()), list(wide.nets)),
-                             {r: (wide.opts[r], wide.named[r]) for r in wide.nets}, wide.scheds, wide.state, None)
+    wide.ck = C.Checkpointer(
+        FakeAccelerator(),
+        (list(wide.nets.values()), list(wide.nets)),
+        {r: (wide.opts[r], wide.named[r]) for r in wide.nets},
+        wide.scheds,
+        wide.state,
+        None,
+    )
     with pytest.raises(C.CheckpointError, match="trainable weights do not load|shape"):
         wide.ck.load(ck)
 
@@ -379,7 +429,9 @@ def test_disk_full_while_checkpointing_is_a_clear_message(tmp_path, monkeypatch)
     run.train(2)
     with pytest.raises(SystemExit, match=r"disk full while writing .*step-00000004\.tmp .*MiB free.*--resume latest"):
         _save(run, tmp_path)
-    assert [p for _, p in C.list_checkpoints(str(tmp_path))] == [first] and not os.path.exists(first.replace("2", "4") + ".tmp")
+    assert [p for _, p in C.list_checkpoints(str(tmp_path))] == [first] and not os.path.exists(
+        first.replace("2", "4") + ".tmp"
+    )
     C.verify_checkpoint(first)
     assert C.is_disk_full(RuntimeError("basic_ios::clear: iostream error"))  # torch.save's text for ENOSPC
 
@@ -392,12 +444,18 @@ def test_real_disk_full_on_a_tiny_tmpfs(tmp_path):
         pytest.skip("unshare -rm (user namespaces) not available to mount a small tmpfs")
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    script = (f"import sys; sys.path[:0] = [{REPO!r}, {os.path.join(REPO, 'tests')!r}]\n"
-              "from test_run_folder import Run, _save\nrun = Run()\nrun.train(2)\n"
-              f"open({str(mnt / 'filler')!r}, 'wb').write(bytes(56 * 1024))  # leaves 8 KiB\n"
-              f"_save(run, {str(mnt / 'run')!r})\n")
-    p = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt} && {sys.executable} -c \"$0\"",
-                        script], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    script = (
+        f"import sys; sys.path[:0] = [{REPO!r}, {os.path.join(REPO, 'tests')!r}]\n"
+        "from test_run_folder import Run, _save\nrun = Run()\nrun.train(2)\n"
+        f"open({str(mnt / 'filler')!r}, 'wb').write(bytes(56 * 1024))  # leaves 8 KiB\n"
+        f"_save(run, {str(mnt / 'run')!r})\n"
+    )
+    p = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size=64k tmpfs {mnt} && {sys.executable} -c "$0"', script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     if "mount:" in p.stderr:
         pytest.skip(f"cannot mount tmpfs here: {p.stderr.strip()[:200]}")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
@@ -411,12 +469,27 @@ def test_missing_pretrained_folder_and_config_errors_are_plain(tmp_path):
     with pytest.raises(SystemExit, match="no model_index.json"):
         I.model_index(str(tmp_path / "empty"))
     with pytest.raises(SystemExit, match=r"^error: config option max_skipped_fraction = 2(\.0)?: must lie in"):
-        E.load_config_or_exit(["--pretrained", "p", "--data_dir", "d", "--max_skipped_fraction", "2"], config_cls=QADConfig)
+        E.load_config_or_exit(
+            ["--pretrained", "p", "--data_dir", "d", "--max_skipped_fraction", "2"], config_cls=QADConfig
+        )
     with pytest.raises(SystemExit, match="^error: .*No such file"):
         E.load_config_or_exit(["--config", str(tmp_path / "nope.yaml")])
     # the whole script: one plain line, no traceback (training/qad.py uses the same helper)
-    p = subprocess.run([sys.executable, os.path.join(REPO, "training", "rcm.py"), "--pretrained", "p", "--data_dir", "d",
-                        "--lora_rank", "0"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "training", "rcm.py"),
+            "--pretrained",
+            "p",
+            "--data_dir",
+            "d",
+            "--lora_rank",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]  # bad input: exit status 2
     assert p.stderr.count("config option lora_rank = 0: must be >= 1") == 1
 
@@ -430,9 +503,16 @@ def test_overwrite_leaves_nothing_of_the_old_run(tmp_path):
     run = Run()
     run.train(2)
     _save(run, out)
-    for rel in ("pytorch_lora_weights.safetensors", "transformer_2/pytorch_lora_weights.safetensors",
-                "ema/transformer_2/pytorch_lora_weights.safetensors", "student_transformer_2/config.json",
-                "scheduler/scheduler_config.json", "scheduler/extra.json", "delta_comfyui.safetensors", "final.json"):
+    for rel in (
+        "pytorch_lora_weights.safetensors",
+        "transformer_2/pytorch_lora_weights.safetensors",
+        "ema/transformer_2/pytorch_lora_weights.safetensors",
+        "student_transformer_2/config.json",
+        "scheduler/scheduler_config.json",
+        "scheduler/extra.json",
+        "delta_comfyui.safetensors",
+        "final.json",
+    ):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text("old")
     (out / "notes.txt").write_text("mine")
@@ -446,13 +526,20 @@ def test_overwrite_leaves_nothing_of_the_old_run(tmp_path):
 
 def test_final_json_checksums_catch_a_flipped_bit(tmp_path, capsys):
     out = tmp_path / "run"
-    for rel in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors", "scheduler/scheduler_config.json"):
+    for rel in (
+        "pytorch_lora_weights.safetensors",
+        "ema/pytorch_lora_weights.safetensors",
+        "scheduler/scheduler_config.json",
+    ):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(os.urandom(64))
     (out / "metrics.jsonl").write_text("{}\n")  # not an export
     files = RF.export_files(str(out))
-    assert sorted(files) == ["ema/pytorch_lora_weights.safetensors", "pytorch_lora_weights.safetensors",
-                             "scheduler/scheduler_config.json"]
+    assert sorted(files) == [
+        "ema/pytorch_lora_weights.safetensors",
+        "pytorch_lora_weights.safetensors",
+        "scheduler/scheduler_config.json",
+    ]
     (out / "final.json").write_text(json.dumps({"step": 3, "files": files}))
     assert RF.verify_run(str(out)) == (3, []) and RF.verify_main([str(out)]) == 0
     p = out / "ema" / "pytorch_lora_weights.safetensors"
@@ -548,14 +635,17 @@ def _state(**kw):
             else:
                 st["train_state"][k] = v
         json.dump(st, open(p, "w"))
+
     return change
 
 
-BAD_STATE = {"deeply nested JSON": (_nested, "cannot read .*state.json.*recursion"),
-             "wrong-size RNG state": (_rng_size, "torch CPU generator state .*not 5056 bytes"),
-             "string step": (_state(step="4"), "step '4' is not a whole number"),
-             "negative step": (_state(step=-3), "step -3 is not a whole number"),
-             "string last_epoch": (_state(last_epoch="3"), "scheduler 'student': last_epoch '3'")}
+BAD_STATE = {
+    "deeply nested JSON": (_nested, "cannot read .*state.json.*recursion"),
+    "wrong-size RNG state": (_rng_size, "torch CPU generator state .*not 5056 bytes"),
+    "string step": (_state(step="4"), "step '4' is not a whole number"),
+    "negative step": (_state(step=-3), "step -3 is not a whole number"),
+    "string last_epoch": (_state(last_epoch="3"), "scheduler 'student': last_epoch '3'"),
+}
 
 
 @pytest.mark.parametrize("kind", list(BAD_STATE))
@@ -609,8 +699,11 @@ def test_a_run_folder_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(C, "_save_tensors", refuse)
     run.train(3)
-    with pytest.raises(SystemExit, match=r"cannot write .*step-00000006\.tmp.*Permission denied.*make the run folder "
-                                         r"writable and run again with --resume latest"):
+    with pytest.raises(
+        SystemExit,
+        match=r"cannot write .*step-00000006\.tmp.*Permission denied.*make the run folder "
+        r"writable and run again with --resume latest",
+    ):
         _save(run, tmp_path)
     monkeypatch.setattr(C, "_save_tensors", real)
     assert [p for _, p in C.list_checkpoints(str(tmp_path))] == [first] and not os.path.exists(first[:-1] + "6.tmp")
@@ -627,18 +720,25 @@ def test_a_run_folder_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
         E.run_main(main)
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot write " + str(tmp_path / "metrics.jsonl") + " (Read-only file system)" in err
+    assert (
+        err.count("\n") == 1 and "cannot write " + str(tmp_path / "metrics.jsonl") + " (Read-only file system)" in err
+    )
 
 
 def _finished_run(out):
     """A run folder with three exports, a log and a checkpoint file, and the final.json a run writes."""
-    for rel in ("pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors",
-                "scheduler/scheduler_config.json", "checkpoints/step-00000002/state.json"):
+    for rel in (
+        "pytorch_lora_weights.safetensors",
+        "ema/pytorch_lora_weights.safetensors",
+        "scheduler/scheduler_config.json",
+        "checkpoints/step-00000002/state.json",
+    ):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_bytes(os.urandom(64))
     (out / "metrics.jsonl").write_text("{}\n")
-    (out / "final.json").write_text(json.dumps({"step": 3, "files": RF.export_files(str(out)),
-                                                "run_entries": RF.run_entries(str(out))}))
+    (out / "final.json").write_text(
+        json.dumps({"step": 3, "files": RF.export_files(str(out)), "run_entries": RF.run_entries(str(out))})
+    )
     assert RF.verify_run(str(out)) == (3, [])
     return out
 
@@ -663,14 +763,21 @@ def test_verify_reports_links_and_never_follows_them(tmp_path):
     os.symlink(outside / "lora.safetensors", out / "checkpoints" / "step-00000002" / "extra.safetensors")
     n, problems = RF.verify_run(str(out))
     lora = outside / "lora.safetensors"
-    links = [("checkpoints/step-00000002/extra.safetensors", lora), ("ema", outside / "ema"),
-             ("pytorch_lora_weights.safetensors", lora), ("scheduler", "/")]
-    assert sorted(problems) == sorted(f"{rel}: a symbolic link (to {to}); not followed (a run writes no links)"
-                                      for rel, to in links), problems
+    links = [
+        ("checkpoints/step-00000002/extra.safetensors", lora),
+        ("ema", outside / "ema"),
+        ("pytorch_lora_weights.safetensors", lora),
+        ("scheduler", "/"),
+    ]
+    assert sorted(problems) == sorted(
+        f"{rel}: a symbolic link (to {to}); not followed (a run writes no links)" for rel, to in links
+    ), problems
     shutil.move(str(out / "final.json"), str(outside / "final.json"))
     os.symlink(outside / "final.json", out / "final.json")
-    assert RF.verify_run(str(out)) == (0, [f"final.json: a symbolic link (to {outside / 'final.json'}); not followed "
-                                           "(a run writes no links)"])
+    assert RF.verify_run(str(out)) == (
+        0,
+        [f"final.json: a symbolic link (to {outside / 'final.json'}); not followed (a run writes no links)"],
+    )
 
 
 def test_verify_names_an_extra_file_anywhere_and_says_when_a_file_cannot_be_read(tmp_path, monkeypatch, capsys):
@@ -682,9 +789,11 @@ def test_verify_names_an_extra_file_anywhere_and_says_when_a_file_cannot_be_read
     (out / "scheduler" / "stray.json").write_text("{}")
     os.mkfifo(out / "pipe")
     _, problems = RF.verify_run(str(out))
-    assert problems == ["extra.safetensors: not listed in final.json (not written by this run)",
-                        "pipe: not listed in final.json (not written by this run)",
-                        "scheduler/stray.json: not listed in final.json (not written by this run)"], problems
+    assert problems == [
+        "extra.safetensors: not listed in final.json (not written by this run)",
+        "pipe: not listed in final.json (not written by this run)",
+        "scheduler/stray.json: not listed in final.json (not written by this run)",
+    ], problems
     for n in ("extra.safetensors", "scheduler/stray.json", "pipe"):
         os.remove(out / n)
     real_open = os.open
@@ -712,19 +821,33 @@ def _forge(ck, name, change):
 
 
 FORGED = {
-    "trainable: a key the model lacks": ("trainable.safetensors", lambda t: t.update({"extra": torch.zeros(2)}),
-                                         r"trainable.safetensors names 1 key\(s\) the model does not have \(extra\)"),
-    "trainable: a key missing": ("trainable.safetensors", lambda t: t.pop("student::2.bias"),
-                                 r"trainable.safetensors lacks 1 key\(s\) the model has \(student::2.bias\)"),
-    "optimizer: state of no parameter": ("optimizer-student.safetensors",
-                                         lambda t: t.update({"ghost.weight::exp_avg": torch.zeros(3)}),
-                                         r"optimizer-student.safetensors names 1 key\(s\) the model does not have "
-                                         r"\(ghost.weight\)"),
-    "optimizer: an entry missing": ("optimizer-student.safetensors", lambda t: t.pop("0.weight::exp_avg"),
-                                    "parameters hold different state entries"),
+    "trainable: a key the model lacks": (
+        "trainable.safetensors",
+        lambda t: t.update({"extra": torch.zeros(2)}),
+        r"trainable.safetensors names 1 key\(s\) the model does not have \(extra\)",
+    ),
+    "trainable: a key missing": (
+        "trainable.safetensors",
+        lambda t: t.pop("student::2.bias"),
+        r"trainable.safetensors lacks 1 key\(s\) the model has \(student::2.bias\)",
+    ),
+    "optimizer: state of no parameter": (
+        "optimizer-student.safetensors",
+        lambda t: t.update({"ghost.weight::exp_avg": torch.zeros(3)}),
+        r"optimizer-student.safetensors names 1 key\(s\) the model does not have "
+        r"\(ghost.weight\)",
+    ),
+    "optimizer: an entry missing": (
+        "optimizer-student.safetensors",
+        lambda t: t.pop("0.weight::exp_avg"),
+        "parameters hold different state entries",
+    ),
     "EMA: a key missing": ("ema.safetensors", lambda t: t.pop(sorted(t)[0]), r"ema.safetensors lacks 1 key\(s\)"),
-    "trainable: another shape": ("trainable.safetensors", lambda t: t.update({"fake::bias": torch.zeros(3)}),
-                                 r"fake::bias has shape \[3\], the model's is \[2\]"),
+    "trainable: another shape": (
+        "trainable.safetensors",
+        lambda t: t.update({"fake::bias": torch.zeros(3)}),
+        r"fake::bias has shape \[3\], the model's is \[2\]",
+    ),
 }
 
 
@@ -806,8 +929,9 @@ def test_a_refused_start_leaves_no_folder_and_no_lock(tmp_path):
             pass
 
     out = tmp_path / "new" / "run"
-    cfg = RCMConfig(pretrained="p", data_dir="d", output_dir=str(out), resume=str(tmp_path / "nope"),
-                    check_data_values=False)
+    cfg = RCMConfig(
+        pretrained="p", data_dir="d", output_dir=str(out), resume=str(tmp_path / "nope"), check_data_values=False
+    )
     with pytest.raises(SystemExit) as e:
         RunSession(cfg, Acc(), "rcm")
     assert e.value.code == 2 and "nope is not a checkpoint directory" in str(e.value)

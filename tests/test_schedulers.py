@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from tiny import flux_scheduler_config, wan_scheduler_config
 
 from rcm_diffusers import RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler
 from rcm_diffusers.sampling import shift_family, teacher_rf_grid
-
-from tiny import flux_scheduler_config, wan_scheduler_config
 
 SPEC_RF_4 = [0.98765, 0.93378, 0.85289, 0.60898, 0.0]
 
@@ -227,9 +226,13 @@ def test_teacher_karras_and_exponential_grids():
     n, smax, smin, rho = 6, 5000.0, 0.002, 7.0
     i = np.arange(n)
     sig_k = (smax ** (1 / rho) + i / (n - 1) * (smin ** (1 / rho) - smax ** (1 / rho))) ** rho
-    assert np.allclose(teacher_rf_grid(n, smax, "karras", rho=rho, sigma_min=smin), np.append(sig_k / (1 + sig_k), 0.0), atol=1e-14)
+    assert np.allclose(
+        teacher_rf_grid(n, smax, "karras", rho=rho, sigma_min=smin), np.append(sig_k / (1 + sig_k), 0.0), atol=1e-14
+    )
     sig_e = np.exp(np.log(smax) + i / (n - 1) * (np.log(smin) - np.log(smax)))
-    assert np.allclose(teacher_rf_grid(n, smax, "exponential", sigma_min=smin), np.append(sig_e / (1 + sig_e), 0.0), atol=1e-14)
+    assert np.allclose(
+        teacher_rf_grid(n, smax, "exponential", sigma_min=smin), np.append(sig_e / (1 + sig_e), 0.0), atol=1e-14
+    )
 
 
 def test_teacher_dynamic_shift_uses_mu():
@@ -247,7 +250,12 @@ def test_teacher_dynamic_shift_uses_mu():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(sigma_max=-1.0), "sigma_max"), (dict(spacing="cosine"), "spacing"), (dict(shift=0.0), "shift"), (dict(time_shift_type="x"), "time_shift_type")],
+    [
+        (dict(sigma_max=-1.0), "sigma_max"),
+        (dict(spacing="cosine"), "spacing"),
+        (dict(shift=0.0), "shift"),
+        (dict(time_shift_type="x"), "time_shift_type"),
+    ],
 )
 def test_teacher_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -288,7 +296,9 @@ def test_trigflow_euler_matches_flowmatch_euler(n):
 
 @pytest.mark.parametrize("order, n", [(2, 8), (3, 12), (2, 30)])
 def test_trigflow_unipc_matches_diffusers_unipc(order, n):
-    ref = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, solver_order=order)
+    ref = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, solver_order=order
+    )
     ref.set_timesteps(n)
     ours = TrigFlowUniPCScheduler(solver_order=order)
     ours.set_timesteps(sigmas=ref.sigmas[:-1])
@@ -315,18 +325,43 @@ def test_teacher_solvers_converge_on_linear_flow():
 
 # the configs the model repos ship (written by older diffusers; keys as in their scheduler_config.json)
 WAN21_UNIPC = {
-    "_class_name": "UniPCMultistepScheduler", "_diffusers_version": "0.33.0.dev0", "beta_end": 0.02,
-    "beta_schedule": "linear", "beta_start": 0.0001, "disable_corrector": [], "dynamic_thresholding_ratio": 0.995,
-    "final_sigmas_type": "zero", "flow_shift": 3.0, "lower_order_final": True, "num_train_timesteps": 1000,
-    "predict_x0": True, "prediction_type": "flow_prediction", "rescale_betas_zero_snr": False, "sample_max_value": 1.0,
-    "solver_order": 2, "solver_p": None, "solver_type": "bh2", "steps_offset": 0, "thresholding": False,
-    "timestep_spacing": "linspace", "trained_betas": None, "use_beta_sigmas": False, "use_exponential_sigmas": False,
-    "use_flow_sigmas": True, "use_karras_sigmas": False,
+    "_class_name": "UniPCMultistepScheduler",
+    "_diffusers_version": "0.33.0.dev0",
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "disable_corrector": [],
+    "dynamic_thresholding_ratio": 0.995,
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "predict_x0": True,
+    "prediction_type": "flow_prediction",
+    "rescale_betas_zero_snr": False,
+    "sample_max_value": 1.0,
+    "solver_order": 2,
+    "solver_p": None,
+    "solver_type": "bh2",
+    "steps_offset": 0,
+    "thresholding": False,
+    "timestep_spacing": "linspace",
+    "trained_betas": None,
+    "use_beta_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_flow_sigmas": True,
+    "use_karras_sigmas": False,
 }
 WAN22_UNIPC = {**WAN21_UNIPC, "flow_shift": 5.0, "_diffusers_version": "0.35.0.dev0"}
 FLUX_DEV_FME = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": "0.30.0.dev0", "base_image_seq_len": 256,
-    "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.30.0.dev0",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
     "use_dynamic_shifting": True,
 }
 FLUX_SCHNELL_FME = {**FLUX_DEV_FME, "shift": 1.0, "use_dynamic_shifting": False}
@@ -335,7 +370,11 @@ STOCK_CONFIGS = [
     ("wan21", UniPCMultistepScheduler, WAN21_UNIPC),
     ("wan22", UniPCMultistepScheduler, WAN22_UNIPC),
     ("unipc-karras", UniPCMultistepScheduler, {**WAN21_UNIPC, "use_karras_sigmas": True}),
-    ("unipc-karras-smax", UniPCMultistepScheduler, {**WAN21_UNIPC, "use_karras_sigmas": True, "sigma_max": 20.0, "sigma_min": 0.01}),
+    (
+        "unipc-karras-smax",
+        UniPCMultistepScheduler,
+        {**WAN21_UNIPC, "use_karras_sigmas": True, "sigma_max": 20.0, "sigma_min": 0.01},
+    ),
     ("flux-dev", FlowMatchEulerDiscreteScheduler, FLUX_DEV_FME),
     ("flux-schnell", FlowMatchEulerDiscreteScheduler, FLUX_SCHNELL_FME),
     ("fme-shift3", FlowMatchEulerDiscreteScheduler, {"shift": 3.0}),
@@ -367,7 +406,9 @@ def test_stock_config_round_trip_is_lossless(name, stock_cls, cfg, ours_cls, tmp
     saved = _saved_config(stock, tmp_path / "stock")
     ours = ours_cls.from_config(saved, sigma_max=200.0)
     assert ours.sigma_max == 200.0
-    ours.set_timesteps(4 if ours_cls is RCMScheduler else 6, **({"mu": 0.8} if ours.config.get("use_dynamic_shifting") else {}))
+    ours.set_timesteps(
+        4 if ours_cls is RCMScheduler else 6, **({"mu": 0.8} if ours.config.get("use_dynamic_shifting") else {})
+    )
     back = stock_cls.from_config(_saved_config(ours, tmp_path / "ours"))
     for key in stock_cls._get_init_keys(stock_cls) - {"self"}:
         assert back.config.get(key) == stock.config.get(key), key
@@ -382,13 +423,21 @@ def test_legacy_config_keys_still_load(tmp_path):
     """Configs written by earlier versions (``sigma_max`` as our own key, ``use_flow_sigmas``) load as before."""
     import json
 
-    legacy = {"_class_name": "RCMScheduler", "sigma_max": 200.0, "mid_t": [1.5, 1.0], "stochastic": False, "use_flow_sigmas": True}
+    legacy = {
+        "_class_name": "RCMScheduler",
+        "sigma_max": 200.0,
+        "mid_t": [1.5, 1.0],
+        "stochastic": False,
+        "use_flow_sigmas": True,
+    }
     (tmp_path / "scheduler_config.json").write_text(json.dumps(legacy))
     s = RCMScheduler.from_pretrained(tmp_path)
     assert s.sigma_max == 200.0 and s.config.stochastic is False and "use_flow_sigmas" not in s.config
     import rcm_diffusers  # the shipped digits teacher's scheduler config is a legacy one
 
-    teacher = TrigFlowEulerScheduler.from_pretrained(rcm_diffusers.__path__[0] + "/digits/assets/digits_teacher/scheduler")
+    teacher = TrigFlowEulerScheduler.from_pretrained(
+        rcm_diffusers.__path__[0] + "/digits/assets/digits_teacher/scheduler"
+    )
     assert teacher.sigma_max == 5000.0 and teacher.config.teacher_sigma_min == 0.002
     with pytest.raises(ValueError, match="not both"):
         RCMScheduler.from_config(RCMScheduler().config, sigma_max=10.0, rcm_sigma_max=20.0)
@@ -406,10 +455,14 @@ def test_compatibles_are_truthful():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(solver_type="bh1"), "bh2"), (dict(lower_order_final=False), "lower_order_final")])
+@pytest.mark.parametrize(
+    "kwargs, match", [(dict(solver_type="bh1"), "bh2"), (dict(lower_order_final=False), "lower_order_final")]
+)
 def test_unipc_nan_settings_refused(kwargs, match):
     """diffusers' UniPC returns NaN at the final zero sigma with these settings; refused up front."""
-    ref = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, final_sigmas_type="zero", **kwargs)
+    ref = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, final_sigmas_type="zero", **kwargs
+    )
     ref.set_timesteps(5)
     x = torch.randn(1, 4, generator=torch.Generator().manual_seed(0))
     assert not torch.isfinite(_solve(ref, x)).all()  # the inherited failure the check guards against
@@ -479,7 +532,12 @@ def test_mid_t_for_steps_resolution():
         assert mid_t_for_steps({"4": [1.5, 1.4, 0.8], "2": [1.0]}, n) == angles, n  # JSON keys, any order
         assert np.array_equal(rcm_angles(n, 80.0, PER_STEP), [math.atan(80.0), *angles, 0.0]), n
     # no entry for n: the next larger key, cut to n - 1 angles; an entry longer than its key needs
-    assert [mid_t_for_steps({5: [1.5, 1.3, 1.1, 0.9]}, n) for n in (1, 2, 3, 5)] == [[], [1.5], [1.5, 1.3], [1.5, 1.3, 1.1, 0.9]]
+    assert [mid_t_for_steps({5: [1.5, 1.3, 1.1, 0.9]}, n) for n in (1, 2, 3, 5)] == [
+        [],
+        [1.5],
+        [1.5, 1.3],
+        [1.5, 1.3, 1.1, 0.9],
+    ]
     assert mid_t_for_steps({2: [1.2, 0.6]}, 2) == [1.2]
     # a flat list L is {len(L) + 1: L}
     flat = [1.5, 1.4, 1.0]
@@ -488,7 +546,9 @@ def test_mid_t_for_steps_resolution():
         assert np.array_equal(rcm_angles(n, 80.0, flat), rcm_angles(n, 80.0, {4: flat}))
 
 
-@pytest.mark.parametrize("mid_t", [PER_STEP, PER_STEP_TEXT, {"2": [1.0], "4": [1.5, 1.4, 0.8]}, {4: (1.5, 1.4, 0.8), 2: 1.0}])
+@pytest.mark.parametrize(
+    "mid_t", [PER_STEP, PER_STEP_TEXT, {"2": [1.0], "4": [1.5, 1.4, 0.8]}, {4: (1.5, 1.4, 0.8), 2: 1.0}]
+)
 def test_per_step_mid_t_scheduler_rf_times(mid_t):
     """The RF times of a per-step RCMScheduler are exactly sin t / (sin t + cos t) of the hand-written angles; the
     config holds the JSON form (string keys, float lists) whatever form was passed."""
@@ -517,14 +577,17 @@ def test_per_step_mid_t_save_load_and_from_config_round_trip(tmp_path):
     again = RCMScheduler.from_config(s.config)
     for other in (loaded, again):
         assert other.config.mid_t == {"2": [1.0], "4": [1.5, 1.4, 0.8]}
-        assert {k: v for k, v in other.config.items() if k != "_use_default_values"} == \
-               {k: v for k, v in s.config.items() if k != "_use_default_values"}
+        assert {k: v for k, v in other.config.items() if k != "_use_default_values"} == {
+            k: v for k, v in s.config.items() if k != "_use_default_values"
+        }
         for n, angles in PER_STEP_ANGLES.items():
             other.set_timesteps(n)
             assert np.array_equal(other.rf_times, _rf64(angles, 200.0)), n
     # saved again from the loaded one: the same file
     loaded.save_pretrained(tmp_path / "again")
-    assert (tmp_path / "again" / "scheduler_config.json").read_text() == (tmp_path / "scheduler_config.json").read_text()
+    assert (tmp_path / "again" / "scheduler_config.json").read_text() == (
+        tmp_path / "scheduler_config.json"
+    ).read_text()
     # over a stock config: its keys kept, the mapping taken
     wan = RCMScheduler.from_config(wan_scheduler_config(), mid_t=PER_STEP)
     assert wan.config.flow_shift == 3.0 and wan.config.mid_t == {"2": [1.0], "4": [1.5, 1.4, 0.8]}
@@ -550,16 +613,31 @@ def test_mid_t_text_forms():
         (dict(mid_t={"x": [1.0]}), r"^mid_t key 'x' is not a step count"),
         (dict(mid_t={2.5: [1.0]}), r"^mid_t key 2.5 is not a step count"),
         (dict(mid_t={True: [1.0]}), r"^mid_t key True is not a step count"),
-        (dict(mid_t={4: [1.5, 1.4]}), r"^mid_t entry for 4 steps has 2 angle\(s\) \[1.5, 1.4\]; 4 steps need at least 3"),
+        (
+            dict(mid_t={4: [1.5, 1.4]}),
+            r"^mid_t entry for 4 steps has 2 angle\(s\) \[1.5, 1.4\]; 4 steps need at least 3",
+        ),
         (dict(mid_t="2: 1.0; 2: 0.9"), r"^mid_t gives angles for 2 steps twice"),
         (dict(mid_t={}), r"^mid_t is an empty mapping"),
         (dict(mid_t="2: 1.0; 1.4"), r"^mid_t='2: 1.0; 1.4': entry '1.4' has no step count"),
-        (dict(mid_t="2: 1.0; 4: 1.5, x, 0.8"), r"^mid_t entry for 4 steps: ' 1.5, x, 0.8' is not a comma-separated list"),
+        (
+            dict(mid_t="2: 1.0; 4: 1.5, x, 0.8"),
+            r"^mid_t entry for 4 steps: ' 1.5, x, 0.8' is not a comma-separated list",
+        ),
         (dict(mid_t={2: [float("nan")]}), r"^mid_t entry for 2 steps holds \[nan\]; angles must be finite"),
-        (dict(mid_t={2: [1.0], 4: [1.4, 1.5, 0.8]}), r"^rCM angles must be strictly decreasing.* in the mid_t entry for 4 steps"),
-        (dict(mid_t={2: [1.0], 4: [1.6, 1.4, 0.8]}), r"^mid_t angles must lie strictly inside \(0, pi/2\), got \[1.6, 1.4, 0.8\] in the mid_t entry for 4 steps"),
+        (
+            dict(mid_t={2: [1.0], 4: [1.4, 1.5, 0.8]}),
+            r"^rCM angles must be strictly decreasing.* in the mid_t entry for 4 steps",
+        ),
+        (
+            dict(mid_t={2: [1.0], 4: [1.6, 1.4, 0.8]}),
+            r"^mid_t angles must lie strictly inside \(0, pi/2\), got \[1.6, 1.4, 0.8\] in the mid_t entry for 4 steps",
+        ),
         # every entry is checked against sigma_max, also one a 2-step run would not use
-        (dict(sigma_max=10.0, mid_t=PER_STEP), r"^rCM angles .* in the mid_t entry for 4 steps \(arctan\(sigma_max=10.0\)"),
+        (
+            dict(sigma_max=10.0, mid_t=PER_STEP),
+            r"^rCM angles .* in the mid_t entry for 4 steps \(arctan\(sigma_max=10.0\)",
+        ),
         (dict(mid_t={2: [1.0], 3: [1.2, 0.5, 1.3]}), r"in the mid_t entry for 3 steps"),  # its unused third angle too
     ],
 )
@@ -571,9 +649,12 @@ def test_per_step_mid_t_errors_are_one_line(kwargs, match):
 
 def test_per_step_mid_t_too_many_steps_names_the_step_counts():
     s = RCMScheduler(mid_t=PER_STEP)
-    with pytest.raises(ValueError, match=r"^num_inference_steps=5 is out of range for the rCM sampler with mid_t="
-                                         r"\{2: \[1.0\], 4: \[1.5, 1.4, 0.8\]\}: it has angles for 2, 4 steps .*"
-                                         r"pass 1..4 steps, or add an entry for 5 steps to mid_t.$") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"^num_inference_steps=5 is out of range for the rCM sampler with mid_t="
+        r"\{2: \[1.0\], 4: \[1.5, 1.4, 0.8\]\}: it has angles for 2, 4 steps .*"
+        r"pass 1..4 steps, or add an entry for 5 steps to mid_t.$",
+    ) as e:
         s.set_timesteps(5)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"^num_inference_steps=0 is out of range.*pass 1..4 steps.$"):

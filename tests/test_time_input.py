@@ -59,8 +59,9 @@ def test_flux_rounds_1000r_like_the_scheduler():
 
 def _recorded_times(transformer):
     seen = []
-    h = transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(float((a[1] if len(a) > 1 else kw["timestep"])[0])),
-                                              with_kwargs=True)
+    h = transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(float((a[1] if len(a) > 1 else kw["timestep"])[0])), with_kwargs=True
+    )
     return seen, h
 
 
@@ -69,8 +70,8 @@ def test_package_samplers_feed_the_trained_time(time_input):
     """digits.sample_student and trainer.sample_student: the network sees the time it was trained with."""
     from rcm_diffusers import digits as D
     from rcm_diffusers.distill.adapters import Networks
-    from rcm_diffusers.sampling import rcm_rf_times
     from rcm_diffusers.distill.previews import sample_student
+    from rcm_diffusers.sampling import rcm_rf_times
     from tests.tiny import tiny_wan_transformer
 
     r = rcm_rf_times(4, 80.0)[:-1]
@@ -114,8 +115,15 @@ def test_comfy_sample_rcm_feeds_rounded_time_and_matches_the_scheduler():
         sch = RCMScheduler(stochastic=not ode)
         sch.set_timesteps(4)
         x0_in = sch.scale_initial_noise(noise)
-        out = comfy.sample_rcm(denoiser, x0_in.clone(), torch.from_numpy(sch.rf_times), disable=True, stochastic=not ode,
-                               noise_sampler=lambda a, b: next(it), time_input="bf16")
+        out = comfy.sample_rcm(
+            denoiser,
+            x0_in.clone(),
+            torch.from_numpy(sch.rf_times),
+            disable=True,
+            stochastic=not ode,
+            noise_sampler=lambda a, b: next(it),
+            time_input="bf16",
+        )
         assert [1000 * s for s in seen] == pytest.approx([988.0, 932.0, 852.0, 608.0], abs=1e-9)
         it = iter(fresh)
         x = x0_in.clone()

@@ -5,17 +5,29 @@ import json
 import os
 
 import torch
+from train_helpers import REPO, kill_after, make_dataset, make_tiny_wan, run_trainer
 
 from rcm_diffusers.distill.checkpoints import verify_checkpoint
-from train_helpers import kill_after, REPO, make_dataset, make_tiny_wan, run_trainer
 
 
 def test_two_process_gloo(tmp_path):
     pipe = make_tiny_wan(str(tmp_path / "pipe"))
     data = make_dataset(str(tmp_path / "data"), "wan")
     out = tmp_path / "run"
-    args = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe,
-            "--data_dir", data, "--output_dir", str(out), "--max_steps", "14", "--checkpoint_every", "7"]
+    args = [
+        "--config",
+        os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "14",
+        "--checkpoint_every",
+        "7",
+    ]
     p = run_trainer([*args], num_processes=2, timeout=150, check=False, env=kill_after(8))
     assert p.returncode != 0 and "exit_after_step 8: hard exit" in p.stdout, p.stderr[-3000:]
     run_trainer([*args, "--resume", "latest"], num_processes=2, timeout=150)  # both ranks resume from step 7
@@ -53,22 +65,53 @@ def test_ddp_gradient_equals_one_process_replaying_both_ranks(tmp_path):
     data = make_dataset(str(tmp_path / "data"), "wan")
     pairs = make_dataset(str(tmp_path / "pairs"), "wan", n=11, noise=True)
     script = os.path.join(REPO, "tests", "ddp_replay.py")
-    common = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe,
-              "--data_dir", data, "--max_steps", "4", "--tangent_warmup", "0", "--student_update_freq", "2",
-              "--lr_warmup_steps", "4", "--checkpoint_every", "0", "--adam_eps", "1e-3",
-              "--regression_weight", "0.5", "--regression_data_dir", pairs, "--fd_h", "1e-2"]
+    common = [
+        "--config",
+        os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--lr_warmup_steps",
+        "4",
+        "--checkpoint_every",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--regression_weight",
+        "0.5",
+        "--regression_data_dir",
+        pairs,
+        "--fd_h",
+        "1e-2",
+    ]
     runs = {"ddp": (2, "2", {}), "replay": (1, "4", {"REPLAY_WORLD": "2"})}
     for name, (procs, batch, env) in runs.items():
-        run_trainer([*common, "--batch_size", batch, "--output_dir", str(tmp_path / name)], num_processes=procs,
-                    timeout=200, script=script, env={"GRAD_OUT": str(tmp_path / f"grads-{name}"), **env})
-    lrs = {n: [(r["step"], r["net"], r["lr"]) for r in map(json.loads, open(tmp_path / n / "metrics.jsonl"))] for n in runs}
+        run_trainer(
+            [*common, "--batch_size", batch, "--output_dir", str(tmp_path / name)],
+            num_processes=procs,
+            timeout=200,
+            script=script,
+            env={"GRAD_OUT": str(tmp_path / f"grads-{name}"), **env},
+        )
+    lrs = {
+        n: [(r["step"], r["net"], r["lr"]) for r in map(json.loads, open(tmp_path / n / "metrics.jsonl"))] for n in runs
+    }
     assert lrs["ddp"] == lrs["replay"] and len(lrs["ddp"]) == 4, lrs
     assert json.load(open(tmp_path / "ddp" / "env.json"))["world_size"] == 2
     for step in range(4):
         g = {n: load_file(str(tmp_path / f"grads-{n}" / f"rank0-step{step}.safetensors")) for n in runs}
         assert g["ddp"].keys() == g["replay"].keys() and g["ddp"]
-        assert all(torch.equal(v, load_file(str(tmp_path / "grads-ddp" / f"rank1-step{step}.safetensors"))[k])
-                   for k, v in g["ddp"].items())  # DDP's replicas see the same averaged gradient
+        assert all(
+            torch.equal(v, load_file(str(tmp_path / "grads-ddp" / f"rank1-step{step}.safetensors"))[k])
+            for k, v in g["ddp"].items()
+        )  # DDP's replicas see the same averaged gradient
         diff = sum(float((g["ddp"][k].double() - g["replay"][k].double()).norm() ** 2) for k in g["ddp"]) ** 0.5
         norm = sum(float(v.double().norm() ** 2) for v in g["replay"].values()) ** 0.5
         assert norm > 0 and diff <= 1e-5 * norm, (step, diff, norm)

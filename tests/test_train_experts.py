@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import REPO, kill_after, make_dataset, make_tiny_wan2, run_trainer
 
 from rcm_diffusers.distill.experts import HIGH, LOW, WanExpertSwitch, boundary_sigma, sample_p_G_experts
 from rcm_diffusers.trigflow import sample_p_G, t_to_r
-from train_helpers import kill_after, REPO, make_dataset, make_tiny_wan2, run_trainer
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 F64 = torch.float64
@@ -27,8 +27,20 @@ def _experts(in_channels=4):
     out = []
     for seed in (1, 2):
         torch.manual_seed(seed)
-        out.append(WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
-                                         out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32).eval())
+        out.append(
+            WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=12,
+                in_channels=in_channels,
+                out_channels=4,
+                text_dim=16,
+                freq_dim=32,
+                ffn_dim=32,
+                num_layers=2,
+                rope_max_seq_len=32,
+            ).eval()
+        )
     return out
 
 
@@ -49,12 +61,18 @@ def test_switch_routes_each_sample_like_the_pipeline_and_under_jvp():
         out = sw(x, ts, ehs, return_dict=False)[0]
         ref_h = hi(x[:2], ts[:2], ehs[:2], return_dict=False)[0]
         ref_l = lo(x[2:], ts[2:], ehs[2:], return_dict=False)[0]
-    assert [c[0] for c in sw.calls] == [HIGH, LOW] and sw.calls[0][1] == [990.0, 875.0] and sw.calls[1][1] == pytest.approx([874.9, 100.0])
+    assert (
+        [c[0] for c in sw.calls] == [HIGH, LOW]
+        and sw.calls[0][1] == [990.0, 875.0]
+        and sw.calls[1][1] == pytest.approx([874.9, 100.0])
+    )
     torch.testing.assert_close(out, torch.cat([ref_h, ref_l]), rtol=0, atol=1e-5)
     # pinned: the rule is overridden per sample
     with torch.no_grad(), sw.pinned(torch.tensor([False, False, True, True])):
         pinned = sw(x, ts, ehs, return_dict=False)[0]
-        ref = torch.cat([lo(x[:2], ts[:2], ehs[:2], return_dict=False)[0], hi(x[2:], ts[2:], ehs[2:], return_dict=False)[0]])
+        ref = torch.cat(
+            [lo(x[:2], ts[:2], ehs[:2], return_dict=False)[0], hi(x[2:], ts[2:], ehs[2:], return_dict=False)[0]]
+        )
     torch.testing.assert_close(pinned, ref, rtol=0, atol=1e-5)
     # forward-mode AD through the split (the sCM tangent with fd_type 0), x and t tangents
     from rcm_diffusers.attention import enable_jvp_attention
@@ -75,13 +93,21 @@ def test_expert_p_G_is_p_G_restricted_to_each_side():
     tb = math.atan(boundary_sigma(b))
     ref = sample_p_G(400_000, -0.8, 1.6, nvm, generator=torch.Generator().manual_seed(1))
     for side in (True, False):
-        got = sample_p_G_experts(torch.full((60_000,), side), b, -0.8, 1.6, nvm, generator=torch.Generator().manual_seed(2))
+        got = sample_p_G_experts(
+            torch.full((60_000,), side), b, -0.8, 1.6, nvm, generator=torch.Generator().manual_seed(2)
+        )
         want = ref[ref >= tb] if side else ref[ref < tb]
         assert bool((got >= tb).all()) if side else bool((got < tb).all())
         q = torch.tensor([0.1, 0.5, 0.9], dtype=F64)
-        assert torch.allclose(torch.quantile(got, q), torch.quantile(want, q), atol=0.01), (side, torch.quantile(got, q), torch.quantile(want, q))
+        assert torch.allclose(torch.quantile(got, q), torch.quantile(want, q), atol=0.01), (
+            side,
+            torch.quantile(got, q),
+            torch.quantile(want, q),
+        )
     # with a video noise multiplier the side is decided on the multiplied sigma
-    got = sample_p_G_experts(torch.tensor([True, False] * 500), b, -0.8, 1.6, 3.0, generator=torch.Generator().manual_seed(3))
+    got = sample_p_G_experts(
+        torch.tensor([True, False] * 500), b, -0.8, 1.6, 3.0, generator=torch.Generator().manual_seed(3)
+    )
     assert bool((got[0::2] >= tb).all()) and bool((got[1::2] < tb).all())
 
 
@@ -103,20 +129,41 @@ def test_scm_term_keeps_each_sample_on_the_expert_owning_its_time(monkeypatch):
     t_own = r_to_t(torch.tensor([0.875 + 1e-5, 0.5], dtype=F64))  # just above the boundary; well below it
     assert float(t_to_r(t_own[0] - h)) < 0.875  # the finite-difference time crosses the boundary
     monkeypatch.setattr(T, "scm_times", lambda *a, **k: t_own.clone())
-    cfg = SimpleNamespace(dmd_weight=0.0, scm_weight=1.0, tangent_warmup=0, fd_type=2, fd_h=h, loss_reduction="mean",
-                          guidance_scale=1.0, P_mean=-0.8, P_std=1.6, expert_sampling="balanced", high_noise_share=0.5)
+    cfg = SimpleNamespace(
+        dmd_weight=0.0,
+        scm_weight=1.0,
+        tangent_warmup=0,
+        fd_type=2,
+        fd_h=h,
+        loss_reduction="mean",
+        guidance_scale=1.0,
+        P_mean=-0.8,
+        P_std=1.6,
+        expert_sampling="balanced",
+        high_noise_share=0.5,
+    )
     plan = StepPlan(i=0, student=True, student_eff=5, fake_eff=0, dmd=False, n_sim=1)
     x0 = torch.randn(2, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     cond = {"encoder_hidden_states": torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))}
     sw.calls = []
-    logs = T.student_step(nets, x0, cond, None, plan, cfg, torch.Generator().manual_seed(0), lambda loss, last: loss.backward())
+    logs = T.student_step(
+        nets, x0, cond, None, plan, cfg, torch.Generator().manual_seed(0), lambda loss, last: loss.backward()
+    )
     assert logs["scm_high"] == 1
     for expert, ts in sw.calls:  # sample 0 (t >= boundary, and t - h) always on the high-noise expert
         if expert == LOW:
             assert all(v < 875 - 1 for v in ts), sw.calls
     assert any(e == HIGH and len(ts) == 1 and ts[0] < 875 for e, ts in sw.calls)  # the pinned t - h call
-    g_hi = [p.grad for n, p in nets.trainable_parameters("student").items() if n.startswith("transformer.") and "lora_B" in n]
-    g_lo = [p.grad for n, p in nets.trainable_parameters("student").items() if n.startswith("transformer_2.") and "lora_B" in n]
+    g_hi = [
+        p.grad
+        for n, p in nets.trainable_parameters("student").items()
+        if n.startswith("transformer.") and "lora_B" in n
+    ]
+    g_lo = [
+        p.grad
+        for n, p in nets.trainable_parameters("student").items()
+        if n.startswith("transformer_2.") and "lora_B" in n
+    ]
     assert all(g is not None and g.abs().max() > 0 for g in g_hi + g_lo)
 
 
@@ -133,15 +180,32 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
     hi, lo = _experts()
     sw = WanExpertSwitch(hi, lo, 0.875)
     nets, _ = Networks.build(sw, "shared", with_fake=True, lora_rank=2, time_input="bf16")
-    cfg = SimpleNamespace(dmd_weight=1.0, scm_weight=0.0, p_D_shift=5.0, guidance_scale=1.0, loss_reduction="mean",
-                          max_simulation_steps=4)
+    cfg = SimpleNamespace(
+        dmd_weight=1.0, scm_weight=0.0, p_D_shift=5.0, guidance_scale=1.0, loss_reduction="mean", max_simulation_steps=4
+    )
     x0 = torch.randn(8, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     cond = {"encoder_hidden_states": torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1))}
     sw.calls = []
-    T.student_step(nets, x0, cond, None, StepPlan(i=0, student=True, student_eff=3, fake_eff=0, dmd=True, n_sim=4), cfg,
-                   torch.Generator().manual_seed(0), lambda loss, last: loss.backward())
-    T.fake_step(nets, x0.shape, cond, StepPlan(i=1, student=False, student_eff=3, fake_eff=3, dmd=True, n_sim=4), cfg,
-                torch.Generator().manual_seed(1), lambda loss, last: loss.backward(), "cpu")
+    T.student_step(
+        nets,
+        x0,
+        cond,
+        None,
+        StepPlan(i=0, student=True, student_eff=3, fake_eff=0, dmd=True, n_sim=4),
+        cfg,
+        torch.Generator().manual_seed(0),
+        lambda loss, last: loss.backward(),
+    )
+    T.fake_step(
+        nets,
+        x0.shape,
+        cond,
+        StepPlan(i=1, student=False, student_eff=3, fake_eff=3, dmd=True, n_sim=4),
+        cfg,
+        torch.Generator().manual_seed(1),
+        lambda loss, last: loss.backward(),
+        "cpu",
+    )
     assert {e for e, _ in sw.calls} == {HIGH, LOW}
     for expert, ts in sw.calls:
         assert all((v >= 875.0) == (expert == HIGH) for v in ts), (expert, ts)
@@ -166,14 +230,31 @@ def test_dcm_step_runs_each_call_on_its_experts_and_trains_both():
     with torch.no_grad():  # student adapters off zero, so the student's own target differs from the teacher's x0
         for n, p in nets.trainable_parameters("student").items():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
-    cfg = SimpleNamespace(cm_type="dcm", scm_weight=1.0, dmd_weight=0.0, dcm_total_steps=48, dcm_skipping_interval_steps=4,
-                          dcm_timestep_shift=5.0, guidance_scale=2.0, loss_reduction="mean", boundary_weight=0.0)
+    cfg = SimpleNamespace(
+        cm_type="dcm",
+        scm_weight=1.0,
+        dmd_weight=0.0,
+        dcm_total_steps=48,
+        dcm_skipping_interval_steps=4,
+        dcm_timestep_shift=5.0,
+        guidance_scale=2.0,
+        loss_reduction="mean",
+        boundary_weight=0.0,
+    )
     x0 = torch.randn(8, 4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     cond = {"encoder_hidden_states": torch.randn(8, 3, 16, generator=torch.Generator().manual_seed(1))}
     uncond = {"encoder_hidden_states": torch.zeros(8, 3, 16)}
     sw.calls = []
-    logs = T.student_step(nets, x0, cond, uncond, StepPlan(i=0, student=True, student_eff=0, fake_eff=0, dmd=False, n_sim=1),
-                          cfg, torch.Generator().manual_seed(0), lambda loss, last: loss.backward())
+    logs = T.student_step(
+        nets,
+        x0,
+        cond,
+        uncond,
+        StepPlan(i=0, student=True, student_eff=0, fake_eff=0, dmd=False, n_sim=1),
+        cfg,
+        torch.Generator().manual_seed(0),
+        lambda loss, last: loss.backward(),
+    )
     assert logs["loss_dcm"] > 0 and logs["nan_dcm"] == 0 and "loss_scm" not in logs
     assert {e for e, _ in sw.calls} == {HIGH, LOW}
     for expert, ts in sw.calls:
@@ -228,13 +309,19 @@ def test_boundary_term_moves_only_the_high_noise_student_toward_the_low_one():
     d = []
     for k in range(8):
         opt.zero_grad()
-        logs = T.student_step(nets, x0, cond, None, plan, cfg, torch.Generator().manual_seed(5), lambda loss, last: loss.backward())
+        logs = T.student_step(
+            nets, x0, cond, None, plan, cfg, torch.Generator().manual_seed(5), lambda loss, last: loss.backward()
+        )
         if k == 0:
             assert all(p.grad is None for n, p in params.items() if n.startswith("transformer_2."))
-            assert any(p.grad is not None and p.grad.abs().max() > 0 for n, p in params.items() if n.startswith("transformer."))
+            assert any(
+                p.grad is not None and p.grad.abs().max() > 0 for n, p in params.items() if n.startswith("transformer.")
+            )
         d.append(logs["bc_d"])
         opt.step()
-    assert all(b < a for a, b in zip(d, d[1:])) and d[-1] < 0.8 * d[0], d  # same x_b each step: no learning = constant d
+    assert all(b < a for a, b in zip(d, d[1:])) and d[-1] < 0.8 * d[0], (
+        d
+    )  # same x_b each step: no learning = constant d
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -245,7 +332,9 @@ def t2v(tmp_path_factory):
     root = tmp_path_factory.mktemp("experts_t2v")
     pipe, data = make_tiny_wan2(str(root / "pipe")), make_dataset(str(root / "data"), "wan")
     out = root / "run"
-    run_trainer(["--config", CONFIG, "--pretrained", pipe, "--data_dir", data, "--output_dir", str(out), "--sample_every", "30"])
+    run_trainer(
+        ["--config", CONFIG, "--pretrained", pipe, "--data_dir", data, "--output_dir", str(out), "--sample_every", "30"]
+    )
     return pipe, data, root, out
 
 
@@ -254,7 +343,10 @@ def _args(run, out, *extra):
 
 
 def _lora_pair(out):
-    return {e: load_file(os.path.join(out, *([] if e == HIGH else [LOW]), "pytorch_lora_weights.safetensors")) for e in (HIGH, LOW)}
+    return {
+        e: load_file(os.path.join(out, *([] if e == HIGH else [LOW]), "pytorch_lora_weights.safetensors"))
+        for e in (HIGH, LOW)
+    }
 
 
 def test_both_experts_train_and_export_a_lora_each(t2v):
@@ -290,7 +382,8 @@ def _stock_pipeline_samples(pipe_dir, run_dir, data_dir, steps, time_input="bf16
     calls = []
     for name in (HIGH, LOW):
         getattr(pipe, name).register_forward_pre_hook(
-            lambda m, a, kw, name=name: calls.append((name, float(kw["timestep"][0]))), with_kwargs=True)
+            lambda m, a, kw, name=name: calls.append((name, float(kw["timestep"][0]))), with_kwargs=True
+        )
     data = LatentDataset(data_dir)
     x0, cond, _ = model_inputs("wan", data.get([0, 1, 2, 3]), "cpu", torch.float32)
     g = torch.Generator().manual_seed(0)  # the trainer's preview: Generator().manual_seed(cfg.seed), seed 0
@@ -298,8 +391,17 @@ def _stock_pipeline_samples(pipe_dir, run_dir, data_dir, steps, time_input="bf16
     pipe.scheduler.set_timesteps(steps)
     lat = pipe.scheduler.scale_initial_noise(noise)
     pipe.scheduler.set_generator(g)  # WanPipeline does not pass its generator to step: the re-noising draws
-    out = pipe(prompt_embeds=cond["encoder_hidden_states"], latents=lat, height=32, width=32, num_frames=1,
-               num_inference_steps=steps, guidance_scale=1.0, generator=g, output_type="latent").frames
+    out = pipe(
+        prompt_embeds=cond["encoder_hidden_states"],
+        latents=lat,
+        height=32,
+        width=32,
+        num_frames=1,
+        num_inference_steps=steps,
+        guidance_scale=1.0,
+        generator=g,
+        output_type="latent",
+    ).frames
     return out, calls
 
 
@@ -313,8 +415,11 @@ def test_lora_pair_in_the_stock_pipeline_reproduces_the_trainer_previews(t2v):
     for steps in (1, 2, 4):
         got, calls = _stock_pipeline_samples(pipe_dir, out, data_dir, steps)
         torch.testing.assert_close(got, prev[f"steps_{steps}"], rtol=0, atol=1e-5)
-        want = {1: [(HIGH, 988.0)], 2: [(HIGH, 988.0), (HIGH, 932.0)],
-                4: [(HIGH, 988.0), (HIGH, 932.0), (LOW, 852.0), (LOW, 608.0)]}[steps]
+        want = {
+            1: [(HIGH, 988.0)],
+            2: [(HIGH, 988.0), (HIGH, 932.0)],
+            4: [(HIGH, 988.0), (HIGH, 932.0), (LOW, 852.0), (LOW, 608.0)],
+        }[steps]
         assert calls == want
     base, _ = _stock_pipeline_samples(pipe_dir, out / "ema", data_dir, 4)
     assert (base - prev["steps_4"]).abs().max() > 1e-4  # the EMA pair is another student (the check can fail)
@@ -329,23 +434,34 @@ def test_kill_and_resume_is_bitwise_for_both_experts(t2v):
         a, b = _lora_pair(t2v[3] / sub), _lora_pair(out / sub)
         for e in (HIGH, LOW):
             assert a[e].keys() == b[e].keys() and all(torch.equal(a[e][k], b[e][k]) for k in a[e]), (sub, e)
-    assert [json.loads(x).get("loss_scm") for x in open(out / "metrics.jsonl")] == \
-        [json.loads(x).get("loss_scm") for x in open(t2v[3] / "metrics.jsonl")]
+    assert [json.loads(x).get("loss_scm") for x in open(out / "metrics.jsonl")] == [
+        json.loads(x).get("loss_scm") for x in open(t2v[3] / "metrics.jsonl")
+    ]
 
 
 def test_one_expert_needs_to_be_asked_for(t2v, tmp_path):
     """On a two-expert pipeline, naming the low-noise subfolder without ``--experts one`` is an error (the old
     one-expert-per-run command would otherwise silently train both); ``--experts both`` on a one-network
     pipeline too. Nothing is written."""
-    from train_helpers import make_tiny_wan
-
-    from train_helpers import run_script
+    from train_helpers import make_tiny_wan, run_script
 
     p = run_script(_args(t2v, tmp_path / "a", "--transformer_subfolder", "transformer_2"))
     assert p.returncode != 0 and "add --experts one" in (p.stdout + p.stderr)
     one = make_tiny_wan(str(tmp_path / "one"))
-    p = run_script(["--config", CONFIG, "--pretrained", one, "--data_dir", t2v[1], "--output_dir", str(tmp_path / "b"),
-                    "--experts", "both"])
+    p = run_script(
+        [
+            "--config",
+            CONFIG,
+            "--pretrained",
+            one,
+            "--data_dir",
+            t2v[1],
+            "--output_dir",
+            str(tmp_path / "b"),
+            "--experts",
+            "both",
+        ]
+    )
     assert p.returncode != 0 and "has no transformer_2" in (p.stdout + p.stderr)
     assert not any((tmp_path / d / "checkpoints").exists() for d in ("a", "b"))
 
@@ -371,10 +487,26 @@ def test_i2v_two_experts_lora_pair_reproduces_previews(tmp_path):
     pipe_dir = make_tiny_wan2(str(tmp_path / "pipe"), i2v=True, boundary_ratio=0.9)
     data_dir = make_dataset(str(tmp_path / "data"), "wan_i2v")
     out = tmp_path / "run"
-    run_trainer(["--config", CONFIG, "--pretrained", pipe_dir, "--data_dir", data_dir, "--output_dir", str(out),
-                 "--sample_every", "30", "--sigma_max", "200"])
+    run_trainer(
+        [
+            "--config",
+            CONFIG,
+            "--pretrained",
+            pipe_dir,
+            "--data_dir",
+            data_dir,
+            "--output_dir",
+            str(out),
+            "--sample_every",
+            "30",
+            "--sigma_max",
+            "200",
+        ]
+    )
     prev = load_file(out / "samples" / "step-00000030.safetensors")
-    pipe = WanImageToVideoPipeline.from_pretrained(pipe_dir, text_encoder=None, tokenizer=None, image_encoder=None, image_processor=None)
+    pipe = WanImageToVideoPipeline.from_pretrained(
+        pipe_dir, text_encoder=None, tokenizer=None, image_encoder=None, image_processor=None
+    )
     load_rcm_lora(pipe, str(out), scheduler=False)
     sw = WanExpertSwitch(pipe.transformer, pipe.transformer_2, pipe.config.boundary_ratio)
     sw.calls = []
@@ -413,13 +545,20 @@ def test_rcm_lora_converts_a_two_expert_run_to_the_two_comfyui_files(t2v, tmp_pa
 
     out = t2v[3]
     assert main(["convert", str(out), str(tmp_path / "rcm.safetensors"), "--format", "comfyui"]) == 0
-    for tag, src in (("high_noise", out / "pytorch_lora_weights.safetensors"), ("low_noise", out / LOW / "pytorch_lora_weights.safetensors")):
+    for tag, src in (
+        ("high_noise", out / "pytorch_lora_weights.safetensors"),
+        ("low_noise", out / LOW / "pytorch_lora_weights.safetensors"),
+    ):
         assert main(["convert", str(src), str(tmp_path / f"one_{tag}.safetensors"), "--format", "comfyui"]) == 0
         a, b = load_file(tmp_path / f"rcm_{tag}.safetensors"), load_file(tmp_path / f"one_{tag}.safetensors")
         assert a.keys() == b.keys() and all(k.startswith("diffusion_model.") for k in a)
         assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(*(load_file(tmp_path / f"rcm_{t}.safetensors")["diffusion_model.blocks.0.self_attn.q.lora_up.weight"]
-                             for t in ("high_noise", "low_noise")))
+    assert not torch.equal(
+        *(
+            load_file(tmp_path / f"rcm_{t}.safetensors")["diffusion_model.blocks.0.self_attn.q.lora_up.weight"]
+            for t in ("high_noise", "low_noise")
+        )
+    )
     assert main(["convert", str(out), str(tmp_path / "folder"), "--format", "comfyui"]) == 2
 
 

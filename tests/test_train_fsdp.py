@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import REPO, kill_after, make_dataset, make_tiny_wan, run_trainer
 
 from rcm_diffusers.distill.launch import free_port
-from train_helpers import kill_after, REPO, make_dataset, make_tiny_wan, run_trainer
 
 pytestmark = pytest.mark.slow
 STEPS = ["--max_steps", "4", "--checkpoint_every", "2", "--tangent_warmup", "1", "--student_update_freq", "2"]
@@ -27,9 +27,17 @@ STEPS = ["--max_steps", "4", "--checkpoint_every", "2", "--tangent_warmup", "1",
 
 def launch_fsdp(args, check=True, timeout=300, env=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"), "--main_process_port", str(free_port()),
-           os.path.join(REPO, "training", "rcm.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(REPO, "training", "accelerate", "fsdp2_2cpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(REPO, "training", "rcm.py"),
+        *args,
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"FSDP trainer failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
@@ -41,7 +49,14 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     pipe = make_tiny_wan(str(root / "pipe"))
     data = make_dataset(str(root / "data"), "wan")
-    base = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe, "--data_dir", data]
+    base = [
+        "--config",
+        os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+    ]
     out = {"pipe": pipe}
     # FSDP2 runs with selective activation checkpointing, DDP without checkpointing: the recompute must not change a
     # gradient, so the comparison below also checks the policy under FSDP2
@@ -66,12 +81,16 @@ def lora(run):
 
 def test_fsdp2_run_shards_and_saves_only_full_lora(runs):
     env = json.load(open(runs["fsdp"] / "env.json"))
-    assert env["world_size"] == 2 and env["fsdp"] == {"layer_classes": ["WanTransformerBlock"], "reshard_after_forward": True}
+    assert env["world_size"] == 2 and env["fsdp"] == {
+        "layer_classes": ["WanTransformerBlock"],
+        "reshard_after_forward": True,
+    }
     final = json.load(open(runs["fsdp"] / "final.json"))
     assert final["step"] == 4 and final["student_checksum_per_rank"][0] == final["student_checksum_per_rank"][1]
     # checkpoint: trainable weights only, each at its full (unsharded) shape
-    from rcm_diffusers.distill.adapters import add_rcm_adapters
     from train_helpers import tiny_wan_transformer
+
+    from rcm_diffusers.distill.adapters import add_rcm_adapters
 
     ref = tiny_wan_transformer()
     add_rcm_adapters(ref, 4, None, with_fake=True)
@@ -129,12 +148,24 @@ def test_take_fsdp_request_parses_and_refuses():
     from rcm_diffusers.distill.fsdp import take_fsdp_request
 
     assert take_fsdp_request({}) is None
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_TRANSFORMER_CLS_TO_WRAP": "FluxTransformerBlock,FluxSingleTransformerBlock",
-           "FSDP_RESHARD_AFTER_FORWARD": "false", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "OTHER": "x"}
-    assert take_fsdp_request(env) == {"layer_classes": ["FluxTransformerBlock", "FluxSingleTransformerBlock"], "reshard_after_forward": False}
+    env = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "FluxTransformerBlock,FluxSingleTransformerBlock",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+        "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+        "OTHER": "x",
+    }
+    assert take_fsdp_request(env) == {
+        "layer_classes": ["FluxTransformerBlock", "FluxSingleTransformerBlock"],
+        "reshard_after_forward": False,
+    }
     assert env == {"OTHER": "x"}  # accelerate must not see the FSDP request (it would wrap the model itself)
-    for bad, msg in [({"FSDP_VERSION": "1"}, "FSDP2 only"), ({"FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "offload"),
-                     ({"FSDP_VERSION": "2", "FSDP_ACTIVATION_CHECKPOINTING": "true"}, "gradient_checkpointing")]:
+    for bad, msg in [
+        ({"FSDP_VERSION": "1"}, "FSDP2 only"),
+        ({"FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}, "offload"),
+        ({"FSDP_VERSION": "2", "FSDP_ACTIVATION_CHECKPOINTING": "true"}, "gradient_checkpointing"),
+    ]:
         with pytest.raises(SystemExit, match=msg):
             take_fsdp_request({"ACCELERATE_USE_FSDP": "true", **bad})
 
@@ -145,11 +176,11 @@ def test_fsdp2_wrapped_transformer_keeps_its_velocity(tmp_path):
     equals the plain one; adapters are left unsharded (plain tensors), the base is DTensor."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+    from train_helpers import tiny_wan_transformer
 
     from rcm_diffusers.distill.adapters import Networks
     from rcm_diffusers.distill.fsdp import all_reduce_grads, shard_frozen_base
     from rcm_diffusers.models import velocity_fn
-    from train_helpers import tiny_wan_transformer
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -165,7 +196,10 @@ def test_fsdp2_wrapped_transformer_keeps_its_velocity(tmp_path):
         x, ctx = torch.randn(1, 4, 1, 4, 4, generator=g), torch.randn(1, 4, 16, generator=g)
         r = torch.tensor([0.3])
         with torch.no_grad():
-            assert torch.equal(velocity_fn(sharded)(x, r, encoder_hidden_states=ctx), velocity_fn(plain)(x, r, encoder_hidden_states=ctx))
+            assert torch.equal(
+                velocity_fn(sharded)(x, r, encoder_hidden_states=ctx),
+                velocity_fn(plain)(x, r, encoder_hidden_states=ctx),
+            )
         p = next(p for p in sharded.parameters() if p.requires_grad)
         p.grad = torch.ones_like(p)
         all_reduce_grads([p])  # world 1: unchanged
@@ -178,8 +212,9 @@ def test_switch_run_both_calls_both_experts_with_zero_effect():
     """``WanExpertSwitch.run_both`` (FSDP2): with every sample on the high-noise expert, the low-noise one still runs
     (on sample 0, unrecorded), its output enters times zero: the result equals the plain switch's exactly, and the
     low expert's parameters get zero gradients (not none), so every rank joins the same collectives."""
-    from rcm_diffusers.distill.experts import HIGH, WanExpertSwitch
     from train_helpers import tiny_wan_transformer
+
+    from rcm_diffusers.distill.experts import HIGH, WanExpertSwitch
 
     hi, lo = tiny_wan_transformer(), tiny_wan_transformer()
     sw = WanExpertSwitch(hi, lo, 0.5)
@@ -211,17 +246,47 @@ def test_fsdp2_dcm_with_fixed_angle_dmd_equals_ddp(tmp_path):
     largest weight (``--adam_eps 1e-3`` keeps an element with a near-zero gradient from turning round-off into a
     whole update)."""
     pipe, data = make_tiny_wan(str(tmp_path / "pipe")), make_dataset(str(tmp_path / "data"), "wan")
-    args = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe, "--data_dir", data,
-            "--max_steps", "6", "--tangent_warmup", "2", "--student_update_freq", "2", "--checkpoint_every", "0",
-            "--cm_type", "dcm", "--dmd_fix_timesteps", "true", "--adam_eps", "1e-3", "--ema_rate", "0.3"]
+    args = [
+        "--config",
+        os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+        "--max_steps",
+        "6",
+        "--tangent_warmup",
+        "2",
+        "--student_update_freq",
+        "2",
+        "--checkpoint_every",
+        "0",
+        "--cm_type",
+        "dcm",
+        "--dmd_fix_timesteps",
+        "true",
+        "--adam_eps",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+    ]
     run_trainer([*args, "--output_dir", str(tmp_path / "ddp")], num_processes=2, timeout=300)
     sums = json.load(open(tmp_path / "ddp" / "final.json"))["student_checksum_per_rank"]
     assert len(sums) == 2 and sums[0] == sums[1]
     recs = [json.loads(line) for line in open(tmp_path / "ddp" / "metrics.jsonl")]
     assert any("loss_dcm" in r and "loss_dmd" in r for r in recs) and any(r["net"] == "fake" for r in recs)
     assert not any("loss_scm" in r for r in recs)
-    launch_fsdp([*args, "--output_dir", str(tmp_path / "fsdp"), "--gradient_checkpointing", "true",
-                 "--checkpointing_policy", "selective"])
+    launch_fsdp(
+        [
+            *args,
+            "--output_dir",
+            str(tmp_path / "fsdp"),
+            "--gradient_checkpointing",
+            "true",
+            "--checkpointing_policy",
+            "selective",
+        ]
+    )
     for sub in ("", "ema"):
         diff, scale = lora_difference(tmp_path, sub, f"dCM + fixed DMD, {sub or 'live'}")
         assert scale > 1e-3 and diff <= 1e-6 * scale, (sub, diff, scale)
@@ -234,9 +299,32 @@ def test_fsdp2_two_experts_equals_ddp(tmp_path):
     from train_helpers import make_tiny_wan2
 
     pipe, data = make_tiny_wan2(str(tmp_path / "pipe")), make_dataset(str(tmp_path / "data"), "wan")
-    args = ["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe, "--data_dir", data,
-            "--max_steps", "4", "--tangent_warmup", "0", "--student_update_freq", "2", "--lr_warmup_steps", "2",
-            "--checkpoint_every", "0", "--adam_eps", "1e-3", "--ema_rate", "0.3", "--fd_type", "0", "--batch_size", "2"]
+    args = [
+        "--config",
+        os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+        "--pretrained",
+        pipe,
+        "--data_dir",
+        data,
+        "--max_steps",
+        "4",
+        "--tangent_warmup",
+        "0",
+        "--student_update_freq",
+        "2",
+        "--lr_warmup_steps",
+        "2",
+        "--checkpoint_every",
+        "0",
+        "--adam_eps",
+        "1e-3",
+        "--ema_rate",
+        "0.3",
+        "--fd_type",
+        "0",
+        "--batch_size",
+        "2",
+    ]
     launch_fsdp([*args, "--output_dir", str(tmp_path / "fsdp")])
     run_trainer([*args, "--output_dir", str(tmp_path / "ddp")], num_processes=2, timeout=300)
     assert json.load(open(tmp_path / "fsdp" / "env.json"))["fsdp"]["layer_classes"] == ["WanTransformerBlock"]

@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import REPO, kill_after, plant_pickles, run_trainer, tiny_wan_run, trainer_args
 
-from rcm_diffusers.distill.config import QADConfig, format_help, load_config
 from rcm_diffusers.distill import qad_student as Q
+from rcm_diffusers.distill.config import QADConfig, format_help, load_config
 from rcm_diffusers.quant.export import _rename_wan, comfy_runtime_copy, load_quantized
 from rcm_diffusers.quant.modules import quantize_transformer
-from train_helpers import kill_after, REPO, plant_pickles, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "qad-tiny-wan-test.yaml")
 
@@ -92,10 +92,12 @@ def test_exports_reload_to_the_trained_student(wan, lora_run):
     assert {v.dtype for k, v in load_file(lora_run / "pytorch_lora_weights.safetensors").items()} == {torch.bfloat16}
     # the Wan default trains ComfyUI's arithmetic (target auto -> comfyui: NVFP4 W+A, static input_scale)
     assert json.load(open(lora_run / "env.json"))["config"]["target"] == "auto"
-    assert all(f"{ren[f'{n}.weight'][:-len('.weight')]}.input_scale" in sd for n in layers)
+    assert all(f"{ren[f'{n}.weight'][: -len('.weight')]}.input_scale" in sd for n in layers)
     # quantized base reloaded as ComfyUI runs it + exported LoRA reproduce the run's final probe (bf16 LoRA rounding only)
     student = comfy_runtime_copy(teacher, lora_run / "quantized_transformer.safetensors")
-    student.load_lora_adapter(str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="student")
+    student.load_lora_adapter(
+        str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="student"
+    )
     cfg = load_config(_args(wan, lora_run), config_cls=QADConfig)
     from rcm_diffusers.distill.data import LatentDataset
 
@@ -126,17 +128,47 @@ def test_rcm_student_teacher_scope_all_fp8_activations(wan, lora_run):
     from rcm_diffusers.schedulers import RCMScheduler
 
     out = wan[2] / "run_all"
-    run_trainer(_args(wan, out, "--scope", "all", "--teacher_lora", str(lora_run), "--r_source", "rcm", "--rcm_steps", "2",
-                      "--format", "fp8_e4m3", "--act_format", "fp8_e4m3", "--guidance", "1", "--alpha", "0",
-                      "--warm_start_batches", "0", "--max_steps", "6", "--lr", "1e-4", "--checkpoint_every", "0",
-                      "--ema_rate", "0.3"), script="qad.py")
+    run_trainer(
+        _args(
+            wan,
+            out,
+            "--scope",
+            "all",
+            "--teacher_lora",
+            str(lora_run),
+            "--r_source",
+            "rcm",
+            "--rcm_steps",
+            "2",
+            "--format",
+            "fp8_e4m3",
+            "--act_format",
+            "fp8_e4m3",
+            "--guidance",
+            "1",
+            "--alpha",
+            "0",
+            "--warm_start_batches",
+            "0",
+            "--max_steps",
+            "6",
+            "--lr",
+            "1e-4",
+            "--checkpoint_every",
+            "0",
+            "--ema_rate",
+            "0.3",
+        ),
+        script="qad.py",
+    )
     env = json.load(open(out / "env.json"))
     sch = RCMScheduler(sigma_max=80.0)
     sch.set_timesteps(2)
     assert env["training_times"] == pytest.approx(list(sch.rf_times[:2]), abs=0) and len(env["training_times"]) == 2
     recs = _records(out)
-    assert {round(r["r_mean"], 12) for r in recs[1:]} <= {round(sum(c) / 2, 12) for c in
-                                                            [(a, b) for a in env["training_times"] for b in env["training_times"]]}
+    assert {round(r["r_mean"], 12) for r in recs[1:]} <= {
+        round(sum(c) / 2, 12) for c in [(a, b) for a in env["training_times"] for b in env["training_times"]]
+    }
     _, meta = load_quantized(out / "quantized_transformer.safetensors")
     raw = load_file(out / "quantized_transformer.safetensors")
     assert {c["format"] for c in meta.values()} == {"float8_e4m3fn"}
@@ -152,15 +184,21 @@ def test_rcm_student_teacher_scope_all_fp8_activations(wan, lora_run):
 
     teacher = _teacher(wan[0])
     Q.fuse_lora_file(teacher, str(lora_run))
-    trained = {k.split("::", 1)[1]: v for k, v in
-               load_file(out / "checkpoints" / "step-00000006" / "trainable.safetensors").items()}
+    trained = {
+        k.split("::", 1)[1]: v
+        for k, v in load_file(out / "checkpoints" / "step-00000006" / "trainable.safetensors").items()
+    }
     delta = load_file(out / "delta_comfyui.safetensors")
     assert all(k.startswith("diffusion_model.") and k.endswith((".diff", ".diff_b")) for k in delta)
     assert {v.dtype for v in delta.values()} == {torch.bfloat16}
     delta = to_diffusers(delta, arch="wan", prefix="")
     tp = dict(teacher.named_parameters())
     for name, w in trained.items():
-        key = (name.removesuffix(".bias") + ".diff_b") if name.endswith(".bias") else (name.removesuffix(".weight") + ".diff")
+        key = (
+            (name.removesuffix(".bias") + ".diff_b")
+            if name.endswith(".bias")
+            else (name.removesuffix(".weight") + ".diff")
+        )
         d = w.float() - tp[name].float()
         if not torch.any(d):
             assert key not in delta
@@ -188,15 +226,23 @@ def test_fuse_lora_file_equals_unfused_adapter(wan, lora_run):
 
 def test_bad_config_and_patterns(wan):
     base = ["--pretrained", "p", "--data_dir", "d"]
-    for extra, match in ((["--format", "nvfp3"], "format = 'nvfp3'"), (["--act_format", "fp4"], "act_format"),
-                         (["--scope", "half"], "scope"), (["--overrides", "blocks.*=fp9"], "overrides"),
-                         (["--overrides", "blocks.*"], "overrides"), (["--guidance", "[[0.5, 1], [0.2, 2]]"], "guidance"),
-                         (["--alpha", "1.5"], "alpha"), (["--r_source", "karras"], "r_source"),
-                         (["--per_channel", "true"], "per_channel"), (["--lr_rate", "1"], "unknown config option"),
-                         (["--target", "gpu"], "target"), (["--target", "comfyui", "--format", "mxfp4"], "no layout"),
-                         (["--target", "comfyui", "--act_format", "fp8_e4m3"], "act_format"),
-                         (["--target", "comfyui", "--format", "fp8_e4m3", "--act_scale", "dynamic"], "act_scale"),
-                         (["--ema_rate", "1"], "ema_rate")):
+    for extra, match in (
+        (["--format", "nvfp3"], "format = 'nvfp3'"),
+        (["--act_format", "fp4"], "act_format"),
+        (["--scope", "half"], "scope"),
+        (["--overrides", "blocks.*=fp9"], "overrides"),
+        (["--overrides", "blocks.*"], "overrides"),
+        (["--guidance", "[[0.5, 1], [0.2, 2]]"], "guidance"),
+        (["--alpha", "1.5"], "alpha"),
+        (["--r_source", "karras"], "r_source"),
+        (["--per_channel", "true"], "per_channel"),
+        (["--lr_rate", "1"], "unknown config option"),
+        (["--target", "gpu"], "target"),
+        (["--target", "comfyui", "--format", "mxfp4"], "no layout"),
+        (["--target", "comfyui", "--act_format", "fp8_e4m3"], "act_format"),
+        (["--target", "comfyui", "--format", "fp8_e4m3", "--act_scale", "dynamic"], "act_scale"),
+        (["--ema_rate", "1"], "ema_rate"),
+    ):
         with pytest.raises(ValueError, match=match):
             load_config(base + extra, config_cls=QADConfig)
     with pytest.raises(ValueError, match="data_dir"):
@@ -215,10 +261,15 @@ def test_two_processes_keep_the_per_iteration_lr_schedule(wan):
     the scheduler having stepped k + 1 times), not iterations x processes as accelerate's default would make it;
     the replicas end identical."""
     out = wan[2] / "run_ddp"
-    run_trainer(_args(wan, out, "--max_steps", "3", "--lr_warmup_steps", "8", "--log_every", "1"), num_processes=2,
-                script="qad.py")
+    run_trainer(
+        _args(wan, out, "--max_steps", "3", "--lr_warmup_steps", "8", "--log_every", "1"),
+        num_processes=2,
+        script="qad.py",
+    )
     lr = json.load(open(out / "env.json"))["config"]["lr"]
-    assert [r["lr"] for r in _records(out) if "lr" in r] == pytest.approx([lr * (k + 2) / 8 for k in range(3)], rel=1e-12)
+    assert [r["lr"] for r in _records(out) if "lr" in r] == pytest.approx(
+        [lr * (k + 2) / 8 for k in range(3)], rel=1e-12
+    )
     sums = json.load(open(out / "final.json"))["student_checksum_per_rank"]
     assert len(sums) == 2 and sums[0] == sums[1]
 
@@ -227,11 +278,43 @@ def test_dcm_student_is_a_qad_teacher(wan):
     """A student trained with ``cm_type dcm`` (training/rcm.py) exports the same LoRA layout as an sCM one: QAD fuses it
     as its teacher (``--teacher_lora``, 2-step rCM sampling times) and trains; the dCM LoRA is trained (lora_B off zero)."""
     rcm = wan[2] / "run_rcm_dcm"
-    run_trainer(trainer_args(os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), wan, rcm, "--cm_type", "dcm",
-                             "--max_steps", "4", "--tangent_warmup", "4", "--checkpoint_every", "0", "--ema_rate", "0"))
+    run_trainer(
+        trainer_args(
+            os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+            wan,
+            rcm,
+            "--cm_type",
+            "dcm",
+            "--max_steps",
+            "4",
+            "--tangent_warmup",
+            "4",
+            "--checkpoint_every",
+            "0",
+            "--ema_rate",
+            "0",
+        )
+    )
     out = wan[2] / "run_qad_from_dcm"
-    run_trainer(_args(wan, out, "--teacher_lora", str(rcm), "--r_source", "rcm", "--rcm_steps", "2", "--warm_start_batches", "0",
-                      "--max_steps", "3", "--checkpoint_every", "0"), script="qad.py")
+    run_trainer(
+        _args(
+            wan,
+            out,
+            "--teacher_lora",
+            str(rcm),
+            "--r_source",
+            "rcm",
+            "--rcm_steps",
+            "2",
+            "--warm_start_batches",
+            "0",
+            "--max_steps",
+            "3",
+            "--checkpoint_every",
+            "0",
+        ),
+        script="qad.py",
+    )
     assert (out / "final.json").exists()
     env = json.load(open(out / "env.json"))
     assert env["config"]["teacher_lora"] == str(rcm) and len(env["training_times"]) == 2

@@ -4,14 +4,20 @@ import math
 
 import pytest
 import torch
+from train_helpers import TEXT_DIM, tiny_wan_transformer
 
 from rcm_diffusers.distill import losses as L
 from rcm_diffusers.distill.adapters import Networks
 from rcm_diffusers.distill.config import RCMConfig, format_help, load_config
-from rcm_diffusers.distill.data import (LatentDataset, batch_indices, pack_flux_latents, pair_indices, unpack_flux_latents,
-                                        write_latent_dataset)
+from rcm_diffusers.distill.data import (
+    LatentDataset,
+    batch_indices,
+    pack_flux_latents,
+    pair_indices,
+    unpack_flux_latents,
+    write_latent_dataset,
+)
 from rcm_diffusers.distill.guards import SpikeGuard
-from train_helpers import TEXT_DIM, tiny_wan_transformer
 
 
 def test_config_overrides_help_and_errors(tmp_path):
@@ -33,8 +39,11 @@ def test_config_overrides_help_and_errors(tmp_path):
     assert load_config(["--config", str(y), "--scm_weight", "0", "--tangent_warmup", "0"]).scm_weight == 0.0
     # student sampler angles: strictly decreasing below arctan(sigma_max), enough of them for every sample_steps entry
     assert load_config(["--config", str(y), "--mid_t", "[0.8, 0.5, 0.25]"]).mid_t == [0.8, 0.5, 0.25]
-    for bad, msg in [("[0.8, 0.9, 0.25]", "strictly decreasing"), ("[1.6, 0.5, 0.2]", "strictly inside"),
-                     ("[0.8, 0.5]", "out of range")]:
+    for bad, msg in [
+        ("[0.8, 0.9, 0.25]", "strictly decreasing"),
+        ("[1.6, 0.5, 0.2]", "strictly inside"),
+        ("[0.8, 0.5]", "out of range"),
+    ]:
         with pytest.raises(ValueError, match=f"mid_t.*{msg}"):
             load_config(["--config", str(y), "--mid_t", bad])
 
@@ -59,17 +68,21 @@ def test_config_mid_t_per_step_count(tmp_path):
     assert RCMConfig(mid_t={4: (1.5, 1.4, 0.8), 2: 1}).mid_t == want  # built in Python: the same form
     assert load_config(base + ["--mid_t", "1.5,1.4,1.0"]).mid_t == [1.5, 1.4, 1.0]  # the flat string form
     assert load_config(base + ["--mid_t", "2: 1.0", "--sample_steps", "[1, 2]"]).mid_t == {"2": [1.0]}
-    for bad, msg in [("2: 1.0", r"sample_steps 4: num_inference_steps=4 is out of range .* angles for 2 steps"),
-                     ("2: 1.0; 4: 1.5, 1.4", r"entry for 4 steps has 2 angle\(s\)"),
-                     ("1: 1.0; 4: 1.5, 1.4, 0.8", "key '1' is not a step count"),
-                     ("2: 1.0; 4: 1.4, 1.5, 0.8", "strictly decreasing.* entry for 4 steps")]:
+    for bad, msg in [
+        ("2: 1.0", r"sample_steps 4: num_inference_steps=4 is out of range .* angles for 2 steps"),
+        ("2: 1.0; 4: 1.5, 1.4", r"entry for 4 steps has 2 angle\(s\)"),
+        ("1: 1.0; 4: 1.5, 1.4, 0.8", "key '1' is not a step count"),
+        ("2: 1.0; 4: 1.4, 1.5, 0.8", "strictly decreasing.* entry for 4 steps"),
+    ]:
         with pytest.raises(ValueError, match=f"^config option mid_t = .*{msg}") as e:
             load_config(base + ["--mid_t", bad])
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"mid_t.*arctan\(sigma_max=10.0\)"):  # the 4-step entry, though 2 steps fit
         load_config(base + ["--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8", "--sigma_max", "10"])
     # QAD: the rCM times it trains at (r_source rcm, rcm_steps)
-    qad = load_config(base + ["--r_source", "rcm", "--rcm_steps", "2", "--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8"], config_cls=QADConfig)
+    qad = load_config(
+        base + ["--r_source", "rcm", "--rcm_steps", "2", "--mid_t", "2: 1.0; 4: 1.5, 1.4, 0.8"], config_cls=QADConfig
+    )
     assert qad.mid_t == want
     from rcm_diffusers.distill.qad_student import training_times
 
@@ -82,9 +95,14 @@ def test_config_mid_t_per_step_count(tmp_path):
 def test_latent_format_roundtrip_and_tables(tmp_path):
     lat = torch.randn(5, 4, 1, 2, 2)
     emb = torch.randn(3, 2, 8)
-    write_latent_dataset(str(tmp_path), {"latents": lat, "prompt_index": torch.tensor([2, 0, 1, 2, 0])}, family="wan",
-                         tables={"prompt_embeds": emb, "negative_prompt_embeds": torch.zeros(1, 2, 8)},
-                         table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}, shard_size=2)
+    write_latent_dataset(
+        str(tmp_path),
+        {"latents": lat, "prompt_index": torch.tensor([2, 0, 1, 2, 0])},
+        family="wan",
+        tables={"prompt_embeds": emb, "negative_prompt_embeds": torch.zeros(1, 2, 8)},
+        table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None},
+        shard_size=2,
+    )
     ds = LatentDataset(str(tmp_path))
     assert len(ds) == 5 and len(ds.meta["shards"]) == 3
     b = ds.get([4, 1, 3])
@@ -189,8 +207,16 @@ def test_loss_scale_and_batch_reduction(nets):
     B = 3
     x0 = torch.randn(B, 4, 1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     cond = {"encoder_hidden_states": torch.randn(B, 3, TEXT_DIM, generator=torch.Generator().manual_seed(2))}
-    base = dict(p_D_shift=5.0, guidance_scale=1.0, P_mean=-0.8, P_std=1.6, tangent_warmup=0, fd_type=2, fd_h=1e-3,
-                max_simulation_steps=2)
+    base = dict(
+        p_D_shift=5.0,
+        guidance_scale=1.0,
+        P_mean=-0.8,
+        P_std=1.6,
+        tangent_warmup=0,
+        fd_type=2,
+        fd_h=1e-3,
+        max_simulation_steps=2,
+    )
     ours = SimpleNamespace(**base, scm_weight=1.0, dmd_weight=0.01, loss_reduction="mean")
     official = SimpleNamespace(**base, scm_weight=100.0, dmd_weight=1.0, loss_reduction="sum")
     plan = plan_step(0, 0, 2, 2)  # student step with DMD
@@ -202,22 +228,43 @@ def test_loss_scale_and_batch_reduction(nets):
     got = {}
     for name, cfg in (("ours", ours), ("official", official)):
         seen = []
-        logs = student_step(n, x0, cond, None, plan, cfg, torch.Generator().manual_seed(5), lambda l, last: seen.append(float(l.detach())))
+        logs = student_step(
+            n,
+            x0,
+            cond,
+            None,
+            plan,
+            cfg,
+            torch.Generator().manual_seed(5),
+            lambda l, last: seen.append(float(l.detach())),
+        )
         fseen = []
-        flogs = fake_step(n, x0.shape, cond, fplan, cfg, torch.Generator().manual_seed(6), lambda l, last: fseen.append(float(l.detach())),
-                          torch.device("cpu"))
+        flogs = fake_step(
+            n,
+            x0.shape,
+            cond,
+            fplan,
+            cfg,
+            torch.Generator().manual_seed(6),
+            lambda l, last: fseen.append(float(l.detach())),
+            torch.device("cpu"),
+        )
         got[name] = (seen, logs, fseen, flogs)
     with torch.no_grad():
         for p in fake_B:
             p.sub_(0.05)
     (s_o, l_o, f_o, fl_o), (s_f, l_f, f_f, _fl_f) = got["ours"], got["official"]
-    assert l_o["loss_dmd"] == pytest.approx(l_f["loss_dmd"], rel=1e-12) and l_o["loss_scm"] == pytest.approx(l_f["loss_scm"], rel=1e-12)
+    assert l_o["loss_dmd"] == pytest.approx(l_f["loss_dmd"], rel=1e-12) and l_o["loss_scm"] == pytest.approx(
+        l_f["loss_scm"], rel=1e-12
+    )
     # backward order: DMD first, then sCM (trainer.student_step)
     assert s_o == pytest.approx([0.01 * l_o["loss_dmd"], l_o["loss_scm"]], rel=1e-12)
     assert s_f == pytest.approx([B * l_o["loss_dmd"], 100 * B * l_o["loss_scm"]], rel=1e-12)
     assert min(s_o) > 0
     assert [f / o for f, o in zip(s_f, s_o)] == pytest.approx([100 * B, 100 * B], rel=1e-12)
-    assert f_o == pytest.approx([fl_o["loss_fake"]], rel=1e-12) and f_f == pytest.approx([B * fl_o["loss_fake"]], rel=1e-12)
+    assert f_o == pytest.approx([fl_o["loss_fake"]], rel=1e-12) and f_f == pytest.approx(
+        [B * fl_o["loss_fake"]], rel=1e-12
+    )
     assert float(batch_reduce(torch.tensor([1.0, 2.0, 6.0]), "sum")) == 9.0
     assert float(batch_reduce(torch.tensor([1.0, 2.0, 6.0]), "mean")) == 3.0
     with pytest.raises(ValueError, match="loss_reduction"):
@@ -240,7 +287,10 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
     from rcm_diffusers.distill.optim import lr_lambda
 
     plans = [plan_step(i, 7, 3, 4) for i in range(50)]
-    assert optimizer_steps(50, 7, 3) == {"student": sum(p.student for p in plans), "fake": sum(not p.student for p in plans)}
+    assert optimizer_steps(50, 7, 3) == {
+        "student": sum(p.student for p in plans),
+        "fake": sum(not p.student for p in plans),
+    }
     assert optimizer_steps(50, 7, 3) == {"student": 7 + 15, "fake": 28}  # 7 warm-up + i = 7, 10, ..., 49
     assert optimizer_steps(9, 0, 2, has_fake=False) == {"student": 9, "fake": 0}
 
@@ -256,7 +306,9 @@ def test_lr_decay_schedule_and_step_counts(tmp_path):
     assert all(cos(k) > cos(k + 1) for k in range(W, N - 1))  # strictly decreasing after the warm-up
     assert lr_lambda(5, 5, "cosine")(9) == 1.0  # nothing left to decay over: constant
     late = lr_lambda(W, N, "linear", f, decay_fraction=0.25)  # constant until the last 5 of the 20 post-warm-up steps
-    assert [late(k) for k in range(W, N)] == pytest.approx([1.0] * 15 + [1 - (1 - f) * j / 5 for j in range(1, 6)], abs=1e-15)
+    assert [late(k) for k in range(W, N)] == pytest.approx(
+        [1.0] * 15 + [1 - (1 - f) * j / 5 for j in range(1, 6)], abs=1e-15
+    )
 
     # the factor reaches the optimizer: LambdaLR steps once per optimizer step
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
@@ -291,17 +343,30 @@ def test_dcm_and_fixed_dmd_options_parse_and_validate(tmp_path):
     d = RCMConfig(pretrained="p", data_dir="d").validate()
     assert (d.cm_type, d.dcm_total_steps, d.dcm_skipping_interval_steps, d.dcm_timestep_shift) == ("scm", 48, 1, 5.0)
     assert d.dmd_fix_timesteps is False and d.backward_timesteps == [1.5, 1.4, 1.0]
-    c = load_config(["--config", str(y), "--dcm_timestep_shift", "3", "--dmd_fix_timesteps", "true",
-                     "--backward_timesteps", "[1.2, 0.7, 0.3]"])
+    c = load_config(
+        [
+            "--config",
+            str(y),
+            "--dcm_timestep_shift",
+            "3",
+            "--dmd_fix_timesteps",
+            "true",
+            "--backward_timesteps",
+            "[1.2, 0.7, 0.3]",
+        ]
+    )
     assert (c.cm_type, c.dcm_skipping_interval_steps, c.dcm_timestep_shift) == ("dcm", 2, 3.0)
     assert c.dmd_fix_timesteps is True and c.backward_timesteps == [1.2, 0.7, 0.3]
-    for args, key in [(["--cm_type", "ecm"], "cm_type"), (["--dcm_total_steps", "1"], "dcm_total_steps"),
-                      (["--dcm_skipping_interval_steps", "48"], "dcm_skipping_interval_steps"),
-                      (["--dcm_skipping_interval_steps", "0"], "dcm_skipping_interval_steps"),
-                      (["--dcm_timestep_shift", "0"], "dcm_timestep_shift"),
-                      (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.0, 1.4, 0.5]"], "backward_timesteps"),
-                      (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.6, 1.0, 0.5]"], "backward_timesteps"),
-                      (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.0]"], "backward_timesteps")]:
+    for args, key in [
+        (["--cm_type", "ecm"], "cm_type"),
+        (["--dcm_total_steps", "1"], "dcm_total_steps"),
+        (["--dcm_skipping_interval_steps", "48"], "dcm_skipping_interval_steps"),
+        (["--dcm_skipping_interval_steps", "0"], "dcm_skipping_interval_steps"),
+        (["--dcm_timestep_shift", "0"], "dcm_timestep_shift"),
+        (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.0, 1.4, 0.5]"], "backward_timesteps"),
+        (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.6, 1.0, 0.5]"], "backward_timesteps"),
+        (["--dmd_fix_timesteps", "true", "--backward_timesteps", "[1.0]"], "backward_timesteps"),
+    ]:
         with pytest.raises(ValueError, match=f"option {key} "):
             load_config(["--config", str(y), *args])
     assert needs_jvp(RCMConfig(fd_type=0)) and needs_jvp(RCMConfig(fd_type=1)) and not needs_jvp(RCMConfig(fd_type=2))
@@ -342,7 +407,10 @@ def test_regression_options_parse_and_validate(tmp_path):
     y.write_text("pretrained: p\ndata_dir: d\nregression_weight: 0.5\nregression_data_dir: pairs\n")
     c = load_config(["--config", str(y), "--regression_weight", "2"])
     assert (c.regression_weight, c.regression_data_dir) == (2.0, "pairs")
-    for args, key in [(["--regression_data_dir", ""], "regression_data_dir"), (["--regression_weight", "-1"], "regression_weight"),
-                      (["--regression_weight", "nan"], "regression_weight")]:
+    for args, key in [
+        (["--regression_data_dir", ""], "regression_data_dir"),
+        (["--regression_weight", "-1"], "regression_weight"),
+        (["--regression_weight", "nan"], "regression_weight"),
+    ]:
         with pytest.raises(ValueError, match=f"option {key} "):
             load_config(["--config", str(y), *args])

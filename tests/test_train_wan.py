@@ -7,10 +7,19 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_helpers import (
+    REPO,
+    kill_after,
+    make_dataset,
+    plant_pickles,
+    run_script,
+    run_trainer,
+    tiny_wan_run,
+    trainer_args,
+)
 
 from rcm_diffusers.distill.alternation import plan_step
 from rcm_diffusers.distill.checkpoints import KILL_ENV
-from train_helpers import kill_after, REPO, make_dataset, plant_pickles, run_script, run_trainer, tiny_wan_run, trainer_args
 
 CONFIG = os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml")
 
@@ -39,9 +48,17 @@ def _pipe_latents(pipe_dir, lora_dir=None):
         pipe.load_lora_weights(lora_dir)
     g = torch.Generator().manual_seed(0)
     emb = load_file(os.path.join(os.path.dirname(pipe_dir), "data", "tables.safetensors"))
-    return pipe(prompt_embeds=emb["prompt_embeds"][:1], negative_prompt_embeds=emb["negative_prompt_embeds"],
-                height=32, width=32, num_frames=1, num_inference_steps=2, guidance_scale=2.0, generator=g,
-                output_type="latent").frames
+    return pipe(
+        prompt_embeds=emb["prompt_embeds"][:1],
+        negative_prompt_embeds=emb["negative_prompt_embeds"],
+        height=32,
+        width=32,
+        num_frames=1,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        generator=g,
+        output_type="latent",
+    ).frames
 
 
 def test_30_steps_alternate_and_log(full_run):
@@ -50,7 +67,17 @@ def test_30_steps_alternate_and_log(full_run):
     # config: tangent_warmup 10, student_update_freq 3, max_simulation_steps 2
     want = [plan_step(i, 10, 3, 2) for i in range(30)]
     assert [r["net"] for r in recs] == ["student" if p.student else "fake" for p in want]
-    assert [r["net"] for r in recs[8:17]] == ["student", "student", "student", "fake", "fake", "student", "fake", "fake", "student"]
+    assert [r["net"] for r in recs[8:17]] == [
+        "student",
+        "student",
+        "student",
+        "fake",
+        "fake",
+        "student",
+        "fake",
+        "fake",
+        "student",
+    ]
     for r, p in zip(recs, want):
         assert r["student_eff"] == p.student_eff and r["fake_eff"] == p.fake_eff
         assert all(r[k] >= 0 and r[k] < 1e6 for k in ("grad_norm", "step_time", "peak_mem_mb", "lr"))
@@ -137,13 +164,17 @@ def test_a_used_run_folder_is_never_mixed(wan, full_run):
     from rcm_diffusers.distill.run_folder import RunLock
 
     def listing():
-        return {str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*") if p.name != ".rcm-run.lock"}
+        return {
+            str(p.relative_to(full_run)): p.stat().st_mtime_ns for p in full_run.rglob("*") if p.name != ".rcm-run.lock"
+        }
 
     before = listing()
-    cases = [(("--seed", "1", "--max_steps", "40"), "already holds a training run"),
-             (("--resume", "latest", "--lora_rank", "8"), "cannot change on resume: lora_rank 4 -> 8"),
-             (("--resume", "latest", "--max_steps", "15"), "--max_steps 15 is below the checkpoint's step 30"),
-             (("--resume", "latest", "--pretrained", str(wan[2] / "missing")), "no such folder")]
+    cases = [
+        (("--seed", "1", "--max_steps", "40"), "already holds a training run"),
+        (("--resume", "latest", "--lora_rank", "8"), "cannot change on resume: lora_rank 4 -> 8"),
+        (("--resume", "latest", "--max_steps", "15"), "--max_steps 15 is below the checkpoint's step 30"),
+        (("--resume", "latest", "--pretrained", str(wan[2] / "missing")), "no such folder"),
+    ]
     for extra, msg in cases:
         p = run_script(_args(wan, full_run, *extra))
         assert p.returncode == 2 and p.stderr.count(msg) == 1 and "Traceback" not in p.stderr, (extra, p.stderr[-3000:])
@@ -156,10 +187,26 @@ def test_a_used_run_folder_is_never_mixed(wan, full_run):
 
 def test_changed_lr_and_ema_rate_apply_on_resume(wan, full_run):
     out = wan[2] / "run_lr"
-    run_trainer(_args(wan, out, "--resume", str(full_run / "checkpoints" / "step-00000020"), "--max_steps", "22",
-                      "--lr", "1e-2", "--fake_lr", "2e-2", "--ema_rate", "0.2"))
+    run_trainer(
+        _args(
+            wan,
+            out,
+            "--resume",
+            str(full_run / "checkpoints" / "step-00000020"),
+            "--max_steps",
+            "22",
+            "--lr",
+            "1e-2",
+            "--fake_lr",
+            "2e-2",
+            "--ema_rate",
+            "0.2",
+        )
+    )
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [(r["step"], r["lr"]) for r in recs] == [(i, 1e-2 if r["net"] == "student" else 2e-2) for i, r in zip((20, 21), recs)]
+    assert [(r["step"], r["lr"]) for r in recs] == [
+        (i, 1e-2 if r["net"] == "student" else 2e-2) for i, r in zip((20, 21), recs)
+    ]
     env = json.load(open(out / "env.json"))
     assert env["config"]["lr"] == 1e-2
     assert env["changed_on_resume"] == {"lr": [1e-3, 1e-2], "fake_lr": [1e-3, 2e-2], "ema_rate": [0.1, 0.2]}
@@ -176,8 +223,18 @@ def test_training_on_nan_latents_fails(wan):
     lat["latents"] = torch.full_like(lat["latents"], float("nan"))
     save_file(lat, data / "shard-00000.safetensors")
     out = wan[2] / "run_nan"
-    args = ["--config", CONFIG, "--pretrained", wan[0], "--data_dir", str(data), "--output_dir", str(out),
-            "--max_steps", "10"]
+    args = [
+        "--config",
+        CONFIG,
+        "--pretrained",
+        wan[0],
+        "--data_dir",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "10",
+    ]
     p = run_script(args)
     assert p.returncode == 2 and p.stderr.count("error: ") == 1, p.stderr[-3000:]
     assert "latents of sample 0 holds NaN or inf" in p.stderr, p.stderr[-3000:]
@@ -190,9 +247,12 @@ def test_training_on_nan_latents_fails(wan):
 
 def test_final_json_lists_every_export_and_verify_catches_a_flipped_bit(full_run, tmp_path):
     final = json.load(open(full_run / "final.json"))
-    exported = sorted(os.path.relpath(os.path.join(d, f), full_run) for n in ("pytorch_lora_weights.safetensors", "ema", "scheduler")
-                      for d, _, fs in ([(str(full_run), None, [n])] if n.endswith(".safetensors") else os.walk(full_run / n))
-                      for f in fs)
+    exported = sorted(
+        os.path.relpath(os.path.join(d, f), full_run)
+        for n in ("pytorch_lora_weights.safetensors", "ema", "scheduler")
+        for d, _, fs in ([(str(full_run), None, [n])] if n.endswith(".safetensors") else os.walk(full_run / n))
+        for f in fs
+    )
     assert sorted(final["files"]) == exported and "ema/scheduler/scheduler_config.json" in exported
     size = os.path.getsize(full_run / "pytorch_lora_weights.safetensors")
     assert final["files"]["pytorch_lora_weights.safetensors"]["bytes"] == size
@@ -207,7 +267,10 @@ def test_final_json_lists_every_export_and_verify_catches_a_flipped_bit(full_run
         f.write(bytes([b[0] ^ 0x01]))
     p = run_script(["--verify", str(copy)])
     assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == "error: ema/pytorch_lora_weights.safetensors: SHA-256 differs from final.json (the file was changed or damaged)"
+    assert (
+        p.stderr.strip()
+        == "error: ema/pytorch_lora_weights.safetensors: SHA-256 differs from final.json (the file was changed or damaged)"
+    )
 
 
 # ----------------------------------------------------------------------------- dCM and fixed-angle DMD: JVP-free
@@ -265,8 +328,28 @@ def test_dcm_and_fixed_dmd_train_without_any_jvp(wan, monkeypatch):
     monkeypatch.setattr(T, "load_transformer", load_with_no_jvp_processors)
     main = _rcm_main().main
     out = wan[2] / "run_nojvp_dcm"
-    main(_args(wan, out, "--cm_type", "dcm", "--fd_type", "0", "--dmd_fix_timesteps", "true", "--max_steps", "6",
-               "--tangent_warmup", "2", "--student_update_freq", "2", "--checkpoint_every", "0", "--ema_rate", "0"))
+    main(
+        _args(
+            wan,
+            out,
+            "--cm_type",
+            "dcm",
+            "--fd_type",
+            "0",
+            "--dmd_fix_timesteps",
+            "true",
+            "--max_steps",
+            "6",
+            "--tangent_warmup",
+            "2",
+            "--student_update_freq",
+            "2",
+            "--checkpoint_every",
+            "0",
+            "--ema_rate",
+            "0",
+        )
+    )
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["net"] for r in recs] == ["student", "student", "student", "fake", "student", "fake"]
     assert all("loss_dcm" in r and "loss_scm" not in r and r["loss_dcm"] > 0 for r in recs if r["net"] == "student")
@@ -275,17 +358,45 @@ def test_dcm_and_fixed_dmd_train_without_any_jvp(wan, monkeypatch):
     calls.clear()
     # the JVP fails on the first attention op without a forward-mode rule: on CPU that is the stock SDPA inside the
     # processor (no forward-AD formula), else _NoForwardAD
-    with pytest.raises(RuntimeError, match="forward AD with _scaled_dot_product|autograd.Function with functorch transforms"):
-        main(_args(wan, wan[2] / "run_nojvp_scm", "--fd_type", "0", "--max_steps", "2", "--tangent_warmup", "0",
-                   "--checkpoint_every", "0", "--ema_rate", "0"))
+    with pytest.raises(
+        RuntimeError, match="forward AD with _scaled_dot_product|autograd.Function with functorch transforms"
+    ):
+        main(
+            _args(
+                wan,
+                wan[2] / "run_nojvp_scm",
+                "--fd_type",
+                "0",
+                "--max_steps",
+                "2",
+                "--tangent_warmup",
+                "0",
+                "--checkpoint_every",
+                "0",
+                "--ema_rate",
+                "0",
+            )
+        )
     assert len(enabled) == 1 and len(calls) > 0
 
 
 def test_dcm_kill_and_resume_equals_uninterrupted(wan):
     """A dCM + fixed-angle DMD run killed after step 6 and resumed from its step-4 checkpoint ends with the same LoRA, EMA
     and logged losses, bit for bit, as the same run uninterrupted."""
-    extra = ("--cm_type", "dcm", "--dcm_skipping_interval_steps", "2", "--dmd_fix_timesteps", "true", "--max_steps", "10",
-             "--tangent_warmup", "3", "--checkpoint_every", "4")
+    extra = (
+        "--cm_type",
+        "dcm",
+        "--dcm_skipping_interval_steps",
+        "2",
+        "--dmd_fix_timesteps",
+        "true",
+        "--max_steps",
+        "10",
+        "--tangent_warmup",
+        "3",
+        "--checkpoint_every",
+        "4",
+    )
     full, cut = wan[2] / "run_dcm_full", wan[2] / "run_dcm_cut"
     run_trainer(_args(wan, full, *extra))
     p = run_trainer(_args(wan, cut, *extra), check=False, env=kill_after(6))
@@ -313,16 +424,30 @@ def test_regression_term_equals_teacher_one_step_error_and_resumes(wan):
     from rcm_diffusers.distill.data import LatentDataset, pair_indices
 
     pairs = make_dataset(str(wan[2] / "pairs"), "wan", n=7, noise=True)
-    extra = ("--regression_weight", "0.5", "--regression_data_dir", str(pairs), "--max_steps", "10", "--tangent_warmup", "3",
-             "--checkpoint_every", "4")
+    extra = (
+        "--regression_weight",
+        "0.5",
+        "--regression_data_dir",
+        str(pairs),
+        "--max_steps",
+        "10",
+        "--tangent_warmup",
+        "3",
+        "--checkpoint_every",
+        "4",
+    )
     full, cut = wan[2] / "run_reg_full", wan[2] / "run_reg_cut"
     run_trainer(_args(wan, full, *extra))
     ref = [json.loads(line) for line in open(full / "metrics.jsonl")]
     assert all(("loss_reg" in r) == (r["net"] == "student") for r in ref) and any(r["net"] == "fake" for r in ref)
     b = LatentDataset(str(pairs)).get(pair_indices(7, 2, 0, 0, 1, 0))  # batch 2, step 0, rank 0 of 1, seed 0
     tr = WanTransformer3DModel.from_pretrained(wan[0], subfolder="transformer").eval()
-    v = tr(hidden_states=b["noise"], timestep=torch.full((2,), 1000.0), encoder_hidden_states=b["prompt_embeds"],
-           return_dict=False)[0]
+    v = tr(
+        hidden_states=b["noise"],
+        timestep=torch.full((2,), 1000.0),
+        encoder_hidden_states=b["prompt_embeds"],
+        return_dict=False,
+    )[0]
     want = ((b["noise"].double() - v.double() - b["latents"].double()) ** 2).flatten(1).sum(1).mean()
     assert ref[0]["loss_reg"] == pytest.approx(float(want), rel=1e-5)
     p = run_trainer(_args(wan, cut, *extra), check=False, env=kill_after(6))

@@ -6,7 +6,6 @@ Text encoders are left out (``text_encoder=None``): tests pass ``prompt_embeds``
 from __future__ import annotations
 
 import torch
-from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLWan,
@@ -18,6 +17,7 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 TEXT_DIM = 32
 
@@ -46,8 +46,13 @@ def tiny_wan_transformer(seed: int = 0, in_channels: int = 4, image_dim: int | N
 def tiny_wan_vae(seed: int = 0) -> AutoencoderKLWan:
     torch.manual_seed(seed)
     return AutoencoderKLWan(
-        base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
     ).eval()
 
 
@@ -58,7 +63,9 @@ def wan_scheduler_config() -> dict:
 
 def tiny_wan_pipeline(scheduler=None) -> WanPipeline:
     sched = scheduler or UniPCMultistepScheduler.from_config(wan_scheduler_config())
-    return WanPipeline(tokenizer=None, text_encoder=None, vae=tiny_wan_vae(), transformer=tiny_wan_transformer(), scheduler=sched)
+    return WanPipeline(
+        tokenizer=None, text_encoder=None, vae=tiny_wan_vae(), transformer=tiny_wan_transformer(), scheduler=sched
+    )
 
 
 def tiny_wan_i2v_pipeline(scheduler=None, two_experts: bool = False) -> WanImageToVideoPipeline:
@@ -92,7 +99,13 @@ def tiny_clip_vision():
     """Offline tiny CLIP vision tower; Wan reads its penultimate hidden states (dim 16 = image_dim)."""
     torch.manual_seed(3)
     cfg = CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=16, projection_dim=16
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=16,
+        projection_dim=16,
     )
     return CLIPVisionModel(cfg).eval()
 
@@ -101,7 +114,12 @@ def flux_scheduler_config() -> dict:
     """The FLUX.1-dev scheduler config (FlowMatchEuler, dynamic shifting)."""
     return dict(
         FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
         ).config
     )
 
@@ -138,7 +156,13 @@ def tiny_flux_pipeline(scheduler=None) -> FluxPipeline:
     ).eval()
     sched = scheduler or FlowMatchEulerDiscreteScheduler.from_config(flux_scheduler_config())
     return FluxPipeline(
-        scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=transformer
+        scheduler=sched,
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
     )
 
 

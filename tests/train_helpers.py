@@ -20,9 +20,20 @@ def tiny_wan_transformer(seed: int = 0, in_channels: int = 4, image_dim: int | N
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
-                                 out_channels=4, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=32, num_layers=2, rope_max_seq_len=32,
-                                 image_dim=image_dim, added_kv_proj_dim=None if image_dim is None else 24)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=4,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        rope_max_seq_len=32,
+        image_dim=image_dim,
+        added_kv_proj_dim=None if image_dim is None else 24,
+    )
 
 
 def make_tiny_wan(root: str) -> str:
@@ -32,9 +43,16 @@ def make_tiny_wan(root: str) -> str:
     if os.path.exists(os.path.join(root, "model_index.json")):
         return root
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                       transformer=tiny_wan_transformer())
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=tiny_wan_transformer(),
+    )
     pipe.save_pretrained(root)
     return root
 
@@ -44,23 +62,53 @@ def make_tiny_wan2(root: str, i2v: bool = False, boundary_ratio: float = 0.875, 
     ``boundary_ratio``): ``WanPipeline`` or, with ``i2v``, ``WanImageToVideoPipeline`` (image latents + mask on the
     channels, no CLIP image branch, as Wan2.2-I2V-A14B; with ``image_dim`` the experts also cross-attend to that
     many-wide image tokens, the Wan 2.1 I2V branch)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
 
     if os.path.exists(os.path.join(root, "model_index.json")):
         return root
 
     def expert(seed):
         torch.manual_seed(seed)
-        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                     in_channels=12 if i2v else 4, out_channels=4, text_dim=TEXT_DIM, freq_dim=32,
-                                     ffn_dim=32, num_layers=2, rope_max_seq_len=32, image_dim=image_dim,
-                                     added_kv_proj_dim=None if image_dim is None else 24)
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=12 if i2v else 4,
+            out_channels=4,
+            text_dim=TEXT_DIM,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            rope_max_seq_len=32,
+            image_dim=image_dim,
+            added_kv_proj_dim=None if image_dim is None else 24,
+        )
 
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    kw = dict(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-              transformer=expert(1), transformer_2=expert(2), boundary_ratio=boundary_ratio)
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    kw = dict(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=expert(1),
+        transformer_2=expert(2),
+        boundary_ratio=boundary_ratio,
+    )
     pipe = WanImageToVideoPipeline(image_encoder=None, image_processor=None, **kw) if i2v else WanPipeline(**kw)
     pipe.save_pretrained(root)
     return root
@@ -70,9 +118,18 @@ def tiny_flux_transformer():
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
-                                  num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=8,
-                                  guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        pooled_projection_dim=8,
+        guidance_embeds=False,
+        axes_dims_rope=(2, 2, 4),
+    )
 
 
 def make_tiny_flux(root: str) -> str:
@@ -81,17 +138,43 @@ def make_tiny_flux(root: str) -> str:
     if os.path.exists(os.path.join(root, "model_index.json")):
         return root
     torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
-                        block_out_channels=(8,), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-                        use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.0)
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-                        text_encoder_2=None, tokenizer_2=None, transformer=tiny_flux_transformer())
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(8,),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0,
+        scaling_factor=1.0,
+    )
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=tiny_flux_transformer(),
+    )
     pipe.save_pretrained(root)
     return root
 
 
-def make_dataset(root: str, family: str, n: int = 16, classes: int = 3, image_tokens: int = 0, image_dim: int = 8,
-                 frames: int = 1, noise: bool = False) -> str:
+def make_dataset(
+    root: str,
+    family: str,
+    n: int = 16,
+    classes: int = 3,
+    image_tokens: int = 0,
+    image_dim: int = 8,
+    frames: int = 1,
+    noise: bool = False,
+) -> str:
     """Random-but-structured latents (class-dependent means) with a class table of prompt embeddings; ``wan_i2v``
     with ``image_tokens``: also ``image_tokens`` x ``image_dim`` image embeddings per sample and prompts padded to
     the 512 tokens Wan I2V attention expects; ``frames``: latent frames of a Wan sample; ``noise``: a ``noise``
@@ -106,12 +189,16 @@ def make_dataset(root: str, family: str, n: int = 16, classes: int = 3, image_to
     means = torch.randn(classes, *shape, generator=g)
     lat = means[label] + 0.3 * torch.randn(n, *shape, generator=g)
     text_len = 512 if image_tokens else TEXT_LEN
-    tables = {"prompt_embeds": torch.randn(classes, text_len, TEXT_DIM, generator=g),
-              "negative_prompt_embeds": torch.zeros(1, text_len, TEXT_DIM)}
+    tables = {
+        "prompt_embeds": torch.randn(classes, text_len, TEXT_DIM, generator=g),
+        "negative_prompt_embeds": torch.zeros(1, text_len, TEXT_DIM),
+    }
     index = {"prompt_embeds": "prompt_index", "negative_prompt_embeds": None}
     samples = {"latents": lat, "prompt_index": label}
     if family == "wan_i2v":  # first-frame mask (4 channels) + the image latents, as WanImageToVideoPipeline builds them
-        samples["condition"] = torch.cat([torch.ones(n, 4, frames, 4, 4), lat + 0.1 * torch.randn(n, *shape, generator=g)], dim=1)
+        samples["condition"] = torch.cat(
+            [torch.ones(n, 4, frames, 4, 4), lat + 0.1 * torch.randn(n, *shape, generator=g)], dim=1
+        )
         if image_tokens:
             samples["image_embeds"] = torch.randn(n, image_tokens, image_dim, generator=g)
     if family == "flux":
@@ -122,13 +209,27 @@ def make_dataset(root: str, family: str, n: int = 16, classes: int = 3, image_to
     return write_latent_dataset(root, samples, family=family, tables=tables, table_index=index)
 
 
-def run_trainer(args: list[str], num_processes: int = 1, timeout: int = 300, check: bool = True, script: str = "rcm.py",
-                env: dict | None = None):
+def run_trainer(
+    args: list[str],
+    num_processes: int = 1,
+    timeout: int = 300,
+    check: bool = True,
+    script: str = "rcm.py",
+    env: dict | None = None,
+):
     """``runs.cpu_launch_command`` of ``training/<script> args`` in a subprocess (``env``: extra variables)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     cmd = R.cpu_launch_command(os.path.join(REPO, "training", script), args, num_processes)
     # own session so a timeout kills the launcher's worker processes too
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -163,8 +264,14 @@ def trainer_args(config: str, run, out, *extra) -> list[str]:
 def run_script(args: list[str], script: str = "rcm.py", timeout: int = 300):
     """``python training/<script> args`` without the launcher (for runs that must stop before training)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, os.path.join(REPO, "training", script), *args], env=env, capture_output=True,
-                          text=True, cwd=REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "training", script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
 
 
 class Payload:
@@ -178,8 +285,16 @@ class Payload:
 
 
 # the file names accelerate's save_state writes; a resume must never unpickle any of them
-ACCELERATE_SLOTS = ("custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "random_states_0.pkl", "optimizer.bin",
-                    "optimizer_1.bin", "scheduler.bin", "scheduler_1.bin", "pytorch_model.bin")
+ACCELERATE_SLOTS = (
+    "custom_checkpoint_0.pkl",
+    "custom_checkpoint_1.pkl",
+    "random_states_0.pkl",
+    "optimizer.bin",
+    "optimizer_1.bin",
+    "scheduler.bin",
+    "scheduler_1.bin",
+    "pytorch_model.bin",
+)
 
 
 def plant_pickles(ckpt_dir, marker) -> None:

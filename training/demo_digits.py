@@ -43,33 +43,58 @@ QUALITY_STEPS = 2900  # --quality: twice digits.yaml's 1450; buys 2 and 4 steps 
 
 def parse_args(argv=None):
     """Demo options; unknown ``--key value`` pairs are returned as trainer overrides."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Trainer options not listed here (--max_steps, --batch_size, --lr, ...) go to every "
-                                       "training run; ablation switches are applied after them.")
-    p.add_argument("--ablations", action="store_true",
-                   help="also train the sCM-only (--use_dmd false) and DMD-only (--scm_weight 0 --tangent_warmup 0) "
-                        "students, both without the regression term, and rCM without it (--regression_weight 0), "
-                        "with the same iterations, and put them in the same report")
-    p.add_argument("--out", default=None,
-                   help="rCM run directory, also where report.md/samples.png go (default: output_dir of the config, "
-                        "outputs/digits); ablations train into OUT-scm-only, OUT-dmd-only and OUT-no-regression")
-    p.add_argument("--quality", action="store_true",
-                   help=f"the longer preset: max_steps {QUALITY_STEPS} (twice the default's; about twice the time), "
-                        "default run directory OUTPUT_DIR-quality; a --max_steps given here still wins")
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Trainer options not listed here (--max_steps, --batch_size, --lr, ...) go to every "
+        "training run; ablation switches are applied after them.",
+    )
+    p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also train the sCM-only (--use_dmd false) and DMD-only (--scm_weight 0 --tangent_warmup 0) "
+        "students, both without the regression term, and rCM without it (--regression_weight 0), "
+        "with the same iterations, and put them in the same report",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="rCM run directory, also where report.md/samples.png go (default: output_dir of the config, "
+        "outputs/digits); ablations train into OUT-scm-only, OUT-dmd-only and OUT-no-regression",
+    )
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help=f"the longer preset: max_steps {QUALITY_STEPS} (twice the default's; about twice the time), "
+        "default run directory OUTPUT_DIR-quality; a --max_steps given here still wins",
+    )
     p.add_argument("--config", default=DEFAULT_CONFIG, help="trainer YAML (default: training/configs/digits.yaml)")
-    p.add_argument("--force", action="store_true",
-                   help="retrain even if a finished run exists (deletes that run directory first)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="ablation runs trained at the same time, after the rCM run (which always trains alone so its "
-                        "wall clock is the default demo's); >1 writes their output to RUN/train.log")
+    p.add_argument(
+        "--force", action="store_true", help="retrain even if a finished run exists (deletes that run directory first)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="ablation runs trained at the same time, after the rCM run (which always trains alone so its "
+        "wall clock is the default demo's); >1 writes their output to RUN/train.log",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process (default 1)")
-    p.add_argument("--processes", type=int, default=default_processes(),
-                   help="data-parallel CPU processes per training run (accelerate / DDP over gloo); each takes "
-                        "batch_size / processes samples, so the global batch is the config's (default: "
-                        "min(2, CPU cores))")
-    p.add_argument("--eval_threads", type=int, default=0,
-                   help="torch threads of the evaluation, which runs after training on the cores training used "
-                        "(default 0 = threads x processes; the samples are the same to the bit for any count)")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=default_processes(),
+        help="data-parallel CPU processes per training run (accelerate / DDP over gloo); each takes "
+        "batch_size / processes samples, so the global batch is the config's (default: "
+        "min(2, CPU cores))",
+    )
+    p.add_argument(
+        "--eval_threads",
+        type=int,
+        default=0,
+        help="torch threads of the evaluation, which runs after training on the cores training used "
+        "(default 0 = threads x processes; the samples are the same to the bit for any count)",
+    )
     p.add_argument("--samples", type=int, default=1000, help="evaluation samples per table row (classes cycle 0..9)")
     p.add_argument("--ref_steps", type=int, default=50, help="steps of the reference teacher rows")
     p.add_argument("--teacher_steps", default="1,2,4,8", help="few-step teacher rows (Euler and UniPC)")
@@ -98,18 +123,33 @@ def plan_runs(a, overrides: list[str]) -> list[dict]:
         base_cfg = load_config(["--config", a.config, *overrides])
     except (ValueError, OSError) as e:
         raise SystemExit(f"demo_digits: {e} (trainer options: python training/rcm.py --help)") from None
-    out = os.path.abspath(a.out or ((base_cfg.output_dir if os.path.isabs(base_cfg.output_dir)
-                                     else os.path.join(REPO, base_cfg.output_dir)) + ("-quality" if a.quality else "")))
+    out = os.path.abspath(
+        a.out
+        or (
+            (base_cfg.output_dir if os.path.isabs(base_cfg.output_dir) else os.path.join(REPO, base_cfg.output_dir))
+            + ("-quality" if a.quality else "")
+        )
+    )
     split = []
     if a.processes > 1:
         if base_cfg.batch_size % a.processes:
-            raise SystemExit(f"demo_digits: batch_size {base_cfg.batch_size} does not split over --processes {a.processes}; "
-                             "pass a batch_size divisible by it, or --processes 1")
+            raise SystemExit(
+                f"demo_digits: batch_size {base_cfg.batch_size} does not split over --processes {a.processes}; "
+                "pass a batch_size divisible by it, or --processes 1"
+            )
         split = ["--batch_size", str(base_cfg.batch_size // a.processes)]
     runs = []
     for name in ["rcm", *(D.ABLATIONS if a.ablations else [])]:
         run_dir = out if name == "rcm" else f"{out}-{name}"
-        args = ["--config", os.path.abspath(a.config), *overrides, *split, *D.run_overrides(name), "--output_dir", run_dir]
+        args = [
+            "--config",
+            os.path.abspath(a.config),
+            *overrides,
+            *split,
+            *D.run_overrides(name),
+            "--output_dir",
+            run_dir,
+        ]
         try:
             cfg = load_config(args)
         except ValueError as e:
@@ -129,8 +169,10 @@ def check_processes(run: dict, processes: int) -> None:
     depend on it); raises ``SystemExit`` saying so otherwise."""
     got = R.trained_processes(run["dir"])
     if got is not None and got != processes:
-        raise SystemExit(f"demo_digits: {run['name']} in {run['dir']} was trained by {got} process(es), this demo asks "
-                         f"for {processes} (--processes): pass --force to retrain it, or --processes {got}")
+        raise SystemExit(
+            f"demo_digits: {run['name']} in {run['dir']} was trained by {got} process(es), this demo asks "
+            f"for {processes} (--processes): pass --force to retrain it, or --processes {got}"
+        )
 
 
 def _env(threads: int) -> dict:
@@ -144,7 +186,9 @@ def train(runs: list[dict], a) -> dict:
     for r in runs:
         if a.force and os.path.isdir(r["dir"]):
             if not os.path.exists(os.path.join(r["dir"], "env.json")) and os.listdir(r["dir"]):
-                raise SystemExit(f"demo_digits: --force would delete {r['dir']}, which is not a training run (no env.json)")
+                raise SystemExit(
+                    f"demo_digits: --force would delete {r['dir']}, which is not a training run (no env.json)"
+                )
             print(f"[demo] --force: removing {r['dir']}", flush=True)
             shutil.rmtree(r["dir"])
         try:
@@ -153,29 +197,45 @@ def train(runs: list[dict], a) -> dict:
             raise SystemExit(f"demo_digits: {e}") from None
         if state == "finished":
             check_processes(r, a.processes)
-            print(f"[demo] {r['name']}: finished run in {r['dir']} (final.json), not retraining (--force to retrain)", flush=True)
+            print(
+                f"[demo] {r['name']}: finished run in {r['dir']} (final.json), not retraining (--force to retrain)",
+                flush=True,
+            )
         else:
             if state == "partial":
-                print(f"[demo] {r['name']}: unfinished run in {r['dir']}: resuming from its latest checkpoint", flush=True)
+                print(
+                    f"[demo] {r['name']}: unfinished run in {r['dir']}: resuming from its latest checkpoint", flush=True
+                )
             todo.append(r)
     times = {}
     groups = [[r] for r in todo if r["name"] == "rcm"]
     rest = [r for r in todo if r["name"] != "rcm"]
-    groups += [rest[i:i + a.jobs] for i in range(0, len(rest), a.jobs)]
+    groups += [rest[i : i + a.jobs] for i in range(0, len(rest), a.jobs)]
     for group in groups:
         procs = []
         for r in group:
-            cmd = launch_command([*r["args"], "--resume", "latest"] + (["--progress", "false"] if len(group) > 1 else []),
-                                 a.processes)
-            print(f"[demo] training {r['name']} -> {r['dir']}\n  OMP_NUM_THREADS={a.threads} {' '.join(cmd)}", flush=True)
+            cmd = launch_command(
+                [*r["args"], "--resume", "latest"] + (["--progress", "false"] if len(group) > 1 else []), a.processes
+            )
+            print(
+                f"[demo] training {r['name']} -> {r['dir']}\n  OMP_NUM_THREADS={a.threads} {' '.join(cmd)}", flush=True
+            )
             if a.dry_run:
                 continue
             log = None
             if len(group) > 1:
                 os.makedirs(r["dir"], exist_ok=True)
                 log = open(os.path.join(r["dir"], "train.log"), "a")
-            procs.append((r, subprocess.Popen(cmd, cwd=REPO, env=_env(a.threads), stdout=log, stderr=subprocess.STDOUT if log else None),
-                          time.perf_counter(), log))
+            procs.append(
+                (
+                    r,
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env=_env(a.threads), stdout=log, stderr=subprocess.STDOUT if log else None
+                    ),
+                    time.perf_counter(),
+                    log,
+                )
+            )
         for r, proc, t0, log in procs:
             rc = proc.wait()
             times[r["name"]] = time.perf_counter() - t0
@@ -191,7 +251,10 @@ def train(runs: list[dict], a) -> dict:
                         tail = "\n  log tail:\n" + "".join(f.readlines()[-20:])
                 raise SystemExit(f"demo_digits: training {r['name']} failed (exit {rc}); run dir {r['dir']}{tail}")
             check_processes(r, a.processes)
-            print(f"[demo] {r['name']} trained in {times[r['name']] / 60:.1f} min by {a.processes} process(es)", flush=True)
+            print(
+                f"[demo] {r['name']} trained in {times[r['name']] / 60:.1f} min by {a.processes} process(es)",
+                flush=True,
+            )
     return times
 
 
@@ -204,13 +267,32 @@ def evaluate(runs: list[dict], a):
         if r["config"]["ema_rate"] > 0:
             students += ["--student", f"{r['name']}-ema={os.path.join(r['dir'], 'ema')}"]
     title = "Digits benchmark: rCM" + (" with sCM-only, DMD-only and no-regression ablations" if len(runs) > 1 else "")
-    argv = [*students, "--out", runs[0]["dir"], "--samples", str(a.samples), "--ref_steps", str(a.ref_steps),
-            "--teacher_steps", a.teacher_steps, "--student_steps", a.student_steps, "--threads", str(a.eval_threads or a.threads * a.processes), "--title", title,
-            "--time_input", runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
-            "--sigma_max", str(runs[0]["config"].get("sigma_max", 80.0)),  # and with the sampler their config names
-            "--mid_t", format_mid_t(runs[0]["config"].get("mid_t") or []),
-            # the rCM student to use (its EMA) as a diffusers user loads it: load_rcm_lora, and without the run's scheduler
-            "--user_rows", runs[0]["name"] + ("-ema" if runs[0]["config"]["ema_rate"] > 0 else "")]
+    argv = [
+        *students,
+        "--out",
+        runs[0]["dir"],
+        "--samples",
+        str(a.samples),
+        "--ref_steps",
+        str(a.ref_steps),
+        "--teacher_steps",
+        a.teacher_steps,
+        "--student_steps",
+        a.student_steps,
+        "--threads",
+        str(a.eval_threads or a.threads * a.processes),
+        "--title",
+        title,
+        "--time_input",
+        runs[0]["config"].get("time_input", "bf16"),  # sample at the times the students were trained on
+        "--sigma_max",
+        str(runs[0]["config"].get("sigma_max", 80.0)),  # and with the sampler their config names
+        "--mid_t",
+        format_mid_t(runs[0]["config"].get("mid_t") or []),
+        # the rCM student to use (its EMA) as a diffusers user loads it: load_rcm_lora, and without the run's scheduler
+        "--user_rows",
+        runs[0]["name"] + ("-ema" if runs[0]["config"]["ema_rate"] > 0 else ""),
+    ]
     print(f"[demo] evaluating: python training/eval_digits.py {' '.join(argv)}", flush=True)
     if a.dry_run:
         return []
@@ -236,13 +318,21 @@ def main(argv=None):
     eval_s = time.perf_counter() - t1
     if a.dry_run:
         return rows
-    timing = {"train_s": train_s, "eval_s": None if a.skip_eval else eval_s, "total_s": time.perf_counter() - t0,
-              "runs": {r["name"]: r["dir"] for r in runs}, "argv": sys.argv if argv is None else argv,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    timing = {
+        "train_s": train_s,
+        "eval_s": None if a.skip_eval else eval_s,
+        "total_s": time.perf_counter() - t0,
+        "runs": {r["name"]: r["dir"] for r in runs},
+        "argv": sys.argv if argv is None else argv,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     D.atomic_write_text(os.path.join(runs[0]["dir"], "demo_timing.json"), json.dumps(timing, indent=1))
     summary = ", ".join(f"{k} {v / 60:.1f} min" for k, v in train_s.items()) or "no training (all runs finished)"
-    print(f"[demo] done in {timing['total_s'] / 60:.1f} min (training: {summary}; evaluation {eval_s / 60:.1f} min); "
-          f"report: {os.path.join(runs[0]['dir'], 'report.md')}", flush=True)
+    print(
+        f"[demo] done in {timing['total_s'] / 60:.1f} min (training: {summary}; evaluation {eval_s / 60:.1f} min); "
+        f"report: {os.path.join(runs[0]['dir'], 'report.md')}",
+        flush=True,
+    )
     return rows
 
 

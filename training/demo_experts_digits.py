@@ -47,7 +47,9 @@ METHODS = {"two-experts": [], "one-lora-both": ["--experts", "one", "--transform
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(REPO, "outputs", "digits_experts"), help="folder of the runs and the report")
+    p.add_argument(
+        "--out", default=os.path.join(REPO, "outputs", "digits_experts"), help="folder of the runs and the report"
+    )
     p.add_argument("--config", default=CONFIG, help="trainer YAML (default: training/configs/digits-experts.yaml)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
@@ -89,7 +91,10 @@ def train(runs, a) -> dict:
 
     from demo_digits import _env, launch_command
 
-    todo = sorted((r for r in runs if D.run_state(r["dir"], r["config"]) != "finished"), key=lambda r: r["method"] != "two-experts")
+    todo = sorted(
+        (r for r in runs if D.run_state(r["dir"], r["config"]) != "finished"),
+        key=lambda r: r["method"] != "two-experts",
+    )
     times, running = {}, []
     while todo or running:
         while todo and len(running) < a.jobs:
@@ -98,7 +103,14 @@ def train(runs, a) -> dict:
             log = open(os.path.join(r["dir"], "train.log"), "a")
             cmd = launch_command([*r["args"], "--resume", "latest", "--progress", "false"])
             print(f"[demo-experts] training {os.path.basename(r['dir'])} (log: {log.name})", flush=True)
-            running.append((r, subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=log, stderr=subprocess.STDOUT), time.perf_counter(), log))
+            running.append(
+                (
+                    r,
+                    subprocess.Popen(cmd, cwd=REPO, env=_env(1), stdout=log, stderr=subprocess.STDOUT),
+                    time.perf_counter(),
+                    log,
+                )
+            )
         _t.sleep(2)
         for item in list(running):
             r, proc, t0, log = item
@@ -112,7 +124,10 @@ def train(runs, a) -> dict:
                 for _, other, _, _ in running:
                     other.terminate()
                 raise SystemExit(f"demo_experts_digits: {r['dir']} failed (exit {rc}); see {log.name}")
-            print(f"[demo-experts] {os.path.basename(r['dir'])} trained in {times[os.path.basename(r['dir'])] / 60:.1f} min", flush=True)
+            print(
+                f"[demo-experts] {os.path.basename(r['dir'])} trained in {times[os.path.basename(r['dir'])] / 60:.1f} min",
+                flush=True,
+            )
     return times
 
 
@@ -124,9 +139,18 @@ def two_expert_student(teacher_dir: str, lora_dir: str, reuse: bool):
     from rcm_diffusers.lora.pipeline import load_rcm_lora
 
     sw, emb = D.load_teacher(teacher_dir)
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=None, transformer=sw.transformer,
-                       transformer_2=sw.transformer_2, boundary_ratio=sw.boundary_ratio)
-    load_rcm_lora(pipe, lora_dir, adapter_name="student", reuse_for_both=reuse, scheduler=False)  # sampled by digits.sample
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        scheduler=None,
+        transformer=sw.transformer,
+        transformer_2=sw.transformer_2,
+        boundary_ratio=sw.boundary_ratio,
+    )
+    load_rcm_lora(
+        pipe, lora_dir, adapter_name="student", reuse_for_both=reuse, scheduler=False
+    )  # sampled by digits.sample
     return WanExpertSwitch(pipe.transformer, pipe.transformer_2, sw.boundary_ratio).eval(), emb
 
 
@@ -164,14 +188,33 @@ def evaluate(runs, a) -> list[dict]:
     steps = [int(s) for s in a.student_steps.split(",") if s.strip()]
     for r in runs:
         for variant, sub in (("live", ""), ("ema", "ema")):
-            model, emb = two_expert_student(teacher_dir, os.path.join(r["dir"], sub), reuse=r["method"] == "one-lora-both")
+            model, emb = two_expert_student(
+                teacher_dir, os.path.join(r["dir"], sub), reuse=r["method"] == "one-lora-both"
+            )
             for k in steps:
                 c = r["config"]
-                x = D.sample_student(model, emb, labels, k, seed=1234, sigma_max=c["sigma_max"], mid_t=c["mid_t"] or None,
-                                     time_input=c["time_input"])
+                x = D.sample_student(
+                    model,
+                    emb,
+                    labels,
+                    k,
+                    seed=1234,
+                    sigma_max=c["sigma_max"],
+                    mid_t=c["mid_t"] or None,
+                    time_input=c["time_input"],
+                )
                 m = ev.evaluate(x, labels)
-                rows.append({"method": r["method"], "weights": variant, "seed": r["seed"], "steps": k, **m,
-                             "fd_ratio": m["fd"] / teacher["fd"], "fd_pixel_ratio": m["fd_pixel"] / teacher["fd_pixel"]})
+                rows.append(
+                    {
+                        "method": r["method"],
+                        "weights": variant,
+                        "seed": r["seed"],
+                        "steps": k,
+                        **m,
+                        "fd_ratio": m["fd"] / teacher["fd"],
+                        "fd_pixel_ratio": m["fd_pixel"] / teacher["fd_pixel"],
+                    }
+                )
                 if r["seed"] == runs[0]["seed"] and variant == "ema":
                     grid.append((f"{r['method']} {k}", x[:10]))
     D.save_grid(os.path.join(a.out, "samples.png"), grid)
@@ -182,21 +225,29 @@ def report(a, teacher, rows, times) -> str:
     def ms(v, d=2):
         return f"{statistics.mean(v):.{d}f} ± {statistics.stdev(v):.{d}f}" if len(v) > 1 else f"{v[0]:.{d}f}"
 
-    lines = [f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})", "",
-             f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, pixel FD {teacher['fd_pixel']:.3f}, "
-             f"accuracy {teacher['accuracy']:.3f}. {a.samples} samples per row; mean ± sd over training seeds {a.seeds}. "
-             "Pixel FD = Fréchet distance in raw pixels (a second feature space, not the classifier's).", "",
-             "| method | weights | steps | FD ↓ | FD / teacher ↓ | pixel FD ↓ | pixel FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, pixel FD {teacher['fd_pixel']:.3f}, "
+        f"accuracy {teacher['accuracy']:.3f}. {a.samples} samples per row; mean ± sd over training seeds {a.seeds}. "
+        "Pixel FD = Fréchet distance in raw pixels (a second feature space, not the classifier's).",
+        "",
+        "| method | weights | steps | FD ↓ | FD / teacher ↓ | pixel FD ↓ | pixel FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     keys = sorted({(r["method"], r["weights"], r["steps"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
     for method, w, k in keys:
         sel = [r for r in rows if (r["method"], r["weights"], r["steps"]) == (method, w, k)]
-        lines.append(f"| {method} | {w} | {k} | {ms([r['fd'] for r in sel])} | {ms([r['fd_ratio'] for r in sel])} | "
-                     f"{ms([r['fd_pixel'] for r in sel], 3)} | {ms([r['fd_pixel_ratio'] for r in sel])} | "
-                     f"{ms([r['accuracy'] for r in sel], 3)} | {ms([r['diversity'] for r in sel])} | {len(sel)} |")
+        lines.append(
+            f"| {method} | {w} | {k} | {ms([r['fd'] for r in sel])} | {ms([r['fd_ratio'] for r in sel])} | "
+            f"{ms([r['fd_pixel'] for r in sel], 3)} | {ms([r['fd_pixel_ratio'] for r in sel])} | "
+            f"{ms([r['accuracy'] for r in sel], 3)} | {ms([r['diversity'] for r in sel])} | {len(sel)} |"
+        )
     text = "\n".join(lines) + "\n"
     D.atomic_write_text(os.path.join(a.out, "report.md"), text)
-    D.atomic_write_text(os.path.join(a.out, "results.json"), json.dumps({"teacher": teacher, "rows": rows, "train_s": times}, indent=1))
+    D.atomic_write_text(
+        os.path.join(a.out, "results.json"), json.dumps({"teacher": teacher, "rows": rows, "train_s": times}, indent=1)
+    )
     return text
 
 
@@ -210,7 +261,10 @@ def main(argv=None):
         return None
     teacher, rows = evaluate(runs, a)
     print(report(a, teacher, rows, times), flush=True)
-    print(f"[demo-experts] done in {(time.perf_counter() - t0) / 60:.1f} min: {os.path.join(a.out, 'report.md')}", flush=True)
+    print(
+        f"[demo-experts] done in {(time.perf_counter() - t0) / 60:.1f} min: {os.path.join(a.out, 'report.md')}",
+        flush=True,
+    )
     return rows
 
 

@@ -29,35 +29,116 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--pretrained", required=True, help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline) whose VAE, text encoder and transformer are used")
-    ap.add_argument("--output_dir", required=True, help="directory to write (meta.json, shard-*.safetensors, tables.safetensors)")
-    ap.add_argument("--source", default="", help="real data: a folder of images/videos each with <name>.txt, or a .jsonl/.csv manifest with file and caption columns (paths relative to it). With --synthetic: prompts (and, for I2V, first-frame images) from such a folder/manifest")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument(
+        "--pretrained",
+        required=True,
+        help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline) whose VAE, text encoder and transformer are used",
+    )
+    ap.add_argument(
+        "--output_dir", required=True, help="directory to write (meta.json, shard-*.safetensors, tables.safetensors)"
+    )
+    ap.add_argument(
+        "--source",
+        default="",
+        help="real data: a folder of images/videos each with <name>.txt, or a .jsonl/.csv manifest with file and caption columns (paths relative to it). With --synthetic: prompts (and, for I2V, first-frame images) from such a folder/manifest",
+    )
     ap.add_argument("--prompts", default="", help="--synthetic: a .txt file with one prompt per line (T2V/T2I)")
-    ap.add_argument("--synthetic", action="store_true", help="generate x0 with the teacher (TrigFlow ODE + CFG) instead of encoding media; each sample's starting noise "
-                    "is stored too, so the dataset also serves as ODE pairs (rcm.py --regression_data_dir)")
-    ap.add_argument("--num_samples", type=int, default=0, help="--synthetic: number of samples; sample i uses prompt i %% P and seed seed+i (default: one per prompt)")
-    ap.add_argument("--height", type=int, required=True, help="pixel height; media of another size are an error unless --resize")
+    ap.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="generate x0 with the teacher (TrigFlow ODE + CFG) instead of encoding media; each sample's starting noise "
+        "is stored too, so the dataset also serves as ODE pairs (rcm.py --regression_data_dir)",
+    )
+    ap.add_argument(
+        "--num_samples",
+        type=int,
+        default=0,
+        help="--synthetic: number of samples; sample i uses prompt i %% P and seed seed+i (default: one per prompt)",
+    )
+    ap.add_argument(
+        "--height", type=int, required=True, help="pixel height; media of another size are an error unless --resize"
+    )
     ap.add_argument("--width", type=int, required=True, help="pixel width")
-    ap.add_argument("--num_frames", type=int, default=1, help="frames per sample (Wan: 4k+1, e.g. 81; 1 = images); videos are cut to their first num_frames")
-    ap.add_argument("--resize", default="error", choices=["error", "crop", "stretch"], help="media of another size: error (default), crop (scale to cover + centre crop) or stretch")
-    ap.add_argument("--caption_ext", default=".txt", help="caption file extension next to each media file in a folder source")
-    ap.add_argument("--negative_prompt", default=None, help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux)")
-    ap.add_argument("--no_negative_prompt", action="store_true", help="store no negative embeddings (the trainer's teacher then runs without CFG)")
-    ap.add_argument("--max_sequence_length", type=int, default=0, help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling)")
+    ap.add_argument(
+        "--num_frames",
+        type=int,
+        default=1,
+        help="frames per sample (Wan: 4k+1, e.g. 81; 1 = images); videos are cut to their first num_frames",
+    )
+    ap.add_argument(
+        "--resize",
+        default="error",
+        choices=["error", "crop", "stretch"],
+        help="media of another size: error (default), crop (scale to cover + centre crop) or stretch",
+    )
+    ap.add_argument(
+        "--caption_ext", default=".txt", help="caption file extension next to each media file in a folder source"
+    )
+    ap.add_argument(
+        "--negative_prompt",
+        default=None,
+        help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux)",
+    )
+    ap.add_argument(
+        "--no_negative_prompt",
+        action="store_true",
+        help="store no negative embeddings (the trainer's teacher then runs without CFG)",
+    )
+    ap.add_argument(
+        "--max_sequence_length",
+        type=int,
+        default=0,
+        help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling)",
+    )
     ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (docs/math.md §8: 100)")
-    ap.add_argument("--shift", type=float, default=3.0, help="--synthetic: flow shift of the teacher grid (docs/math.md §8: 3)")
-    ap.add_argument("--guidance_scale", type=float, default=5.0, help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (docs/math.md §8: 5); 1 = no CFG")
-    ap.add_argument("--solver", default="euler", choices=["euler", "unipc"], help="--synthetic: TrigFlowEulerScheduler or TrigFlowUniPCScheduler")
-    ap.add_argument("--sigma_max", type=float, default=5000.0, help="--synthetic: EDM sigma of the first grid point (r_max = sigma_max / (1 + sigma_max))")
+    ap.add_argument(
+        "--shift", type=float, default=3.0, help="--synthetic: flow shift of the teacher grid (docs/math.md §8: 3)"
+    )
+    ap.add_argument(
+        "--guidance_scale",
+        type=float,
+        default=5.0,
+        help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (docs/math.md §8: 5); 1 = no CFG",
+    )
+    ap.add_argument(
+        "--solver",
+        default="euler",
+        choices=["euler", "unipc"],
+        help="--synthetic: TrigFlowEulerScheduler or TrigFlowUniPCScheduler",
+    )
+    ap.add_argument(
+        "--sigma_max",
+        type=float,
+        default=5000.0,
+        help="--synthetic: EDM sigma of the first grid point (r_max = sigma_max / (1 + sigma_max))",
+    )
     ap.add_argument("--flux_guidance", type=float, default=3.5, help="--synthetic, Flux-dev: guidance-embedding value")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: base seed")
     ap.add_argument("--batch_size", type=int, default=4, help="samples per VAE / text-encoder / teacher batch")
-    ap.add_argument("--shard_size", type=int, default=256, help="samples per shard file (written as they are encoded; memory stays bounded)")
-    ap.add_argument("--save_dtype", default="float32", choices=sorted(DTYPES), help="dtype of the stored latents/embeddings (bfloat16 halves the disk; the trainer casts to float32 on load)")
+    ap.add_argument(
+        "--shard_size",
+        type=int,
+        default=256,
+        help="samples per shard file (written as they are encoded; memory stays bounded)",
+    )
+    ap.add_argument(
+        "--save_dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="dtype of the stored latents/embeddings (bfloat16 halves the disk; the trainer casts to float32 on load)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype the pipeline is loaded in (bfloat16 for 14B models on GPU)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="dtype the pipeline is loaded in (bfloat16 for 14B models on GPU)",
+    )
     ap.add_argument("--no_progress", action="store_true", help="no tqdm bars")
     a = ap.parse_args(argv)
     if not a.synthetic and not a.source:
@@ -78,14 +159,38 @@ def main(argv=None):
         items = P.read_items(a.source, a.caption_ext)
         prompts, images = [it.caption for it in items], [it.media for it in items]
     pipe = DiffusionPipeline.from_pretrained(a.pretrained, torch_dtype=DTYPES[a.dtype]).to(a.device)
-    enc = P.PipelineEncoder(pipe, a.height, a.width, a.num_frames, a.max_sequence_length or None, a.device, DTYPES[a.dtype])
-    negative = None if a.no_negative_prompt else (a.negative_prompt if a.negative_prompt is not None else ("" if enc.family != "flux" else None))
-    common = dict(negative_prompt=negative, resize=a.resize, batch_size=a.batch_size, shard_size=a.shard_size,
-                  save_dtype=DTYPES[a.save_dtype], progress=not a.no_progress)
+    enc = P.PipelineEncoder(
+        pipe, a.height, a.width, a.num_frames, a.max_sequence_length or None, a.device, DTYPES[a.dtype]
+    )
+    negative = (
+        None
+        if a.no_negative_prompt
+        else (a.negative_prompt if a.negative_prompt is not None else ("" if enc.family != "flux" else None))
+    )
+    common = dict(
+        negative_prompt=negative,
+        resize=a.resize,
+        batch_size=a.batch_size,
+        shard_size=a.shard_size,
+        save_dtype=DTYPES[a.save_dtype],
+        progress=not a.no_progress,
+    )
     if a.synthetic:
-        out = P.prepare_synthetic(enc, prompts, a.output_dir, num_samples=a.num_samples or len(prompts), seed=a.seed,
-                                  steps=a.steps, shift=a.shift, guidance_scale=a.guidance_scale, solver=a.solver,
-                                  sigma_max=a.sigma_max, flux_guidance=a.flux_guidance, images=images, **common)
+        out = P.prepare_synthetic(
+            enc,
+            prompts,
+            a.output_dir,
+            num_samples=a.num_samples or len(prompts),
+            seed=a.seed,
+            steps=a.steps,
+            shift=a.shift,
+            guidance_scale=a.guidance_scale,
+            solver=a.solver,
+            sigma_max=a.sigma_max,
+            flux_guidance=a.flux_guidance,
+            images=images,
+            **common,
+        )
     else:
         out = P.prepare_real(enc, items, a.output_dir, **common)
     print(f"wrote {out} ({enc.family}, latents {enc.latent_shape})")

@@ -25,9 +25,21 @@ from rcm_diffusers import digits as D  # noqa: E402
 
 def finetune_expert(model, emb, x_tr, y_tr, r_lo: float, r_hi: float, a, seed: int, desc: str):
     """``digits.train_rectified_flow`` on ``r ~ U[r_lo, r_hi)`` with the class table frozen; returns the EMA copy."""
-    ema, _ = D.train_rectified_flow(model.train().requires_grad_(True), emb, x_tr, y_tr, steps=a.steps, batch_size=a.batch_size,
-                                    lr=a.lr, warmup=a.warmup, ema=a.ema, p_uncond=a.p_uncond,
-                                    generator=torch.Generator().manual_seed(seed), r_range=(r_lo, r_hi), desc=desc)
+    ema, _ = D.train_rectified_flow(
+        model.train().requires_grad_(True),
+        emb,
+        x_tr,
+        y_tr,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        warmup=a.warmup,
+        ema=a.ema,
+        p_uncond=a.p_uncond,
+        generator=torch.Generator().manual_seed(seed),
+        r_range=(r_lo, r_hi),
+        desc=desc,
+    )
     return ema
 
 
@@ -35,8 +47,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default=D.TEACHER_DIR, help="one-network teacher to start both experts from")
     p.add_argument("--out", default=D.TEACHER2_DIR, help="two-expert pipeline directory to write")
-    p.add_argument("--boundary", type=float, default=0.875,
-                   help="boundary_ratio: RF time of the switch (Wan2.2 T2V A14B: 0.875, I2V: 0.9)")
+    p.add_argument(
+        "--boundary",
+        type=float,
+        default=0.875,
+        help="boundary_ratio: RF time of the switch (Wan2.2 T2V A14B: 0.875, I2V: 0.9)",
+    )
     p.add_argument("--steps", type=int, default=800, help="fine-tuning steps per expert")
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -44,7 +60,9 @@ def main(argv=None):
     p.add_argument("--ema", type=float, default=0.998, help="EMA decay of the shipped weights")
     p.add_argument("--p_uncond", type=float, default=0.1, help="probability of the null class (CFG training)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: reproducible and fastest on a busy 2-core box)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: reproducible and fastest on a busy 2-core box)"
+    )
     p.add_argument("--eval_samples", type=int, default=1000, help="samples for the closing FD check (0 = skip)")
     a = p.parse_args(argv)
     if not 0.0 < a.boundary < 1.0:
@@ -60,9 +78,19 @@ def main(argv=None):
     high = finetune_expert(copy.deepcopy(base), emb, x_tr, y_tr, a.boundary, 1.0, a, a.seed + 11, "high-noise expert")
     low = finetune_expert(copy.deepcopy(base), emb, x_tr, y_tr, 0.0, a.boundary, a, a.seed + 12, "low-noise expert")
     train_s = time.perf_counter() - t0
-    meta = {"base": os.path.relpath(a.base, os.path.dirname(a.out)), "boundary_ratio": a.boundary, "steps_per_expert": a.steps,
-            "batch_size": a.batch_size, "lr": a.lr, "ema": a.ema, "p_uncond": a.p_uncond, "seed": a.seed,
-            "train_seconds": round(train_s, 1), "threads": torch.get_num_threads(), "split_seed": D.SPLIT_SEED}
+    meta = {
+        "base": os.path.relpath(a.base, os.path.dirname(a.out)),
+        "boundary_ratio": a.boundary,
+        "steps_per_expert": a.steps,
+        "batch_size": a.batch_size,
+        "lr": a.lr,
+        "ema": a.ema,
+        "p_uncond": a.p_uncond,
+        "seed": a.seed,
+        "train_seconds": round(train_s, 1),
+        "threads": torch.get_num_threads(),
+        "split_seed": D.SPLIT_SEED,
+    }
     D.save_teacher(a.out, high, emb, extra_meta=meta, transformer_2=low, boundary_ratio=a.boundary)
     print(f"two experts, {a.steps} steps each in {train_s:.0f} s -> {a.out}")
     if a.eval_samples:

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from safetensors.torch import save_file  # noqa: E402
+
 from rcm_diffusers import digits as D  # noqa: E402
 
 
@@ -27,10 +28,20 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=D.TEACHER_DIR, help="teacher pipeline directory to write")
     p.add_argument("--classifier_out", default=D.CLASSIFIER_PATH, help="evaluator classifier file to write ('' = skip)")
-    p.add_argument("--data_out", default=os.path.join(D.ASSETS, "digits_latents"), help="latent dataset of the train split ('' = skip)")
-    p.add_argument("--pairs_out", default="auto", help="the teacher's ODE pairs (noise -> 32-step UniPC sample, 8192 of "
-                   "them); 'auto' = the shipped digits_ode_pairs when --out is the shipped teacher, else none; '' = skip")
-    p.add_argument("--pairs_only", action="store_true", help="only write --pairs_out from the existing teacher at --out")
+    p.add_argument(
+        "--data_out",
+        default=os.path.join(D.ASSETS, "digits_latents"),
+        help="latent dataset of the train split ('' = skip)",
+    )
+    p.add_argument(
+        "--pairs_out",
+        default="auto",
+        help="the teacher's ODE pairs (noise -> 32-step UniPC sample, 8192 of "
+        "them); 'auto' = the shipped digits_ode_pairs when --out is the shipped teacher, else none; '' = skip",
+    )
+    p.add_argument(
+        "--pairs_only", action="store_true", help="only write --pairs_out from the existing teacher at --out"
+    )
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -38,7 +49,12 @@ def main(argv=None):
     p.add_argument("--ema", type=float, default=0.999, help="EMA decay of the shipped weights")
     p.add_argument("--p_uncond", type=float, default=0.1, help="probability of the null class (CFG training)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default; 1 is much faster on a busy 2-core box)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0 = torch default; 1 is much faster on a busy 2-core box)",
+    )
     p.add_argument("--eval_samples", type=int, default=500, help="samples for the closing FD check (0 = skip)")
     a = p.parse_args(argv)
     if a.pairs_out == "auto":  # pairs belong to the teacher they come from: never the shipped ones for another teacher
@@ -62,14 +78,33 @@ def main(argv=None):
     model = D.build_teacher(seed=a.seed).train()
     emb = D.init_class_embeddings(seed=a.seed)
     t0 = time.perf_counter()
-    ema_model, ema_emb = D.train_rectified_flow(model, emb, x_tr, y_tr, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-                                                warmup=a.warmup, ema=a.ema, p_uncond=a.p_uncond,
-                                                generator=torch.Generator().manual_seed(a.seed + 1))
+    ema_model, ema_emb = D.train_rectified_flow(
+        model,
+        emb,
+        x_tr,
+        y_tr,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        warmup=a.warmup,
+        ema=a.ema,
+        p_uncond=a.p_uncond,
+        generator=torch.Generator().manual_seed(a.seed + 1),
+    )
     train_s = time.perf_counter() - t0
 
-    meta = {"steps": a.steps, "batch_size": a.batch_size, "lr": a.lr, "ema": a.ema, "p_uncond": a.p_uncond, "seed": a.seed,
-            "train_seconds": round(train_s, 1), "threads": torch.get_num_threads(),
-            "params": sum(p.numel() for p in model.parameters()), "split_seed": D.SPLIT_SEED}
+    meta = {
+        "steps": a.steps,
+        "batch_size": a.batch_size,
+        "lr": a.lr,
+        "ema": a.ema,
+        "p_uncond": a.p_uncond,
+        "seed": a.seed,
+        "train_seconds": round(train_s, 1),
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "split_seed": D.SPLIT_SEED,
+    }
     D.save_teacher(a.out, ema_model, ema_emb, extra_meta=meta)
     print(f"teacher: {meta['params']} parameters, {a.steps} steps in {train_s:.0f} s -> {a.out}")
     if a.data_out:

@@ -62,19 +62,29 @@ def _check(q, k, v, t_q, t_k, t_v, backend):
         if x.dtype not in _DTYPES:
             raise ValueError(f"{name} has unsupported dtype {x.dtype}; use one of {_DTYPES}")
         if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"q, k, v must share dtype and device; {name} is {x.dtype} on {x.device}, q is {q.dtype} on {q.device}")
+            raise ValueError(
+                f"q, k, v must share dtype and device; {name} is {x.dtype} on {x.device}, q is {q.dtype} on {q.device}"
+            )
     B, _, H, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B={B}, Lk, H={H}, D={D}] like q {tuple(q.shape)}")
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B={B}, Lk, H={H}, D={D}] like q {tuple(q.shape)}"
+        )
     for name, x, t in (("q", q, t_q), ("k", k, t_k), ("v", v, t_v)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor) or t.shape != x.shape:
-            raise ValueError(f"tangent of {name} must have the shape of {name} {tuple(x.shape)}; got {tuple(getattr(t, 'shape', ()))}")
+            raise ValueError(
+                f"tangent of {name} must have the shape of {name} {tuple(x.shape)}; got {tuple(getattr(t, 'shape', ()))}"
+            )
         if t.dtype != x.dtype:
-            raise ValueError(f"tangent of {name} has dtype {t.dtype}, its primal {x.dtype}; cast it, no implicit promotion")
+            raise ValueError(
+                f"tangent of {name} has dtype {t.dtype}, its primal {x.dtype}; cast it, no implicit promotion"
+            )
         if t.device != x.device:
-            raise ValueError(f"tangent of {name} is on {t.device}, its primal on {x.device}; move it to the same device")
+            raise ValueError(
+                f"tangent of {name} is on {t.device}, its primal on {x.device}; move it to the same device"
+            )
     if backend == "triton":
         if not 16 <= D <= 256:
             raise ValueError(f"triton backend supports head dims 16..256, got D={D}; use backend='torch'")
@@ -111,8 +121,9 @@ def mask_bias(attn_mask, q, k):
     return attn_mask.to(acc)
 
 
-def jvp_attention(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, backend: str = "auto", return_lse: bool = False,
-                  attn_mask=None):
+def jvp_attention(
+    q, k, v, t_q=None, t_k=None, t_v=None, scale=None, backend: str = "auto", return_lse: bool = False, attn_mask=None
+):
     """``(O, tO)`` with ``O = softmax(S) V``, ``S = scale Q K^T + mask`` and
     ``tO = (P * tS) V - rowsum(P * tS) O + P tV``, ``tS = scale (tQ K^T + Q tK^T)`` (docs/math.md §5).
 
@@ -142,8 +153,9 @@ def has_tangent(*xs) -> bool:
 
 def _sdpa(q, k, v, scale, attn_mask=None):
     """Plain SDPA on ``[B, S, H, D]``."""
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
-                                       scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
+    )
     return o.transpose(1, 2)
 
 
@@ -206,8 +218,9 @@ def attention(q, k, v, scale=None, backend: str = "auto", attn_mask=None):
     if all(t is None for t in tangents):
         return _sdpa(q, k, v, scale, attn_mask)
     if attn_mask is not None and has_tangent(attn_mask):
-        raise ValueError("JVP attention: the attention mask carries a tangent; a mask must not depend on the "
-                         "differentiated inputs")
+        raise ValueError(
+            "JVP attention: the attention mask carries a tangent; a mask must not depend on the differentiated inputs"
+        )
     with torch.no_grad():  # validate here, on the caller's tensors, for a clear message
         _check(q, k, v, *tangents, select_backend(q, backend))
         if attn_mask is not None:

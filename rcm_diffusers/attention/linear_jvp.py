@@ -57,8 +57,11 @@ def _forward_of(module: nn.Module):
     op = F.linear if isinstance(module, nn.Linear) else module._conv_forward
 
     def forward(x):
-        if (not torch.is_grad_enabled() and has_tangent(x)
-                and not has_tangent(*[p for p in (module.weight, module.bias) if p is not None])):
+        if (
+            not torch.is_grad_enabled()
+            and has_tangent(x)
+            and not has_tangent(*[p for p in (module.weight, module.bias) if p is not None])
+        ):
             return _ConstantWeightTangent.apply(x, module, op)
         return stock(x)
 

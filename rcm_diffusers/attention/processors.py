@@ -25,8 +25,17 @@ __all__ = ["enable_jvp_attention", "disable_jvp_attention", "time_embedding_fp32
 WAN_TEXT_TOKENS = 512  # Wan I2V: the last 512 context tokens are text, the ones before are image
 
 #: the time-embedding modules of diffusers' flow-matching transformers (LTX-2 has one per modality)
-_TIME_EMBEDDING = ("condition_embedder", "time_text_embed", "time_guidance_embed", "time_condition_embed", "time_embed",
-                   "audio_time_embed", "t_embedder", "time_step_embed", "time_caption_embed")
+_TIME_EMBEDDING = (
+    "condition_embedder",
+    "time_text_embed",
+    "time_guidance_embed",
+    "time_condition_embed",
+    "time_embed",
+    "audio_time_embed",
+    "t_embedder",
+    "time_step_embed",
+    "time_caption_embed",
+)
 
 #: diffusers attention backends whose attention is a torch ``scaled_dot_product_attention`` call (the others run
 #: kernels without a forward-mode rule: flash-attn, sage, xformers, flex, NPU / XLA ops)
@@ -75,22 +84,28 @@ def check_jvp_servable(model) -> None:
         pname = type(proc).__name__
         backend = _backend_name(getattr(proc, "_attention_backend", None))
         if backend is not None and backend not in SDPA_BACKENDS:
-            raise ValueError(f"{name}: attention backend {backend!r} at {sub_name} has no forward-mode rule; JVP attention "
-                             f"runs through torch's scaled_dot_product_attention: call {name}.reset_attention_backend() "
-                             f"or set_attention_backend('native')")
+            raise ValueError(
+                f"{name}: attention backend {backend!r} at {sub_name} has no forward-mode rule; JVP attention "
+                f"runs through torch's scaled_dot_product_attention: call {name}.reset_attention_backend() "
+                f"or set_attention_backend('native')"
+            )
         if any(tag in pname for tag in _FOREIGN_PROCESSORS):
-            raise ValueError(f"{name}: attention processor {pname} at {sub_name} calls a kernel without a forward-mode "
-                             f"rule; JVP attention runs through torch's scaled_dot_product_attention: use the model's "
-                             f"default processors")
+            raise ValueError(
+                f"{name}: attention processor {pname} at {sub_name} calls a kernel without a forward-mode "
+                f"rule; JVP attention runs through torch's scaled_dot_product_attention: use the model's "
+                f"default processors"
+            )
     _check_active_backend(name)
 
 
 def _check_active_backend(name: str) -> None:
     backend = _active_backend()
     if backend is not None and backend not in SDPA_BACKENDS:
-        raise ValueError(f"{name}: diffusers' active attention backend is {backend!r}, which has no forward-mode rule; "
-                         f"JVP attention runs through torch's scaled_dot_product_attention: use 'native' for the JVP "
-                         f"pass (diffusers.attention_backend('native'), or unset DIFFUSERS_ATTN_BACKEND)")
+        raise ValueError(
+            f"{name}: diffusers' active attention backend is {backend!r}, which has no forward-mode rule; "
+            f"JVP attention runs through torch's scaled_dot_product_attention: use 'native' for the JVP "
+            f"pass (diffusers.attention_backend('native'), or unset DIFFUSERS_ATTN_BACKEND)"
+        )
 
 
 def _wan_i2v_inputs(model, args, kwargs) -> None:
@@ -99,18 +114,22 @@ def _wan_i2v_inputs(model, args, kwargs) -> None:
     image = kwargs.get("encoder_hidden_states_image")
     text = kwargs.get("encoder_hidden_states", args[2] if len(args) > 2 else None)
     if image is not None and text is not None and text.shape[1] != WAN_TEXT_TOKENS:
-        raise ValueError(f"Wan I2V attention takes the last {WAN_TEXT_TOKENS} context tokens as text and the ones before "
-                         f"as image tokens (as diffusers' WanAttnProcessor), but the text has {text.shape[1]} tokens: "
-                         f"encode prompts padded to max_sequence_length={WAN_TEXT_TOKENS} (the WanPipeline default)")
+        raise ValueError(
+            f"Wan I2V attention takes the last {WAN_TEXT_TOKENS} context tokens as text and the ones before "
+            f"as image tokens (as diffusers' WanAttnProcessor), but the text has {text.shape[1]} tokens: "
+            f"encode prompts padded to max_sequence_length={WAN_TEXT_TOKENS} (the WanPipeline default)"
+        )
 
 
 def _hidream_moe(model) -> None:
     """HiDream's mixture-of-experts layers route eval-mode tokens through ``moe_infer`` (no_grad, NumPy indices), which
     no JVP can pass; their training-mode routing computes the same outputs differentiably."""
     if any(hasattr(m, "moe_infer") and not m.training for m in model.modules()):
-        raise ValueError(f"{type(model).__name__}: the mixture-of-experts layers in eval() mode route tokens through "
-                         "moe_infer (no_grad, NumPy indices), which a JVP cannot pass; call model.train() for the JVP "
-                         "pass (training-mode routing computes the same outputs)")
+        raise ValueError(
+            f"{type(model).__name__}: the mixture-of-experts layers in eval() mode route tokens through "
+            "moe_infer (no_grad, NumPy indices), which a JVP cannot pass; call model.train() for the JVP "
+            "pass (training-mode routing computes the same outputs)"
+        )
 
 
 _INPUT_CHECKS = {"WanTransformer3DModel": _wan_i2v_inputs}
@@ -177,8 +196,11 @@ def _install_fp32(model, jvp_only: bool):
     and casts floating outputs back to the weights' dtype; ``jvp_only``: only when an input has a tangent."""
     modules = _time_embeddings(model, required=not jvp_only)
     if not modules:
-        warnings.warn(f"{type(model).__name__}: no time-embedding module among {_TIME_EMBEDDING}; its time embedding "
-                      "keeps the model's dtype in JVP passes", stacklevel=3)
+        warnings.warn(
+            f"{type(model).__name__}: no time-embedding module among {_TIME_EMBEDDING}; its time embedding "
+            "keeps the model's dtype in JVP passes",
+            stacklevel=3,
+        )
     for module in modules:
         _install_fp32_module(module, jvp_only)
 
@@ -206,7 +228,9 @@ def _install_fp32_module(module, jvp_only: bool):
         state["inside"] = True
         try:
             with torch.autocast(tensors[0].device.type, enabled=False):
-                out = torch.func.functional_call(module, weights, tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()})
+                out = torch.func.functional_call(
+                    module, weights, tuple(up(a) for a in args), {k: up(v) for k, v in kwargs.items()}
+                )
         finally:
             state["inside"] = False
 

@@ -25,16 +25,28 @@ _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def sdpa_jvp(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-             backend: str = "auto"):
+def sdpa_jvp(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    backend: str = "auto",
+):
     """``F.scaled_dot_product_attention`` (layout ``[B, H, L, D]``, or ``[B, L, D]``) with the fused JVP rule of
     ``attention``. Refused (``ValueError``, one line): dropout, other ranks, a mask together with ``is_causal``."""
     if dropout_p:
         raise ValueError(f"JVP attention: dropout_p={dropout_p} in a JVP pass; run the model in eval() mode")
     dims = {query.dim(), key.dim(), value.dim()}
     if dims not in ({3}, {4}):
-        raise ValueError(f"JVP attention takes SDPA's [B, H, L, D] (or [B, L, D]) query, key and value, got "
-                         f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}")
+        raise ValueError(
+            f"JVP attention takes SDPA's [B, H, L, D] (or [B, L, D]) query, key and value, got "
+            f"{list(query.shape)}, {list(key.shape)}, {list(value.shape)}"
+        )
     squeeze = dims == {3}
     if squeeze:
         query, key, value = (x.unsqueeze(1) for x in (query, key, value))
@@ -47,11 +59,19 @@ def sdpa_jvp(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     hq, hk = query.shape[1], key.shape[1]
     if hk != hq:
         if not enable_gqa or hq % hk:
-            raise ValueError(f"JVP attention: {hq} query heads and {hk} key/value heads (grouped-query attention needs "
-                             "enable_gqa=True and a head count that divides)")
+            raise ValueError(
+                f"JVP attention: {hq} query heads and {hk} key/value heads (grouped-query attention needs "
+                "enable_gqa=True and a head count that divides)"
+            )
         key, value = key.repeat_interleave(hq // hk, dim=1), value.repeat_interleave(hq // hk, dim=1)
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scale, backend=backend,
-                    attn_mask=attn_mask).transpose(1, 2)
+    out = attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        scale=scale,
+        backend=backend,
+        attn_mask=attn_mask,
+    ).transpose(1, 2)
     return out.squeeze(1) if squeeze else out
 
 

@@ -21,7 +21,6 @@ import triton.language as tl
 __all__ = ["jvp_attention_triton", "interpreting"]
 
 
-
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -41,16 +40,58 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _jvp_attn_fwd(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, BIAS,
-    sq_b, sq_s, sq_h, stq_b, stq_s, stq_h,
-    sk_b, sk_s, sk_h, stk_b, stk_s, stk_h,
-    sv_b, sv_s, sv_h, stv_b, stv_s, stv_h,
-    so_b, so_s, so_h, sto_b, sto_s, sto_h,
-    sb_b, sb_h, sb_m, sb_n,
-    H, Lq, Lk, D, scale,
-    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    TQ,
+    TK,
+    TV,
+    O,
+    TO,
+    LSE,
+    BIAS,
+    sq_b,
+    sq_s,
+    sq_h,
+    stq_b,
+    stq_s,
+    stq_h,
+    sk_b,
+    sk_s,
+    sk_h,
+    stk_b,
+    stk_s,
+    stk_h,
+    sv_b,
+    sv_s,
+    sv_h,
+    stv_b,
+    stv_s,
+    stv_h,
+    so_b,
+    so_s,
+    so_h,
+    sto_b,
+    sto_s,
+    sto_h,
+    sb_b,
+    sb_h,
+    sb_m,
+    sb_n,
+    H,
+    Lq,
+    Lk,
+    D,
+    scale,
+    HAS_TQ: tl.constexpr,
+    HAS_TK: tl.constexpr,
+    HAS_TV: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -87,8 +128,11 @@ def _jvp_attn_fwd(
         # scores S = scale Q K^T (log2 units) and tangent tS = scale (tQ K^T + Q tK^T)
         s = _dot(q, kT, IEEE, UPCAST) * qk_scale
         if HAS_BIAS:
-            bias = tl.load(BIAS + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + cols[None, :] * sb_n,
-                           mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            bias = tl.load(
+                BIAS + b * sb_b + h * sb_h + offs_m[:, None] * sb_m + cols[None, :] * sb_n,
+                mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
             s += bias.to(tl.float32) * 1.4426950408889634
         s = tl.where(col_ok[None, :], s, float("-inf"))
         ts = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -121,7 +165,9 @@ def _jvp_attn_fwd(
     t_o = (acc_a + acc_b) / l_safe[:, None] - (r_i / l_safe)[:, None] * o
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], o.to(O.dtype.element_ty), mask=qmask)
-    tl.store(TO + b * sto_b + h * sto_h + offs_m[:, None] * sto_s + offs_d[None, :], t_o.to(TO.dtype.element_ty), mask=qmask)
+    tl.store(
+        TO + b * sto_b + h * sto_h + offs_m[:, None] * sto_s + offs_d[None, :], t_o.to(TO.dtype.element_ty), mask=qmask
+    )
     tl.store(LSE + pid_bh * Lq + offs_m, lse, mask=row_ok)
 
 
@@ -172,18 +218,39 @@ def jvp_attention_triton(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, bloc
         return (x if x is not None else like).stride()[:3]
 
     args = (
-        q, k, v, t_q if t_q is not None else q, t_k if t_k is not None else k, t_v if t_v is not None else v,
-        o, t_o, lse, bias if bias is not None else lse,
-        *q.stride()[:3], *strides(t_q, q),
-        *k.stride()[:3], *strides(t_k, k),
-        *v.stride()[:3], *strides(t_v, v),
-        *o.stride()[:3], *t_o.stride()[:3],
+        q,
+        k,
+        v,
+        t_q if t_q is not None else q,
+        t_k if t_k is not None else k,
+        t_v if t_v is not None else v,
+        o,
+        t_o,
+        lse,
+        bias if bias is not None else lse,
+        *q.stride()[:3],
+        *strides(t_q, q),
+        *k.stride()[:3],
+        *strides(t_k, k),
+        *v.stride()[:3],
+        *strides(t_v, v),
+        *o.stride()[:3],
+        *t_o.stride()[:3],
         *(bias.stride() if bias is not None else (0, 0, 0, 0)),
-        H, Lq, Lk, D, scale,
+        H,
+        Lq,
+        Lk,
+        D,
+        scale,
     )
     flags = dict(
-        HAS_TQ=t_q is not None, HAS_TK=t_k is not None, HAS_TV=t_v is not None, HAS_BIAS=bias is not None,
-        IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        HAS_TQ=t_q is not None,
+        HAS_TK=t_k is not None,
+        HAS_TV=t_v is not None,
+        HAS_BIAS=bias is not None,
+        IEEE=q.dtype == torch.float32,
+        UPCAST=interpreting() and q.dtype != torch.float32,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     if block is None and not interpreting():
         kernel = _autotuned(D <= 128)

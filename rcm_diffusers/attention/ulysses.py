@@ -31,15 +31,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all", "gather_seq", "enable_context_parallel", "disable_context_parallel", "context_parallel_groups",
-           "WanUlyssesAttnProcessor",
-           "cp_group_of", "check_context_parallel"]
+__all__ = [
+    "all_to_all",
+    "gather_seq",
+    "enable_context_parallel",
+    "disable_context_parallel",
+    "context_parallel_groups",
+    "WanUlyssesAttnProcessor",
+    "cp_group_of",
+    "check_context_parallel",
+]
 
 
 def _a2a(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     P = dist.get_world_size(group)
     if x.shape[scatter_dim] % P:
-        raise ValueError(f"all-to-all over {P} ranks: dimension {scatter_dim} of {tuple(x.shape)} is not divisible by {P}")
+        raise ValueError(
+            f"all-to-all over {P} ranks: dimension {scatter_dim} of {tuple(x.shape)} is not divisible by {P}"
+        )
     send = torch.stack([c.contiguous() for c in x.chunk(P, dim=scatter_dim)])
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -128,8 +137,10 @@ def _shard(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     P, r = dist.get_world_size(group), dist.get_rank(group)
     n = x.shape[dim]
     if n % P:
-        raise ValueError(f"context parallel size {P}: the sample has {n} video tokens, not divisible by {P}; "
-                         "choose a context_parallel_size that divides (frames / p_t) x (height / p_h) x (width / p_w)")
+        raise ValueError(
+            f"context parallel size {P}: the sample has {n} video tokens, not divisible by {P}; "
+            "choose a context_parallel_size that divides (frames / p_t) x (height / p_h) x (width / p_w)"
+        )
     return x.narrow(dim, r * (n // P), n // P)
 
 
@@ -190,8 +201,9 @@ class WanUlyssesAttnProcessor:
     def _attend(self, q, k, v, attn_mask=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        return dispatch_attention_fn(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False,
-                                     backend=self._attention_backend)
+        return dispatch_attention_fn(
+            q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         from diffusers.models.transformers import transformer_wan
@@ -236,7 +248,9 @@ def check_context_parallel(transformer, size: int) -> None:
             raise ValueError(f"context parallelism is implemented for Wan transformers, not {type(model).__name__}")
         heads = model.config.num_attention_heads
         if heads % size:
-            raise ValueError(f"context_parallel_size {size} does not divide the {heads} attention heads of {type(model).__name__}")
+            raise ValueError(
+                f"context_parallel_size {size} does not divide the {heads} attention heads of {type(model).__name__}"
+            )
 
 
 def _enable(model, group) -> None:
@@ -264,9 +278,12 @@ def _enable(model, group) -> None:
         if t is not None and t.dim() == 2:
             raise ValueError("context parallelism: per-token timesteps (Wan 2.2 TI2V) are not supported")
 
-    handles = [model.rope.register_forward_hook(rope_out), model.patch_embedding.register_forward_hook(patch_out),
-               model.proj_out.register_forward_hook(proj_out),
-               model.register_forward_pre_hook(per_token_time, with_kwargs=True)]
+    handles = [
+        model.rope.register_forward_hook(rope_out),
+        model.patch_embedding.register_forward_hook(patch_out),
+        model.proj_out.register_forward_hook(proj_out),
+        model.register_forward_pre_hook(per_token_time, with_kwargs=True),
+    ]
     model._rcm_cp = {"group": group, "handles": handles}
 
 
@@ -285,5 +302,6 @@ def _disable(model) -> None:
         return
     for h in state["handles"]:
         h.remove()
-    model.set_attn_processor({n: (p.stock if isinstance(p, WanUlyssesAttnProcessor) else p)
-                              for n, p in model.attn_processors.items()})
+    model.set_attn_processor(
+        {n: (p.stock if isinstance(p, WanUlyssesAttnProcessor) else p) for n, p in model.attn_processors.items()}
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 from torch import nn
@@ -27,7 +26,9 @@ class DigitClassifier(nn.Module):
         return self.head(self.features(x))
 
 
-def train_classifier(x: torch.Tensor, y: torch.Tensor, seed: int = 0, epochs: int = 60, noise_std: float = 0.1) -> DigitClassifier:
+def train_classifier(
+    x: torch.Tensor, y: torch.Tensor, seed: int = 0, epochs: int = 60, noise_std: float = 0.1
+) -> DigitClassifier:
     """Seeded Adam training (batch 64, lr 2e-3, Gaussian pixel noise ``noise_std`` for robustness); a few seconds."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -37,7 +38,7 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, seed: int = 0, epochs: in
     for _ in range(epochs):
         perm = torch.randperm(len(xf), generator=g)
         for i in range(0, len(xf), 64):
-            idx = perm[i:i + 64]
+            idx = perm[i : i + 64]
             xb = xf[idx] + noise_std * torch.randn(len(idx), 64, generator=g)
             loss = nn.functional.cross_entropy(clf(xb), y[idx])
             opt.zero_grad()
@@ -88,7 +89,12 @@ class Evaluator:
     owes nothing to the classifier, so that a gain in ``fd`` can be checked not to be an artefact of its features.
     """
 
-    def __init__(self, classifier: DigitClassifier | None = None, x_ref: torch.Tensor | None = None, y_ref: torch.Tensor | None = None):
+    def __init__(
+        self,
+        classifier: DigitClassifier | None = None,
+        x_ref: torch.Tensor | None = None,
+        y_ref: torch.Tensor | None = None,
+    ):
         if x_ref is None:
             s = load_digits_split()
             x_ref, y_ref = s["x_test"], s["y_test"]
@@ -117,5 +123,9 @@ class Evaluator:
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         f = self.features(x)
         div = within_class_diversity(f, y.cpu().numpy()) / self.div_ref
-        return {"fd": frechet_distance(f, self.f_ref), "accuracy": self.accuracy(x, y), "diversity": float(np.nanmean(div)),
-                "fd_pixel": frechet_distance(self.pixels(x), self.p_ref)}
+        return {
+            "fd": frechet_distance(f, self.f_ref),
+            "accuracy": self.accuracy(x, y),
+            "diversity": float(np.nanmean(div)),
+            "fd_pixel": frechet_distance(self.pixels(x), self.p_ref),
+        }

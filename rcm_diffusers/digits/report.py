@@ -58,13 +58,17 @@ class Row:
 def write_report(path: str, rows: list[Row], header: str = "") -> str:
     """Markdown table (NFE, FD, pixel FD, accuracy, diversity, ms/sample, peak memory) written atomically; returns the
     table."""
-    lines = ["| method | steps | NFE | FD ↓ | FD vs teacher-100 ↓ | pixel FD ↓ | accuracy ↑ | diversity (real = 1) | ms/sample | peak MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | steps | NFE | FD ↓ | FD vs teacher-100 ↓ | pixel FD ↓ | accuracy ↑ | diversity (real = 1) | ms/sample | peak MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         fdt = "—" if math.isnan(r.fd_vs_teacher) else f"{r.fd_vs_teacher:.2f}"
         pix = "—" if math.isnan(r.fd_pixel) else f"{r.fd_pixel:.3f}"
-        lines.append(f"| {r.method} | {r.steps} | {r.nfe} | {r.fd:.2f} | {fdt} | {pix} | {r.accuracy:.3f} | {r.diversity:.2f} | "
-                     f"{r.ms_per_sample:.2f} | {r.peak_mb:.0f} |")
+        lines.append(
+            f"| {r.method} | {r.steps} | {r.nfe} | {r.fd:.2f} | {fdt} | {pix} | {r.accuracy:.3f} | {r.diversity:.2f} | "
+            f"{r.ms_per_sample:.2f} | {r.peak_mb:.0f} |"
+        )
     table = "\n".join(lines) + "\n"
     atomic_write_text(path, (header + "\n\n" if header else "") + table)
     return table
@@ -76,15 +80,29 @@ def write_report(path: str, rows: list[Row], header: str = "") -> str:
 # sCM-only drops the fake score, so every iteration is a student sCM step; DMD-only zeroes the sCM term and
 # the tangent warm-up, because during the warm-up DMD is off by design (docs/math.md §4.3) and with scm_weight 0 those
 # iterations would be empty student steps (no loss, yet they consume the lr warm-up and the EMA schedule).
-ABLATIONS = {"scm-only": {"use_dmd": False, "regression_weight": 0.0},
-             "dmd-only": {"scm_weight": 0.0, "tangent_warmup": 0, "regression_weight": 0.0},
-             "no-regression": {"regression_weight": 0.0}}
+ABLATIONS = {
+    "scm-only": {"use_dmd": False, "regression_weight": 0.0},
+    "dmd-only": {"scm_weight": 0.0, "tangent_warmup": 0, "regression_weight": 0.0},
+    "no-regression": {"regression_weight": 0.0},
+}
 
 # config keys that do not change what a run trains (a finished run that differs only in these is reused); sigma_max
 # and mid_t are the student sampler's: the rCM trainer uses them only for preview samples and the scheduler config it
 # exports, and the demos sample every student with the sampler of their current config
-_RUN_NEUTRAL = {"output_dir", "resume", "progress", "log_every", "checkpoint_every", "checkpoints_total_limit",
-                "report_to", "exit_after_step", "sample_every", "sample_steps", "sigma_max", "mid_t"}
+_RUN_NEUTRAL = {
+    "output_dir",
+    "resume",
+    "progress",
+    "log_every",
+    "checkpoint_every",
+    "checkpoints_total_limit",
+    "report_to",
+    "exit_after_step",
+    "sample_every",
+    "sample_steps",
+    "sigma_max",
+    "mid_t",
+}
 # the two-expert options: a one-expert run (``experts: one``) never reads them
 _TWO_EXPERT_ONLY = {"expert_sampling", "high_noise_share", "boundary_weight"}
 
@@ -95,7 +113,9 @@ def run_overrides(variant: str) -> list[str]:
         return []
     if variant not in ABLATIONS:
         raise ValueError(f"unknown variant {variant!r}; use rcm or one of {sorted(ABLATIONS)}")
-    return [a for k, v in ABLATIONS[variant].items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+    return [
+        a for k, v in ABLATIONS[variant].items() for a in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))
+    ]
 
 
 def run_state(run_dir: str, config: dict | None = None) -> str:
@@ -112,7 +132,11 @@ def run_state(run_dir: str, config: dict | None = None) -> str:
         neutral = _RUN_NEUTRAL | (_TWO_EXPERT_ONLY if old.get("experts") == config.get("experts") == "one" else set())
         diff = sorted(k for k in set(config) | set(old) if k not in neutral and old.get(k) != config.get(k))
         if diff:
-            raise ValueError(f"{run_dir} holds a run with a different config ({', '.join(f'{k}: {old.get(k)!r} -> {config.get(k)!r}' for k in diff)}); "
-                             "pass --force to retrain it, or choose another --out")
-    exported = any(os.path.exists(os.path.join(run_dir, f)) for f in ("pytorch_lora_weights.safetensors", "student_transformer"))
+            raise ValueError(
+                f"{run_dir} holds a run with a different config ({', '.join(f'{k}: {old.get(k)!r} -> {config.get(k)!r}' for k in diff)}); "
+                "pass --force to retrain it, or choose another --out"
+            )
+    exported = any(
+        os.path.exists(os.path.join(run_dir, f)) for f in ("pytorch_lora_weights.safetensors", "student_transformer")
+    )
     return "finished" if os.path.exists(os.path.join(run_dir, "final.json")) and exported else "partial"

@@ -33,9 +33,18 @@ def _velocity(transformer, class_embeddings, labels, guidance_scale: float, time
 
 
 @torch.no_grad()
-def sample_teacher(transformer, class_embeddings, labels: torch.Tensor, steps: int, solver: str = "euler",
-                   guidance_scale: float = 1.0, seed: int = 0, shift: float = 1.0, sigma_max: float = 5000.0,
-                   batch_size: int = 500) -> torch.Tensor:
+def sample_teacher(
+    transformer,
+    class_embeddings,
+    labels: torch.Tensor,
+    steps: int,
+    solver: str = "euler",
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    shift: float = 1.0,
+    sigma_max: float = 5000.0,
+    batch_size: int = 500,
+) -> torch.Tensor:
     """Teacher ODE samples ``[B, 1, 1, 8, 8]`` with ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler`` (docs/math.md §2.2),
     starting from ``noise`` drawn by ``torch.Generator().manual_seed(seed)``. NFE = steps x (2 with CFG, else 1)."""
     from ..schedulers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
@@ -47,8 +56,8 @@ def sample_teacher(transformer, class_embeddings, labels: torch.Tensor, steps: i
     for i in range(0, len(labels), batch_size):
         sch = cls(sigma_max=sigma_max, shift=shift)
         sch.set_timesteps(steps)
-        x = noise[i:i + batch_size]
-        v = _velocity(transformer, class_embeddings, labels[i:i + batch_size], guidance_scale)
+        x = noise[i : i + batch_size]
+        v = _velocity(transformer, class_embeddings, labels[i : i + batch_size], guidance_scale)
         for k, ts in enumerate(sch.timesteps):
             x = sch.step(v(x, sch.rf_times[k]), ts, x).prev_sample
         outs.append(x)
@@ -56,8 +65,18 @@ def sample_teacher(transformer, class_embeddings, labels: torch.Tensor, steps: i
 
 
 @torch.no_grad()
-def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, sigma_max: float = 80.0,
-                   mid_t=None, guidance_scale: float = 1.0, batch_size: int = 500, time_input: str = "bf16") -> torch.Tensor:
+def sample_student(
+    transformer,
+    class_embeddings,
+    labels: torch.Tensor,
+    steps: int,
+    seed: int = 0,
+    sigma_max: float = 80.0,
+    mid_t=None,
+    guidance_scale: float = 1.0,
+    batch_size: int = 500,
+    time_input: str = "bf16",
+) -> torch.Tensor:
     """Few-step rCM samples with ``RCMScheduler`` (docs/math.md §2.1): ``x = r_0 noise``, then ``steps`` x0-and-renoise moves
     with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG). ``time_input``: the time the student
     saw in training (``RCMConfig.time_input``). ``mid_t``: None = the default angles, else any form ``RCMScheduler``
@@ -72,8 +91,8 @@ def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: i
         sch = RCMScheduler(sigma_max=sigma_max, mid_t=mid_t or DEFAULT_MID_T, time_input=time_input)
         sch.set_timesteps(steps)
         sch.set_generator(g)
-        x = sch.scale_initial_noise(noise[i:i + batch_size])
-        v = _velocity(transformer, class_embeddings, labels[i:i + batch_size], guidance_scale, time_input)
+        x = sch.scale_initial_noise(noise[i : i + batch_size])
+        v = _velocity(transformer, class_embeddings, labels[i : i + batch_size], guidance_scale, time_input)
         for k, ts in enumerate(sch.timesteps):
             x = sch.step(v(x, sch.rf_times[k]), ts, x).prev_sample
         outs.append(x)
@@ -81,15 +100,27 @@ def sample_student(transformer, class_embeddings, labels: torch.Tensor, steps: i
 
 
 @torch.no_grad()
-def sample_pipeline(pipe, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, batch_size: int = 500) -> torch.Tensor:
+def sample_pipeline(
+    pipe, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, batch_size: int = 500
+) -> torch.Tensor:
     """Samples ``[B, 1, 1, 8, 8]`` by the stock ``pipe(...)`` call a user makes (64 px = 8x8 latents, ``guidance_scale=1``,
     ``output_type="latent"``): ``pipe.scheduler`` as it is, the pipeline's own unscaled initial noise from
     ``generator=torch.Generator().manual_seed(seed)`` and the scheduler's own re-noising. NFE = steps."""
     g = torch.Generator().manual_seed(seed)
     outs = []
     for i in range(0, len(labels), batch_size):
-        outs.append(pipe(prompt_embeds=class_embeddings[labels[i:i + batch_size]], height=64, width=64, num_frames=1,
-                         num_inference_steps=steps, guidance_scale=1.0, output_type="latent", generator=g).frames.float())
+        outs.append(
+            pipe(
+                prompt_embeds=class_embeddings[labels[i : i + batch_size]],
+                height=64,
+                width=64,
+                num_frames=1,
+                num_inference_steps=steps,
+                guidance_scale=1.0,
+                output_type="latent",
+                generator=g,
+            ).frames.float()
+        )
     return torch.cat(outs)
 
 
@@ -104,5 +135,7 @@ def timed(fn, *args, **kwargs):
     if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     return out, dt, peak

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from torch import nn
 
-
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 TEACHER_DIR = os.path.join(ASSETS, "digits_teacher")
 #: the two-expert teacher (Wan 2.2 layout: transformer = high-noise, transformer_2 = low-noise expert, boundary_ratio)
@@ -50,9 +49,21 @@ def to_pixels(x: torch.Tensor) -> torch.Tensor:
 
 def teacher_config(**overrides) -> dict:
     """The tiny Wan config of the digits teacher (1 channel, one latent frame, patch (1, 2, 2))."""
-    cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=1, out_channels=1,
-               text_dim=TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=4, cross_attn_norm=True,
-               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32)
+    cfg = dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=32,
+        in_channels=1,
+        out_channels=1,
+        text_dim=TEXT_DIM,
+        freq_dim=64,
+        ffn_dim=256,
+        num_layers=4,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=32,
+    )
     cfg.update(overrides)
     return cfg
 
@@ -71,9 +82,22 @@ def init_class_embeddings(seed: int = 0) -> nn.Parameter:
     return nn.Parameter(torch.randn(NUM_CLASSES + 1, TEXT_LEN, TEXT_DIM, generator=g))
 
 
-def train_rectified_flow(model, class_embeddings, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_size: int, lr: float,
-                         warmup: int, ema: float, p_uncond: float, generator: torch.Generator, r_range=(0.0, 1.0),
-                         desc: str = "teacher"):
+def train_rectified_flow(
+    model,
+    class_embeddings,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
+    ema: float,
+    p_uncond: float,
+    generator: torch.Generator,
+    r_range=(0.0, 1.0),
+    desc: str = "teacher",
+):
     """Class-conditional rectified flow (docs/math.md §1): ``x_r = (1 - r) x0 + r eps``, ``r ~ U[r_lo, r_hi)``, loss
     ``||v(x_r, r) - (eps - x0)||^2``, class dropped to ``NULL_CLASS`` with ``p_uncond``; AdamW (0.9, 0.99), linear
     warm-up then cosine decay, gradient clipping at 1, EMA with decay ``min(ema, (1 + k) / (10 + k))``. The class
@@ -88,7 +112,8 @@ def train_rectified_flow(model, class_embeddings, x: torch.Tensor, y: torch.Tens
     params = list(model.parameters()) + ([emb] if emb.requires_grad else [])
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1 + _m.cos(_m.pi * min(k, steps) / steps)))
+        opt, lambda k: min(1.0, (k + 1) / warmup) * 0.5 * (1 + _m.cos(_m.pi * min(k, steps) / steps))
+    )
     lo, hi = r_range
     bar = tqdm(range(steps), desc=desc)
     for step in bar:
@@ -122,8 +147,14 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_teacher(out_dir: str, transformer, class_embeddings: torch.Tensor, extra_meta: dict | None = None,
-                 transformer_2=None, boundary_ratio: float | None = None) -> str:
+def save_teacher(
+    out_dir: str,
+    transformer,
+    class_embeddings: torch.Tensor,
+    extra_meta: dict | None = None,
+    transformer_2=None,
+    boundary_ratio: float | None = None,
+) -> str:
     """Write a diffusers ``WanPipeline`` directory (transformer + teacher scheduler, no VAE/text encoder) plus
     ``class_embeddings.safetensors`` (``prompt_embeds`` ``[10, L, D]``, ``negative_prompt_embeds`` ``[1, L, D]``);
     with ``transformer_2`` and ``boundary_ratio`` the Wan 2.2 two-expert layout. Built in ``out_dir.tmp`` and
@@ -136,13 +167,22 @@ def save_teacher(out_dir: str, transformer, class_embeddings: torch.Tensor, extr
     out_dir = out_dir.rstrip("/")
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer.float().eval(),
-                       scheduler=TrigFlowEulerScheduler(),
-                       transformer_2=None if transformer_2 is None else transformer_2.float().eval(), boundary_ratio=boundary_ratio)
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=transformer.float().eval(),
+        scheduler=TrigFlowEulerScheduler(),
+        transformer_2=None if transformer_2 is None else transformer_2.float().eval(),
+        boundary_ratio=boundary_ratio,
+    )
     pipe.save_pretrained(tmp, safe_serialization=True)
     emb = class_embeddings.detach().float().cpu()
-    save_file({"prompt_embeds": emb[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": emb[NULL_CLASS:].contiguous()},
-              os.path.join(tmp, "class_embeddings.safetensors"), metadata={"null_class": str(NULL_CLASS)})
+    save_file(
+        {"prompt_embeds": emb[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": emb[NULL_CLASS:].contiguous()},
+        os.path.join(tmp, "class_embeddings.safetensors"),
+        metadata={"null_class": str(NULL_CLASS)},
+    )
     atomic_write_text(os.path.join(tmp, "digits_meta.json"), json.dumps(extra_meta or {}, indent=1, default=str))
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
@@ -158,7 +198,11 @@ def load_teacher(path: str = TEACHER_DIR, device="cpu"):
 
     from ..distill.experts import LOW, WanExpertSwitch, pipeline_boundary_ratio
 
-    tr = WanTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32).to(device).eval()
+    tr = (
+        WanTransformer3DModel.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     b = pipeline_boundary_ratio(path)
     if b is not None:
         tr2 = WanTransformer3DModel.from_pretrained(path, subfolder=LOW, torch_dtype=torch.float32).to(device).eval()
@@ -206,8 +250,14 @@ ODE_PAIRS_DIR = os.path.join(ASSETS, "digits_ode_pairs")
 
 
 @torch.no_grad()
-def write_ode_pairs(out_dir: str, teacher_dir: str = TEACHER_DIR, num_samples: int = 8192, steps: int = 32, seed: int = 0,
-                    batch_size: int = 512) -> str:
+def write_ode_pairs(
+    out_dir: str,
+    teacher_dir: str = TEACHER_DIR,
+    num_samples: int = 8192,
+    steps: int = 32,
+    seed: int = 0,
+    batch_size: int = 512,
+) -> str:
     """ODE pairs of the digits teacher for the regression term (docs/math.md §4.7), in the trainer's latent format:
     pair ``i`` has class ``i % 10``, ``noise`` = ``randn([1, 1, 8, 8], generator=manual_seed(seed + i))`` and ``latents`` =
     the teacher's ODE solution from it (``distill.prepare.teacher_samples``: UniPC, ``steps`` steps, shift 1,
@@ -217,17 +267,50 @@ def write_ode_pairs(out_dir: str, teacher_dir: str = TEACHER_DIR, num_samples: i
     tr, emb = load_teacher(teacher_dir)
     labels = torch.arange(num_samples) % NUM_CLASSES
     noise = seed_noise((1, 1, 8, 8), [seed + i for i in range(num_samples)])
-    x = torch.cat([teacher_samples(tr, "wan", {"prompt_embeds": emb[labels[i:i + batch_size]]}, noise[i:i + batch_size],
-                                   steps=steps, shift=1.0, guidance_scale=1.0, solver="unipc")
-                   for i in range(0, num_samples, batch_size)])
+    x = torch.cat(
+        [
+            teacher_samples(
+                tr,
+                "wan",
+                {"prompt_embeds": emb[labels[i : i + batch_size]]},
+                noise[i : i + batch_size],
+                steps=steps,
+                shift=1.0,
+                guidance_scale=1.0,
+                solver="unipc",
+            )
+            for i in range(0, num_samples, batch_size)
+        ]
+    )
     return write_latent_dataset_for(
-        out_dir, x, labels, emb, extra={"noise": noise}, shard_size=num_samples,
-        meta={"source": "synthetic", "teacher": os.path.basename(teacher_dir.rstrip("/")), "solver": "unipc",
-              "steps": steps, "shift": 1.0, "guidance_scale": 1.0, "sigma_max": 5000.0, "seed": seed})
+        out_dir,
+        x,
+        labels,
+        emb,
+        extra={"noise": noise},
+        shard_size=num_samples,
+        meta={
+            "source": "synthetic",
+            "teacher": os.path.basename(teacher_dir.rstrip("/")),
+            "solver": "unipc",
+            "steps": steps,
+            "shift": 1.0,
+            "guidance_scale": 1.0,
+            "sigma_max": 5000.0,
+            "seed": seed,
+        },
+    )
 
 
-def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, class_embeddings: torch.Tensor,
-                             extra: dict | None = None, meta: dict | None = None, shard_size: int = 4096) -> str:
+def write_latent_dataset_for(
+    out_dir: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    class_embeddings: torch.Tensor,
+    extra: dict | None = None,
+    meta: dict | None = None,
+    shard_size: int = 4096,
+) -> str:
     """Digits in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
     ``prompt_index``/``label`` per sample (and the per-sample fields ``extra``), tables ``prompt_embeds`` (per class)
     and ``negative_prompt_embeds`` (null); ``meta`` defaults to the train split's description."""
@@ -235,8 +318,15 @@ def write_latent_dataset_for(out_dir: str, x: torch.Tensor, y: torch.Tensor, cla
 
     emb = class_embeddings.detach().float().cpu()
     return write_latent_dataset(
-        out_dir, {"latents": x.float(), "prompt_index": y.long().clone(), "label": y.long().clone(), **(extra or {})},
-        family="wan", shard_size=shard_size,
-        tables={"prompt_embeds": emb[:NUM_CLASSES].contiguous(), "negative_prompt_embeds": emb[NULL_CLASS:].contiguous()},
+        out_dir,
+        {"latents": x.float(), "prompt_index": y.long().clone(), "label": y.long().clone(), **(extra or {})},
+        family="wan",
+        shard_size=shard_size,
+        tables={
+            "prompt_embeds": emb[:NUM_CLASSES].contiguous(),
+            "negative_prompt_embeds": emb[NULL_CLASS:].contiguous(),
+        },
         table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None},
-        extra_meta=meta or {"source": "sklearn.datasets.load_digits", "split_seed": SPLIT_SEED, "scaling": "pixel/8 - 1"})
+        extra_meta=meta
+        or {"source": "sklearn.datasets.load_digits", "split_seed": SPLIT_SEED, "scaling": "pixel/8 - 1"},
+    )

@@ -41,11 +41,19 @@ POLICIES = ("full", "selective")
 
 _aten = torch.ops.aten
 #: ops whose outputs ``selective`` keeps (the fused attention variants that exist in this torch build)
-SAVED_OPS = frozenset([_aten.mm.default, _aten.addmm.default] + [
-    getattr(_aten, name).default for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    if hasattr(_aten, name)])
+SAVED_OPS = frozenset(
+    [_aten.mm.default, _aten.addmm.default]
+    + [
+        getattr(_aten, name).default
+        for name in (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        )
+        if hasattr(_aten, name)
+    ]
+)
 
 _LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # block -> its peft tuner layers
 _RECORD: list | None = None  # set by ``recording``: (block inputs, SAC caching context) of each checkpointed call
@@ -61,8 +69,9 @@ def selective_policy(recompute_rank: int = 0):
     products with reduction dimension ``<= recompute_rank`` (LoRA up-projections), ``PREFER_RECOMPUTE`` otherwise."""
 
     def policy(ctx, func, *args, **kwargs):
-        if func in SAVED_OPS and not (func in (_aten.mm.default, _aten.addmm.default)
-                                      and _reduction_dim(func, args) <= recompute_rank):
+        if func in SAVED_OPS and not (
+            func in (_aten.mm.default, _aten.addmm.default) and _reduction_dim(func, args) <= recompute_rank
+        ):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -30,8 +30,22 @@ ROLES = ("teacher", "student", "fake")
 #: LoRA target modules per transformer family (attention projections and feed-forward)
 DEFAULT_LORA_TARGETS = {
     "Wan": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2"],
-    "Flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-             "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"],
+    "Flux": [
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "proj_mlp",
+        "proj_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ],
 }
 
 
@@ -44,22 +58,32 @@ def default_lora_targets(transformer) -> list[str]:
     raise ValueError(f"no default LoRA targets for {name!r}; pass lora_target_modules explicitly")
 
 
-def add_rcm_adapters(transformer, rank: int, alpha: float | None, target_modules=None, fake_rank: int | None = None,
-                     with_fake: bool = True):
+def add_rcm_adapters(
+    transformer,
+    rank: int,
+    alpha: float | None,
+    target_modules=None,
+    fake_rank: int | None = None,
+    with_fake: bool = True,
+):
     """Freeze ``transformer`` and add the peft adapters ``"student"`` (and ``"fake"``) (docs/math.md §6)."""
     from peft import LoraConfig
 
     transformer.requires_grad_(False)
     targets = list(target_modules or default_lora_targets(transformer))
-    present = {n.rsplit(".", 1)[-1] for n, _ in transformer.named_modules()} | {n for n, _ in transformer.named_modules()}
+    present = {n.rsplit(".", 1)[-1] for n, _ in transformer.named_modules()} | {
+        n for n, _ in transformer.named_modules()
+    }
     targets = [t for t in targets if any(n == t or n.endswith("." + t) for n in present)]
     configs = {"student": LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=targets, init_lora_weights=True)}
     if with_fake:
         fr = fake_rank or rank
-        configs["fake"] = LoraConfig(r=fr, lora_alpha=(alpha or rank) * fr / rank, target_modules=targets, init_lora_weights=True)
-    from peft.tuners.tuners_utils import cast_adapter_dtype
-
+        configs["fake"] = LoraConfig(
+            r=fr, lora_alpha=(alpha or rank) * fr / rank, target_modules=targets, init_lora_weights=True
+        )
     import warnings
+
+    from peft.tuners.tuners_utils import cast_adapter_dtype
 
     for name, cfg in configs.items():
         with warnings.catch_warnings():
@@ -96,12 +120,24 @@ class Networks:
         self.mode = mode
         self.model_dtype = model_dtype
         self.time_input = time_input
-        self._den = {role: TrigFlowDenoiser(velocity_fn(m, time_input), model_dtype=model_dtype) for role, m in modules.items()}
+        self._den = {
+            role: TrigFlowDenoiser(velocity_fn(m, time_input), model_dtype=model_dtype) for role, m in modules.items()
+        }
         self.has_fake = "fake" in modules
 
     @classmethod
-    def build(cls, transformer, mode: str, *, with_fake: bool, lora_rank: int = 16, lora_alpha=None,
-              lora_target_modules=None, fake_lora_rank=None, time_input: str = "float"):
+    def build(
+        cls,
+        transformer,
+        mode: str,
+        *,
+        with_fake: bool,
+        lora_rank: int = 16,
+        lora_alpha=None,
+        lora_target_modules=None,
+        fake_lora_rank=None,
+        time_input: str = "float",
+    ):
         """Set up the roles on ``transformer`` (the teacher weights). Returns ``(networks, trainable)``
         where ``trainable`` maps ``"student"``/``"fake"`` to the module whose parameters train.
         ``time_input`` is how every role sees its time (``rcm_diffusers.models.network_timestep``)."""
@@ -129,8 +165,10 @@ class Networks:
             self.modules = {r: m for r in self.modules}
         else:
             self.modules = {**self.modules, **prepared}
-        self._den = {role: TrigFlowDenoiser(velocity_fn(m, self.time_input), model_dtype=self.model_dtype)
-                     for role, m in self.modules.items()}
+        self._den = {
+            role: TrigFlowDenoiser(velocity_fn(m, self.time_input), model_dtype=self.model_dtype)
+            for role, m in self.modules.items()
+        }
 
     def trainable_parameters(self, role: str) -> dict[str, torch.nn.Parameter]:
         """The parameters trained for ``role`` (adapter weights in shared mode)."""

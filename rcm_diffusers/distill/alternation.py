@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["is_student_step", "optimizer_steps", "student_effective_iter", "fake_effective_iter", "StepPlan", "plan_step"]
+__all__ = [
+    "is_student_step",
+    "optimizer_steps",
+    "student_effective_iter",
+    "fake_effective_iter",
+    "StepPlan",
+    "plan_step",
+]
 
 
 def is_student_step(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> bool:
@@ -56,7 +63,9 @@ class StepPlan:
     n_sim: int
 
 
-def plan_step(i: int, tangent_warmup: int, student_update_freq: int, max_simulation_steps: int, has_fake: bool = True) -> StepPlan:
+def plan_step(
+    i: int, tangent_warmup: int, student_update_freq: int, max_simulation_steps: int, has_fake: bool = True
+) -> StepPlan:
     """Plan iteration ``i``: DMD starts after the tangent warm-up, ``n = student_eff % max_simulation_steps + 1``."""
     stu = is_student_step(i, tangent_warmup, student_update_freq, has_fake)
     s_eff = student_effective_iter(i, tangent_warmup, student_update_freq, has_fake)

@@ -1,11 +1,8 @@
-"""The frozen base a run trains on: the teacher transformer, or Wan 2.2's two experts as one module.
-"""
+"""The frozen base a run trains on: the teacher transformer, or Wan 2.2's two experts as one module."""
 
 from __future__ import annotations
 
-
-
-__all__ = ['load_transformer', 'check_experts']
+__all__ = ["load_transformer", "check_experts"]
 
 
 def check_experts(cfg, index: dict) -> None:
@@ -16,13 +13,17 @@ def check_experts(cfg, index: dict) -> None:
 
     b = index_boundary_ratio(index)
     if cfg.experts == "both" and b is None and not cfg.boundary_ratio:
-        user_error(f"--experts both: {cfg.pretrained} has no transformer_2 with a boundary_ratio in model_index.json; "
-                   "use --experts one, or set --boundary_ratio for a pipeline that has transformer_2")
+        user_error(
+            f"--experts both: {cfg.pretrained} has no transformer_2 with a boundary_ratio in model_index.json; "
+            "use --experts one, or set --boundary_ratio for a pipeline that has transformer_2"
+        )
     if cfg.experts == "one" or (cfg.experts == "auto" and b is None):
         return
     if cfg.experts == "auto" and cfg.transformer_subfolder != HIGH:
-        user_error(f"--transformer_subfolder {cfg.transformer_subfolder}: {cfg.pretrained} has two experts, which "
-                   "are trained together by default; add --experts one to train this one alone")
+        user_error(
+            f"--transformer_subfolder {cfg.transformer_subfolder}: {cfg.pretrained} has two experts, which "
+            "are trained together by default; add --experts one to train this one alone"
+        )
     if not index.get(LOW) or index[LOW][0] is None:
         user_error(f"--experts {cfg.experts}: {cfg.pretrained} has no transformer_2")
 

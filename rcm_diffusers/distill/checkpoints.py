@@ -36,8 +36,20 @@ import sys
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "Checkpointer", "checkpoint_step", "list_checkpoints", "verify_checkpoint",
-           "find_resumable", "prune_checkpoints", "read_state", "check_state", "check_rng", "check_inside", "FORMAT"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "checkpoint_step",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "find_resumable",
+    "prune_checkpoints",
+    "read_state",
+    "check_state",
+    "check_rng",
+    "check_inside",
+    "FORMAT",
+]
 
 FORMAT = "rcm-diffusers-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -106,11 +118,16 @@ def _is_num(v) -> bool:
 
 def check_state(st, where: str) -> None:
     """Types and ranges of every value of ``state.json`` that resume uses (a wrong one is a damaged checkpoint)."""
+
     def bad(what):
         raise CheckpointError(f"{where}/{STATE}: {what}")
 
-    if not isinstance(st, dict) or st.get("format") != FORMAT or not isinstance(st.get("config"), dict) \
-            or not isinstance(st.get("train_state"), dict):
+    if (
+        not isinstance(st, dict)
+        or st.get("format") != FORMAT
+        or not isinstance(st.get("config"), dict)
+        or not isinstance(st.get("train_state"), dict)
+    ):
         bad(f"not a {FORMAT} state file")
     ts = st["train_state"]
     if not _is_int(ts.get("step")):
@@ -119,27 +136,49 @@ def check_state(st, where: str) -> None:
         bad(f"skipped {ts.get('skipped')!r} is not a whole number between 0 and the step {ts['step']}")
     if not isinstance(ts.get("skipped_steps"), list) or not all(_is_int(i) for i in ts["skipped_steps"]):
         bad("skipped_steps is not a list of steps")
-    if not isinstance(ts.get("guard"), dict) or not isinstance(ts.get("init_checksum"), list) \
-            or not all(_is_num(v) for v in ts["init_checksum"]):
+    if (
+        not isinstance(ts.get("guard"), dict)
+        or not isinstance(ts.get("init_checksum"), list)
+        or not all(_is_num(v) for v in ts["init_checksum"])
+    ):
         bad("bad spike-guard history or initial checksum")
     if "world_size" in st and not _is_int(st["world_size"], 1):
         bad(f"world_size {st['world_size']!r} is not a whole number >= 1")
     for r, sch in (st.get("schedulers") or {}).items():
-        if not isinstance(sch, dict) or not _is_int(sch.get("last_epoch"), -1) \
-                or ("_step_count" in sch and not _is_int(sch["_step_count"])) \
-                or not all(_is_num(v) for k in ("base_lrs", "_last_lr") for v in (sch.get(k) or [])):
-            bad(f"learning-rate scheduler {r!r}: last_epoch {sch.get('last_epoch') if isinstance(sch, dict) else sch!r} "
-                "or its rates are not numbers of the right kind")
+        if (
+            not isinstance(sch, dict)
+            or not _is_int(sch.get("last_epoch"), -1)
+            or ("_step_count" in sch and not _is_int(sch["_step_count"]))
+            or not all(_is_num(v) for k in ("base_lrs", "_last_lr") for v in (sch.get(k) or []))
+        ):
+            bad(
+                f"learning-rate scheduler {r!r}: last_epoch {sch.get('last_epoch') if isinstance(sch, dict) else sch!r} "
+                "or its rates are not numbers of the right kind"
+            )
     for r, o in (st.get("optimizers") or {}).items():
         groups = o.get("param_groups") if isinstance(o, dict) else None
-        if not isinstance(groups, list) or not isinstance(o.get("params"), list) or len(groups) != len(o["params"]) \
-                or not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in o["params"]) \
-                or not isinstance(o.get("scalars", {}), dict) or not all(_is_num(v) for v in o.get("scalars", {}).values()):
+        if (
+            not isinstance(groups, list)
+            or not isinstance(o.get("params"), list)
+            or len(groups) != len(o["params"])
+            or not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in o["params"])
+            or not isinstance(o.get("scalars", {}), dict)
+            or not all(_is_num(v) for v in o.get("scalars", {}).values())
+        ):
             bad(f"optimizer {r!r}: bad parameter groups or scalars")
         for g in groups:
-            if not isinstance(g, dict) or not all(_is_num(g[k]) and g[k] >= 0 for k in ("lr", "eps", "weight_decay") if k in g) \
-                    or ("betas" in g and not (isinstance(g["betas"], list) and len(g["betas"]) == 2
-                                              and all(_is_num(b) and 0 <= b < 1 for b in g["betas"]))):
+            if (
+                not isinstance(g, dict)
+                or not all(_is_num(g[k]) and g[k] >= 0 for k in ("lr", "eps", "weight_decay") if k in g)
+                or (
+                    "betas" in g
+                    and not (
+                        isinstance(g["betas"], list)
+                        and len(g["betas"]) == 2
+                        and all(_is_num(b) and 0 <= b < 1 for b in g["betas"])
+                    )
+                )
+            ):
                 bad(f"optimizer {r!r}: bad hyper-parameters {g!r}"[:300])
     ema = st.get("ema")
     if ema is not None and not (isinstance(ema, dict) and _is_num(ema.get("s")) and ema["s"] > 0):
@@ -158,8 +197,10 @@ def check_rng(tensors: dict, meta, where: str) -> None:
         _RNG_BYTES = torch.get_rng_state().numel()
     t = tensors.get("torch_cpu")
     if t is None or t.dtype != torch.uint8 or tuple(t.shape) != (_RNG_BYTES,):
-        raise CheckpointError(f"{where}: the torch CPU generator state is {None if t is None else (t.dtype, tuple(t.shape))}, "
-                              f"not {_RNG_BYTES} bytes")
+        raise CheckpointError(
+            f"{where}: the torch CPU generator state is {None if t is None else (t.dtype, tuple(t.shape))}, "
+            f"not {_RNG_BYTES} bytes"
+        )
     if any(v.dtype != torch.uint8 or v.dim() != 1 for k, v in tensors.items() if k.startswith("torch_cuda_")):
         raise CheckpointError(f"{where}: bad CUDA generator state")
     try:
@@ -170,8 +211,16 @@ def check_rng(tensors: dict, meta, where: str) -> None:
     word = all(_is_int(x) and x < 2**32 for x in internal) if isinstance(internal, list) else False
     if not (_is_int(v) and word and len(internal) == 625 and (gauss is None or isinstance(gauss, float))):
         raise CheckpointError(f"{where}: bad Python random state")
-    if not (kind == "MT19937" and isinstance(keys, list) and len(keys) == 624 and all(_is_int(x) and x < 2**32 for x in keys)
-            and _is_int(pos) and pos <= 624 and has_gauss in (0, 1) and _is_num(cached)):
+    if not (
+        kind == "MT19937"
+        and isinstance(keys, list)
+        and len(keys) == 624
+        and all(_is_int(x) and x < 2**32 for x in keys)
+        and _is_int(pos)
+        and pos <= 624
+        and has_gauss in (0, 1)
+        and _is_num(cached)
+    ):
         raise CheckpointError(f"{where}: bad NumPy random state")
 
 
@@ -181,8 +230,9 @@ def check_inside(path: str, run_dir: str | None = None) -> None:
     p = os.path.abspath(path).rstrip(os.sep) or os.sep
     real = os.path.realpath(p)
     if os.path.islink(p):
-        raise CheckpointError(f"{path} is a symbolic link (to {real}); a checkpoint is read only where it lies, "
-                              "inside its run folder")
+        raise CheckpointError(
+            f"{path} is a symbolic link (to {real}); a checkpoint is read only where it lies, inside its run folder"
+        )
     if run_dir is not None:
         root = os.path.realpath(run_dir)
         if os.path.commonpath([root, real]) != root:
@@ -200,8 +250,12 @@ def verify_checkpoint(path: str, run_dir: str | None = None) -> dict:
         raise CheckpointError(f"{path} is not a checkpoint directory")
     if not os.path.lexists(man_path):
         legacy = [n for n in os.listdir(path) if n.endswith((".pkl", ".bin"))]
-        hint = (" (an accelerate save_state checkpoint of an older version: its pickle files can run code and are "
-                "not loaded; start a new run)" if legacy else " (incomplete: the write was interrupted)")
+        hint = (
+            " (an accelerate save_state checkpoint of an older version: its pickle files can run code and are "
+            "not loaded; start a new run)"
+            if legacy
+            else " (incomplete: the write was interrupted)"
+        )
         raise CheckpointError(f"{path} has no {MANIFEST}{hint}")
     man = _read_json(man_path, "manifest")
     if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(man.get("files"), dict):
@@ -215,7 +269,9 @@ def verify_checkpoint(path: str, run_dir: str | None = None) -> dict:
         _regular(f, "checkpoint")
         size = os.path.getsize(f)
         if size != meta.get("bytes"):
-            raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {meta.get('bytes')} (truncated or replaced)")
+            raise CheckpointError(
+                f"{path}: {name} has {size} bytes, the manifest says {meta.get('bytes')} (truncated or replaced)"
+            )
         try:
             digest = _sha256(f)
         except OSError as e:
@@ -223,11 +279,16 @@ def verify_checkpoint(path: str, run_dir: str | None = None) -> dict:
         if digest != meta.get("sha256"):
             raise CheckpointError(f"{path}: {name} does not match its SHA-256 in the manifest (the file is damaged)")
     if not _is_int(man.get("step")) or (checkpoint_step(path) is not None and man["step"] != checkpoint_step(path)):
-        raise CheckpointError(f"{man_path}: step {man.get('step')!r} does not match the folder {os.path.basename(path)}")
+        raise CheckpointError(
+            f"{man_path}: step {man.get('step')!r} does not match the folder {os.path.basename(path)}"
+        )
     st = read_state(path, man)
-    need = ["trainable.safetensors", *(f"optimizer-{r}.safetensors" for r in st.get("optimizers") or {}),
-            *(["ema.safetensors"] if st.get("ema") else []),
-            *(f"rng-rank{r}.safetensors" for r in range(st.get("world_size") or 1))]
+    need = [
+        "trainable.safetensors",
+        *(f"optimizer-{r}.safetensors" for r in st.get("optimizers") or {}),
+        *(["ema.safetensors"] if st.get("ema") else []),
+        *(f"rng-rank{r}.safetensors" for r in range(st.get("world_size") or 1)),
+    ]
     missing = [n for n in need if n not in man["files"]]
     if missing:
         raise CheckpointError(f"{path}: {', '.join(missing)} not listed in {MANIFEST} (the checkpoint was altered)")
@@ -363,8 +424,10 @@ def load_optimizer_state(opt, named_params: dict, tensors: dict, meta: dict, whe
     if now != meta.get("params"):
         a = {n for g in now for n in g}
         b = {n for g in meta.get("params", []) for n in g}
-        raise CheckpointError(f"{where}: the optimizer parameters differ from the model's (missing {sorted(a - b)[:3]}, "
-                              f"unexpected {sorted(b - a)[:3]})")
+        raise CheckpointError(
+            f"{where}: the optimizer parameters differ from the model's (missing {sorted(a - b)[:3]}, "
+            f"unexpected {sorted(b - a)[:3]})"
+        )
     per_param = {}
     for key, v in [*tensors.items(), *meta.get("scalars", {}).items()]:
         pn, _, k = key.rpartition("::")
@@ -376,8 +439,10 @@ def load_optimizer_state(opt, named_params: dict, tensors: dict, meta: dict, whe
             for k, t in per_param.get(name_of[id(p)], {}).items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     if t.shape != _full_shape(p):
-                        raise CheckpointError(f"{where}: optimizer state {name_of[id(p)]}::{k} has shape {tuple(t.shape)}, "
-                                              f"the parameter {tuple(_full_shape(p))}")
+                        raise CheckpointError(
+                            f"{where}: optimizer state {name_of[id(p)]}::{k} has shape {tuple(t.shape)}, "
+                            f"the parameter {tuple(_full_shape(p))}"
+                        )
                     t = _like(p, t)
                 s[k] = t
             if s:
@@ -407,19 +472,26 @@ def rng_state() -> tuple[dict, dict]:
             tensors[f"torch_cuda_{i}"] = s
     v, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    meta = {"python": [v, list(internal), gauss],
-            "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+    meta = {
+        "python": [v, list(internal), gauss],
+        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
     return tensors, meta
 
 
 def set_rng_state(tensors: dict, meta: dict) -> None:
     """Restore what ``rng_state`` returned (values are checked to be plain numbers)."""
     torch.set_rng_state(tensors["torch_cpu"].to(torch.uint8))
-    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))]
+    cuda = [
+        tensors[k]
+        for k in sorted((k for k in tensors if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    ]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([c.to(torch.uint8) for c in cuda[: torch.cuda.device_count()]])
     v, internal, gauss = meta["python"]
-    if not (isinstance(v, int) and all(isinstance(x, int) for x in internal) and (gauss is None or isinstance(gauss, float))):
+    if not (
+        isinstance(v, int) and all(isinstance(x, int) for x in internal) and (gauss is None or isinstance(gauss, float))
+    ):
         raise CheckpointError("bad Python random state")
     random.setstate((v, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = meta["numpy"]
@@ -466,8 +538,9 @@ def _key_problem(where: str, got, want) -> str | None:
     extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
     if not extra and not missing:
         return None
-    parts = ([f"names {len(extra)} key(s) the model does not have ({', '.join(extra[:3])})"] if extra else []) + \
-            ([f"lacks {len(missing)} key(s) the model has ({', '.join(missing[:3])})"] if missing else [])
+    parts = ([f"names {len(extra)} key(s) the model does not have ({', '.join(extra[:3])})"] if extra else []) + (
+        [f"lacks {len(missing)} key(s) the model has ({', '.join(missing[:3])})"] if missing else []
+    )
     return f"{where} {' and '.join(parts)}"
 
 
@@ -488,8 +561,10 @@ def disk_full_message(path: str, e: BaseException) -> str:
         free_s = f"{free:.1f} MiB free"
     except OSError:
         free_s = "free space unknown"
-    return (f"disk full while writing {path} ({free_s}; {e}). Nothing older was overwritten: free some space "
-            "(or choose another --output_dir) and run again with --resume latest.")
+    return (
+        f"disk full while writing {path} ({free_s}; {e}). Nothing older was overwritten: free some space "
+        "(or choose another --output_dir) and run again with --resume latest."
+    )
 
 
 def is_unwritable(e: BaseException) -> bool:
@@ -499,8 +574,10 @@ def is_unwritable(e: BaseException) -> bool:
 
 def unwritable_message(path: str, e: BaseException) -> str:
     """The user-facing text for a write refused by permissions (a run folder made read-only mid-run)."""
-    return (f"cannot write {path} ({getattr(e, 'strerror', None) or e}). Nothing older was overwritten: make the run "
-            "folder writable and run again with --resume latest.")
+    return (
+        f"cannot write {path} ({getattr(e, 'strerror', None) or e}). Nothing older was overwritten: make the run "
+        "folder writable and run again with --resume latest."
+    )
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -521,7 +598,13 @@ class Checkpointer:
 
     def __init__(self, accelerator, trainable, optimizers: dict, schedulers: dict, state, ema=None):
         self.acc, self.trainable, self.optimizers, self.schedulers, self.state, self.ema = (
-            accelerator, trainable, optimizers, schedulers, state, ema)
+            accelerator,
+            trainable,
+            optimizers,
+            schedulers,
+            state,
+            ema,
+        )
 
     # -- save
     def save(self, output_dir: str, step: int, config: dict, total_limit: int = 0, protect: str | None = None) -> str:
@@ -539,11 +622,15 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp, exist_ok=True)
             acc.wait_for_everyone()
-            opt_files = {r: optimizer_state(o, named) for r, (o, named) in self.optimizers.items()}  # collective under FSDP
+            opt_files = {
+                r: optimizer_state(o, named) for r, (o, named) in self.optimizers.items()
+            }  # collective under FSDP
             ema_tensors = {k: _full(v) for k, v in self.ema.shadow.items()} if self.ema is not None else None
             scaler = getattr(acc, "scaler", None)  # fp16 mixed precision: loss-scale state
             rng_t, rng_m = rng_state()
-            _save_tensors(rng_t, os.path.join(tmp, f"rng-rank{acc.process_index}.safetensors"), {"json": json.dumps(rng_m)})
+            _save_tensors(
+                rng_t, os.path.join(tmp, f"rng-rank{acc.process_index}.safetensors"), {"json": json.dumps(rng_m)}
+            )
             if acc.is_main_process:
                 save_trainable(self.trainable[0], self.trainable[1], os.path.join(tmp, "trainable.safetensors"))
                 for r, (tensors, _) in opt_files.items():
@@ -553,13 +640,20 @@ class Checkpointer:
                     os._exit(17)
                 if ema_tensors is not None:
                     _save_tensors(ema_tensors, os.path.join(tmp, "ema.safetensors"))
-                _write_json({"format": FORMAT, "step": step, "world_size": acc.num_processes,
-                             "train_state": self.state.state_dict(),
-                             "optimizers": {r: meta for r, (_, meta) in opt_files.items()},
-                             "schedulers": {r: _jsonable(s.state_dict()) for r, s in self.schedulers.items()},
-                             "ema": {"s": self.ema.s} if self.ema is not None else None,
-                             "grad_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
-                             "config": config}, os.path.join(tmp, STATE))
+                _write_json(
+                    {
+                        "format": FORMAT,
+                        "step": step,
+                        "world_size": acc.num_processes,
+                        "train_state": self.state.state_dict(),
+                        "optimizers": {r: meta for r, (_, meta) in opt_files.items()},
+                        "schedulers": {r: _jsonable(s.state_dict()) for r, s in self.schedulers.items()},
+                        "ema": {"s": self.ema.s} if self.ema is not None else None,
+                        "grad_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
+                        "config": config,
+                    },
+                    os.path.join(tmp, STATE),
+                )
             acc.wait_for_everyone()
             if acc.is_main_process:
                 files = {}
@@ -594,16 +688,22 @@ class Checkpointer:
             files = _manifest_files(path)
             st = read_state(path, {"files": files})
             models, names = self.trainable
-            want = {f"{name}::{k}": tuple(_full_shape(p)) for name, m in zip(names, models)
-                    for k, p in m.named_parameters() if p.requires_grad}
+            want = {
+                f"{name}::{k}": tuple(_full_shape(p))
+                for name, m in zip(names, models)
+                for k, p in m.named_parameters()
+                if p.requires_grad
+            }
             got = _shapes(_listed(path, "trainable.safetensors", files), "trainable weights")
             problem = _key_problem(f"{path}: trainable.safetensors", got, want)
             if problem:
                 return problem
             bad = [k for k in want if got[k] != want[k]]
             if bad:
-                return (f"{path}: trainable.safetensors: {bad[0]} has shape {list(got[bad[0]])}, the model's is "
-                        f"{list(want[bad[0]])}")
+                return (
+                    f"{path}: trainable.safetensors: {bad[0]} has shape {list(got[bad[0]])}, the model's is "
+                    f"{list(want[bad[0]])}"
+                )
             for r, (o, named) in self.optimizers.items():
                 meta = (st.get("optimizers") or {}).get(r)
                 if not isinstance(meta, dict):
@@ -625,13 +725,17 @@ class Checkpointer:
                     return problem
                 kinds = {frozenset(ks) for ks in per.values()}
                 if len(kinds) > 1:  # every parameter with state holds the same entries (step, moments, ...)
-                    return (f"{path}: optimizer-{r}.safetensors: parameters hold different state entries "
-                            f"({sorted(map(sorted, kinds))[:2]})")
+                    return (
+                        f"{path}: optimizer-{r}.safetensors: parameters hold different state entries "
+                        f"({sorted(map(sorted, kinds))[:2]})"
+                    )
                 for key, shape in shapes.items():
                     pn = key.rpartition("::")[0]
                     if len(shape) and shape != tuple(_full_shape(named[pn])):
-                        return (f"{path}: optimizer-{r}.safetensors: {key} has shape {list(shape)}, the parameter "
-                                f"{list(_full_shape(named[pn]))}")
+                        return (
+                            f"{path}: optimizer-{r}.safetensors: {key} has shape {list(shape)}, the parameter "
+                            f"{list(_full_shape(named[pn]))}"
+                        )
             if self.ema is not None:
                 if not st.get("ema"):
                     return f"{path}: holds no EMA (the run had ema_rate 0)"
@@ -642,8 +746,10 @@ class Checkpointer:
                     return problem
                 bad = [k for k in want if got[k] != want[k]]
                 if bad:
-                    return (f"{path}: ema.safetensors: {bad[0]} has shape {list(got[bad[0]])}, the model's is "
-                            f"{list(want[bad[0]])}")
+                    return (
+                        f"{path}: ema.safetensors: {bad[0]} has shape {list(got[bad[0]])}, the model's is "
+                        f"{list(want[bad[0]])}"
+                    )
         except CheckpointError as e:
             return str(e)
         return None
@@ -705,8 +811,11 @@ class Checkpointer:
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"{rng}: bad random state ({e})") from None
         else:
-            print(f"warning: {path} has no random state for process {self.acc.process_index} (more processes than "
-                  "the run that wrote it); this process keeps its seeded state", file=sys.stderr)
+            print(
+                f"warning: {path} has no random state for process {self.acc.process_index} (more processes than "
+                "the run that wrote it); this process keeps its seeded state",
+                file=sys.stderr,
+            )
         self._apply(fresh)
         return st
 
@@ -769,7 +878,9 @@ def load_trainable(models: list, names: list[str], path: str) -> None:
         want = {k for k, p in params.items() if p.requires_grad}
         got = {k.split("::", 1)[1] for k in sd if k.startswith(name + "::")}
         if want != got:
-            raise ValueError(f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}")
+            raise ValueError(
+                f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}"
+            )
         with torch.no_grad():
             for k in want:
                 params[k].copy_(sd[f"{name}::{k}"])

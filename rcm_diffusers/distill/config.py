@@ -18,8 +18,16 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["CommonOptions", "RCMConfig", "QADConfig", "load_config", "format_help", "options_markdown",
-           "noise_seeding_of", "resume_policy"]
+__all__ = [
+    "CommonOptions",
+    "RCMConfig",
+    "QADConfig",
+    "load_config",
+    "format_help",
+    "options_markdown",
+    "noise_seeding_of",
+    "resume_policy",
+]
 
 _SHAPES = "the checkpoint's weights and optimizer states have the old shapes"
 _STREAM = "every batch, noise draw and alternation step is a function of it and of the step already reached"
@@ -57,73 +65,166 @@ class CommonOptions(BaseModel):
 
     # model
     pretrained: str = opt("", "diffusers pipeline directory or hub id holding the teacher transformer", group="model")
-    transformer_subfolder: str = opt("transformer", "subfolder of the transformer to distill (Wan2.2 A14B: 'transformer' "
-                                     "= high-noise expert, 'transformer_2' = low-noise expert)", group="model",
-                                     resume="fixed", why="the checkpoint belongs to the other expert")
+    transformer_subfolder: str = opt(
+        "transformer",
+        "subfolder of the transformer to distill (Wan2.2 A14B: 'transformer' "
+        "= high-noise expert, 'transformer_2' = low-noise expert)",
+        group="model",
+        resume="fixed",
+        why="the checkpoint belongs to the other expert",
+    )
     weight_dtype: DTYPE = opt("float32", "dtype of the frozen base weights", group="model", resume="fixed", why=_SHAPES)
     mixed_precision: Literal["no", "bf16", "fp16"] = opt("no", "accelerate mixed precision", group="model")
-    flux_guidance: float = opt(3.5, "Flux-dev guidance-embedding value (ignored when the transformer has no guidance "
-                               "embedding)", group="model")
+    flux_guidance: float = opt(
+        3.5, "Flux-dev guidance-embedding value (ignored when the transformer has no guidance embedding)", group="model"
+    )
     lora_rank: int = opt(32, "LoRA rank of the trained adapter", group="model", resume="fixed", why=_SHAPES, ge=1)
-    lora_alpha: float = opt(0.0, "LoRA alpha (0 = equal to rank)", group="model", resume="fixed",
-                            why="the trained adapter was scaled by the old alpha", ge=0)
-    lora_target_modules: list[str] = opt([], "module names to adapt ([] = family default, "
-                                         "rcm_diffusers.distill.adapters.DEFAULT_LORA_TARGETS)", group="model",
-                                         resume="fixed", why=_SHAPES)
-    time_input: Literal["bf16", "float"] = opt("bf16", "time the networks see: 'bf16' = (1000 r) rounded to bfloat16 as "
-                                               "the official rCM code trains and samples; 'float' = exact. Sample the "
-                                               "student with RCMScheduler(time_input=...) set the same", group="model",
-                                               resume="fixed", why="the networks were trained at the old time input")
+    lora_alpha: float = opt(
+        0.0,
+        "LoRA alpha (0 = equal to rank)",
+        group="model",
+        resume="fixed",
+        why="the trained adapter was scaled by the old alpha",
+        ge=0,
+    )
+    lora_target_modules: list[str] = opt(
+        [],
+        "module names to adapt ([] = family default, rcm_diffusers.distill.adapters.DEFAULT_LORA_TARGETS)",
+        group="model",
+        resume="fixed",
+        why=_SHAPES,
+    )
+    time_input: Literal["bf16", "float"] = opt(
+        "bf16",
+        "time the networks see: 'bf16' = (1000 r) rounded to bfloat16 as "
+        "the official rCM code trains and samples; 'float' = exact. Sample the "
+        "student with RCMScheduler(time_input=...) set the same",
+        group="model",
+        resume="fixed",
+        why="the networks were trained at the old time input",
+    )
     # data
-    data_dir: str = opt("", "latent dataset directory (rcm_diffusers.distill.data; make one with "
-                        "training/prepare_data.py)", group="data")
-    check_data_values: bool = opt(True, "before the run folder is touched, read every value of the datasets once and "
-                                  "refuse NaN / inf (the processes share the read; its cost: docs/training.md)",
-                                  group="data", resume="free", strict=True)
+    data_dir: str = opt(
+        "",
+        "latent dataset directory (rcm_diffusers.distill.data; make one with training/prepare_data.py)",
+        group="data",
+    )
+    check_data_values: bool = opt(
+        True,
+        "before the run folder is touched, read every value of the datasets once and "
+        "refuse NaN / inf (the processes share the read; its cost: docs/training.md)",
+        group="data",
+        resume="free",
+        strict=True,
+    )
     # optimisation
-    lr: float = opt(1e-4, "learning rate of the trained weights (LoRA needs larger rates than a full fine-tune)",
-                    group="optimisation", **POS)
+    lr: float = opt(
+        1e-4,
+        "learning rate of the trained weights (LoRA needs larger rates than a full fine-tune)",
+        group="optimisation",
+        **POS,
+    )
     weight_decay: float = opt(0.01, "AdamW weight decay", group="optimisation", ge=0)
     adam_betas: list[float] = opt([0.0, 0.999], "AdamW betas: two numbers in [0, 1)", group="optimisation")
     adam_eps: float = opt(1e-8, "AdamW eps", group="optimisation", **POS)
-    lr_warmup_steps: int = opt(100, "linear learning-rate warm-up (in each optimizer's own steps)",
-                               group="optimisation", ge=0)
-    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off, as the official rCM grad_clip False)",
-                               group="optimisation", ge=0)
-    ema_rate: float = opt(0.10, "power-EMA rate s of the trained weights (0 = off; switching it on or off is refused "
-                          "on resume); exports an EMA variant in ema/", group="optimisation", ge=0, lt=1)
-    batch_size: int = opt(1, "samples per process and iteration", group="optimisation", resume="fixed", why=_STREAM, ge=1)
-    gradient_accumulation_steps: int = opt(1, "micro-batches of batch_size per process and optimizer step: the same "
-                                           "samples, noise and loss as one batch of batch_size x this (needs "
-                                           "noise_seeding sample, which auto picks)", group="optimisation",
-                                           resume="fixed", why=_STREAM, ge=1)
+    lr_warmup_steps: int = opt(
+        100, "linear learning-rate warm-up (in each optimizer's own steps)", group="optimisation", ge=0
+    )
+    max_grad_norm: float = opt(
+        1.0, "gradient clipping norm (0 = off, as the official rCM grad_clip False)", group="optimisation", ge=0
+    )
+    ema_rate: float = opt(
+        0.10,
+        "power-EMA rate s of the trained weights (0 = off; switching it on or off is refused "
+        "on resume); exports an EMA variant in ema/",
+        group="optimisation",
+        ge=0,
+        lt=1,
+    )
+    batch_size: int = opt(
+        1, "samples per process and iteration", group="optimisation", resume="fixed", why=_STREAM, ge=1
+    )
+    gradient_accumulation_steps: int = opt(
+        1,
+        "micro-batches of batch_size per process and optimizer step: the same "
+        "samples, noise and loss as one batch of batch_size x this (needs "
+        "noise_seeding sample, which auto picks)",
+        group="optimisation",
+        resume="fixed",
+        why=_STREAM,
+        ge=1,
+    )
     noise_seeding: Literal["auto", "rank", "sample"] = opt(
-        "auto", "'rank' = one generator per (seed, step, rank) for the process's whole batch; 'sample' = one per "
+        "auto",
+        "'rank' = one generator per (seed, step, rank) for the process's whole batch; 'sample' = one per "
         "(seed, step, global sample position), so a sample's noise does not depend on the split into processes or "
-        "micro-batches; 'auto' = sample with gradient accumulation, else rank", group="optimisation", resume="fixed",
-        why=_STREAM)
-    max_steps: int = opt(1000, "total iterations (may be raised on resume, not lowered below the checkpoint's step)",
-                         group="optimisation", resume="free", ge=1)
-    seed: int = opt(0, "base seed; every random draw is a function of (seed, step, rank)", group="optimisation",
-                    resume="fixed", why=_STREAM)
+        "micro-batches; 'auto' = sample with gradient accumulation, else rank",
+        group="optimisation",
+        resume="fixed",
+        why=_STREAM,
+    )
+    max_steps: int = opt(
+        1000,
+        "total iterations (may be raised on resume, not lowered below the checkpoint's step)",
+        group="optimisation",
+        resume="free",
+        ge=1,
+    )
+    seed: int = opt(
+        0,
+        "base seed; every random draw is a function of (seed, step, rank)",
+        group="optimisation",
+        resume="fixed",
+        why=_STREAM,
+    )
     # outputs and guards
-    output_dir: str = opt("outputs/rcm", "run directory: checkpoints/, metrics.jsonl, env.json, final.json, the exports",
-                          group="outputs", resume="free")
-    resume: str = opt("", "'' = fresh (output_dir must be empty), 'latest' = newest intact checkpoint in output_dir "
-                      "(fresh if none), or a checkpoint path", group="outputs", resume="free")
-    overwrite: bool = opt(False, "delete the previous run's files in output_dir (checkpoints, metrics, exports) and "
-                          "start again; with --resume PATH: delete the checkpoints after PATH", group="outputs",
-                          resume="free", strict=True)
-    checkpoint_every: int = opt(500, "save a checkpoint (safetensors + JSON, docs/training.md) every N iterations "
-                                "(0 = only at the end)", group="outputs", resume="free", ge=0)
+    output_dir: str = opt(
+        "outputs/rcm",
+        "run directory: checkpoints/, metrics.jsonl, env.json, final.json, the exports",
+        group="outputs",
+        resume="free",
+    )
+    resume: str = opt(
+        "",
+        "'' = fresh (output_dir must be empty), 'latest' = newest intact checkpoint in output_dir "
+        "(fresh if none), or a checkpoint path",
+        group="outputs",
+        resume="free",
+    )
+    overwrite: bool = opt(
+        False,
+        "delete the previous run's files in output_dir (checkpoints, metrics, exports) and "
+        "start again; with --resume PATH: delete the checkpoints after PATH",
+        group="outputs",
+        resume="free",
+        strict=True,
+    )
+    checkpoint_every: int = opt(
+        500,
+        "save a checkpoint (safetensors + JSON, docs/training.md) every N iterations (0 = only at the end)",
+        group="outputs",
+        resume="free",
+        ge=0,
+    )
     checkpoints_total_limit: int = opt(3, "keep this many checkpoints (0 = all)", group="outputs", resume="free", ge=0)
     log_every: int = opt(1, "write metrics every N iterations", group="outputs", resume="free", ge=1)
-    report_to: Literal["none", "tensorboard", "wandb", "all"] = opt("none", "accelerate tracker", group="outputs",
-                                                                     resume="free")
-    skip_nonfinite: bool = opt(True, "skip the optimizer step when the gradient norm is not finite (reported, counted "
-                               "in metrics and final.json)", group="outputs", strict=True)
-    max_skipped_fraction: float = opt(0.05, "fail the run once more than this fraction of max_steps was skipped "
-                                      "(non-finite gradients)", group="outputs", resume="free", ge=0, le=1)
+    report_to: Literal["none", "tensorboard", "wandb", "all"] = opt(
+        "none", "accelerate tracker", group="outputs", resume="free"
+    )
+    skip_nonfinite: bool = opt(
+        True,
+        "skip the optimizer step when the gradient norm is not finite (reported, counted in metrics and final.json)",
+        group="outputs",
+        strict=True,
+    )
+    max_skipped_fraction: float = opt(
+        0.05,
+        "fail the run once more than this fraction of max_steps was skipped (non-finite gradients)",
+        group="outputs",
+        resume="free",
+        ge=0,
+        le=1,
+    )
     progress: bool = opt(True, "tqdm progress bar on the main process", group="outputs", resume="free", strict=True)
 
     def __init__(self, **values):
@@ -143,7 +244,11 @@ class CommonOptions(BaseModel):
         ann = cls.model_fields[info.field_name].annotation
         if ann in (int, float) and isinstance(value, bool):
             raise ValueError("expects a number, got a boolean")
-        if (ann is list or getattr(ann, "__origin__", None) is list) and value is not None and not isinstance(value, list):
+        if (
+            (ann is list or getattr(ann, "__origin__", None) is list)
+            and value is not None
+            and not isinstance(value, list)
+        ):
             return [value]
         if ann is str and value is None:
             return ""
@@ -159,8 +264,12 @@ class CommonOptions(BaseModel):
     @model_validator(mode="after")
     def _common(self):
         if self.gradient_accumulation_steps > 1 and self.noise_seeding == "rank":
-            _bad(self, "noise_seeding", "with gradient_accumulation_steps > 1 each micro-batch must draw its samples' "
-                                        "own noise: use sample (or auto)")
+            _bad(
+                self,
+                "noise_seeding",
+                "with gradient_accumulation_steps > 1 each micro-batch must draw its samples' "
+                "own noise: use sample (or auto)",
+            )
         return self
 
     def validate(self):
@@ -190,155 +299,325 @@ class RCMConfig(CommonOptions):
 
     # model (docs/math.md §1, §6)
     experts: Literal["auto", "both", "one"] = opt(
-        "auto", "Wan 2.2 two-expert pipelines (transformer_2 + boundary_ratio): 'both' = distil both experts in one run, "
+        "auto",
+        "Wan 2.2 two-expert pipelines (transformer_2 + boundary_ratio): 'both' = distil both experts in one run, "
         "each call routed to the expert that owns its time (docs/math.md §6.1); 'one' = only transformer_subfolder; "
-        "'auto' = both when the pipeline has two experts", group="model", resume="fixed",
-        why="the checkpoint holds adapters of the old set of experts")
-    boundary_ratio: float = opt(0.0, "two experts: RF time r of the switch, transformer for 1000 r >= 1000 "
-                                "boundary_ratio (0 = the pipeline's boundary_ratio)", group="model", resume="fixed",
-                                why="each expert was trained on the old side of the switch", ge=0, lt=1)
+        "'auto' = both when the pipeline has two experts",
+        group="model",
+        resume="fixed",
+        why="the checkpoint holds adapters of the old set of experts",
+    )
+    boundary_ratio: float = opt(
+        0.0,
+        "two experts: RF time r of the switch, transformer for 1000 r >= 1000 "
+        "boundary_ratio (0 = the pipeline's boundary_ratio)",
+        group="model",
+        resume="fixed",
+        why="each expert was trained on the old side of the switch",
+        ge=0,
+        lt=1,
+    )
     expert_sampling: Literal["balanced", "natural"] = opt(
-        "balanced", "two experts, sCM times: 'balanced' = each sample's expert is the high-noise one with probability "
+        "balanced",
+        "two experts, sCM times: 'balanced' = each sample's expert is the high-noise one with probability "
         "high_noise_share and its time is drawn from p_G restricted to that expert; 'natural' = p_G as is (the "
-        "high-noise expert then gets only P(sigma >= b / (1 - b)) of the samples)", group="objective")
-    high_noise_share: float = opt(0.5, "two experts, expert_sampling balanced: fraction of sCM samples given to the "
-                                  "high-noise expert", group="objective", gt=0, lt=1)
-    boundary_weight: float = opt(1.0, "two experts: weight of the boundary term, which pulls the high-noise expert's "
-                                 "student onto the low-noise one's at the switch time (docs/math.md §6.1); 0 = off",
-                                 group="objective", ge=0, allow_inf_nan=False)
-    mode: Literal["shared", "full"] = opt("shared", "'shared' = one frozen base + peft adapters 'student' and 'fake' "
-                                          "(docs/math.md §6); 'full' = full fine-tune copies", group="model",
-                                          resume="fixed", why=_SHAPES)
-    fake_lora_rank: int = opt(0, "LoRA rank of the fake-score adapter (0 = lora_rank)", group="model", resume="fixed",
-                              why=_SHAPES, ge=0)
-    gradient_checkpointing: bool = opt(False, "checkpoint transformer blocks in the grad passes (JVP passes run under "
-                                       "no_grad without it)", group="model", strict=True)
+        "high-noise expert then gets only P(sigma >= b / (1 - b)) of the samples)",
+        group="objective",
+    )
+    high_noise_share: float = opt(
+        0.5,
+        "two experts, expert_sampling balanced: fraction of sCM samples given to the high-noise expert",
+        group="objective",
+        gt=0,
+        lt=1,
+    )
+    boundary_weight: float = opt(
+        1.0,
+        "two experts: weight of the boundary term, which pulls the high-noise expert's "
+        "student onto the low-noise one's at the switch time (docs/math.md §6.1); 0 = off",
+        group="objective",
+        ge=0,
+        allow_inf_nan=False,
+    )
+    mode: Literal["shared", "full"] = opt(
+        "shared",
+        "'shared' = one frozen base + peft adapters 'student' and 'fake' "
+        "(docs/math.md §6); 'full' = full fine-tune copies",
+        group="model",
+        resume="fixed",
+        why=_SHAPES,
+    )
+    fake_lora_rank: int = opt(
+        0, "LoRA rank of the fake-score adapter (0 = lora_rank)", group="model", resume="fixed", why=_SHAPES, ge=0
+    )
+    gradient_checkpointing: bool = opt(
+        False,
+        "checkpoint transformer blocks in the grad passes (JVP passes run under no_grad without it)",
+        group="model",
+        strict=True,
+    )
     checkpointing_policy: Literal["full", "selective"] = opt(
-        "full", "with gradient_checkpointing: 'full' = keep each block's inputs, recompute the whole block in the "
+        "full",
+        "with gradient_checkpointing: 'full' = keep each block's inputs, recompute the whole block in the "
         "backward; 'selective' = also keep the outputs of the matrix products and attention kernels, recompute the "
         "rest (norms, RoPE, modulation, GELU, residual adds, LoRA up-projections): more memory than full, less "
-        "recompute (the official rCM mm_only mode)", group="model")
+        "recompute (the official rCM mm_only mode)",
+        group="model",
+    )
     # training on one card (rcm_diffusers.distill.lowmem; docs/training.md, "Training on one card")
     base_dtype: Literal["weight_dtype", "fp8", "int8"] = opt(
-        "weight_dtype", "format of the frozen base's Linear weights inside the transformer blocks, dequantized to "
+        "weight_dtype",
+        "format of the frozen base's Linear weights inside the transformer blocks, dequantized to "
         "weight_dtype in each call: 'weight_dtype' = as loaded; 'fp8' = FP8 E4M3 with one scale per row and 128 inputs; "
         "'int8' = INT8 with one scale per output channel. Norms, biases, modulation, embeddings, the head and the LoRA "
-        "adapters keep their dtypes", group="memory", resume="fixed",
-        why="the adapters were trained on the old base's weights")
-    blocks_to_swap: int = opt(0, "frozen Linear weights of this many transformer blocks per network (the last ones) "
-                              "live in host memory (pinned on CUDA) and are copied to the device just before each "
-                              "use, the next block prefetched; LoRA weights stay on the device", group="memory", ge=0)
-    activation_offload: bool = opt(False, "with gradient_checkpointing: the checkpointed block inputs wait for the "
-                                   "backward in host memory (pinned on CUDA) instead of the device", group="memory",
-                                   strict=True)
-    device_memory_gb: float = opt(0.0, "card memory (GB, 1e9 bytes) the start-up check plans for: it prints the "
-                                  "predicted peak and refuses a setting that cannot fit, naming the cheapest that "
-                                  "would (0 = the card's own; on a machine without a GPU the check only prints)",
-                                  group="memory", resume="free", ge=0, allow_inf_nan=False)
+        "adapters keep their dtypes",
+        group="memory",
+        resume="fixed",
+        why="the adapters were trained on the old base's weights",
+    )
+    blocks_to_swap: int = opt(
+        0,
+        "frozen Linear weights of this many transformer blocks per network (the last ones) "
+        "live in host memory (pinned on CUDA) and are copied to the device just before each "
+        "use, the next block prefetched; LoRA weights stay on the device",
+        group="memory",
+        ge=0,
+    )
+    activation_offload: bool = opt(
+        False,
+        "with gradient_checkpointing: the checkpointed block inputs wait for the "
+        "backward in host memory (pinned on CUDA) instead of the device",
+        group="memory",
+        strict=True,
+    )
+    device_memory_gb: float = opt(
+        0.0,
+        "card memory (GB, 1e9 bytes) the start-up check plans for: it prints the "
+        "predicted peak and refuses a setting that cannot fit, naming the cheapest that "
+        "would (0 = the card's own; on a machine without a GPU the check only prints)",
+        group="memory",
+        resume="free",
+        ge=0,
+        allow_inf_nan=False,
+    )
     # data (docs/math.md §8)
-    regression_data_dir: str = opt("", "ODE pairs for regression_weight: a latent dataset whose 'latents' are teacher "
-                                   "ODE samples and whose 'noise' is the noise each started from (training/"
-                                   "prepare_data.py --synthetic writes one)", group="data")
+    regression_data_dir: str = opt(
+        "",
+        "ODE pairs for regression_weight: a latent dataset whose 'latents' are teacher "
+        "ODE samples and whose 'noise' is the noise each started from (training/"
+        "prepare_data.py --synthetic writes one)",
+        group="data",
+    )
     # objective (docs/math.md §3, §4)
-    guidance_scale: float = opt(5.0, "CFG scale s of the teacher, F_u + s (F_c - F_u) (1 = no guidance): the official "
-                                "rCM teacher_guidance", group="objective", ge=0)
+    guidance_scale: float = opt(
+        5.0,
+        "CFG scale s of the teacher, F_u + s (F_c - F_u) (1 = no guidance): the official rCM teacher_guidance",
+        group="objective",
+        ge=0,
+    )
     P_mean: float = opt(-0.8, "p_G: mean of ln sigma", group="objective")
     P_std: float = opt(1.6, "p_G: std of ln sigma", group="objective", **POS)
-    video_noise_multiplier: float = opt(0.0, "multiply p_G's sigma by this (0 = sqrt(latent frames) for video, 1 for "
-                                        "images)", group="objective", ge=0)
+    video_noise_multiplier: float = opt(
+        0.0, "multiply p_G's sigma by this (0 = sqrt(latent frames) for video, 1 for images)", group="objective", ge=0
+    )
     p_D_shift: float = opt(5.0, "p_D: flow shift s of r = s u / (1 + (s-1) u)", group="objective", **POS)
-    tangent_warmup: int = opt(1000, "iterations of the tangent warm-up r = min(1, step / tangent_warmup); DMD starts "
-                              "after it", group="objective", resume="fixed", why=_STREAM, ge=0)
-    fd_type: Literal[0, 1, 2] = opt(0, "sCM derivative: 0 exact JVP, 1 JVP in x + finite difference in t, 2 finite "
-                                    "difference (no JVP)", group="objective")
+    tangent_warmup: int = opt(
+        1000,
+        "iterations of the tangent warm-up r = min(1, step / tangent_warmup); DMD starts after it",
+        group="objective",
+        resume="fixed",
+        why=_STREAM,
+        ge=0,
+    )
+    fd_type: Literal[0, 1, 2] = opt(
+        0,
+        "sCM derivative: 0 exact JVP, 1 JVP in x + finite difference in t, 2 finite difference (no JVP)",
+        group="objective",
+    )
     fd_h: float = opt(1e-4, "finite-difference step h (fd_type 1, 2)", group="objective", **POS)
-    use_dmd: bool = opt(True, "train a fake score and add the DMD term (false = sCM only)", group="objective",
-                        resume="fixed", why="the fake score network and its optimizer", strict=True)
-    dmd_weight: float = opt(0.01, "weight of L_DMD in L = scm_weight L_sCM + dmd_weight L_DMD (official rCM: 1 with "
-                            "scm_weight 100)", group="objective", ge=0)
-    scm_weight: float = opt(1.0, "weight of the consistency term L_sCM, or L_dCM with cm_type dcm (0 = DMD only, no "
-                            "JVP; official rCM: 100)", group="objective", ge=0)
-    regression_weight: float = opt(0.0, "weight of the ODE-pair regression of the one-step student, "
-                                   "||x0_theta(noise, pi/2) - x_teacher||^2 (docs/math.md §4.7); needs "
-                                   "regression_data_dir; 0 = off", group="objective", ge=0, allow_inf_nan=False)
-    loss_reduction: Literal["mean", "sum"] = opt("mean", "batch reduction of the per-sample losses: 'mean' or 'sum' "
-                                                 "(official rCM)", group="objective")
-    cm_type: Literal["scm", "dcm"] = opt("scm", "consistency term: 'scm' = continuous-time sCM (JVP tangent, fd_type) | "
-                                         "'dcm' = discrete-time CM on the teacher's guided Euler steps, no JVP "
-                                         "(docs/math.md §4.6)", group="objective")
-    dcm_total_steps: int = opt(48, "cm_type dcm: uniform steps in u of the grid before the shift (official 48)",
-                               group="objective", ge=2)
-    dcm_skipping_interval_steps: int = opt(1, "cm_type dcm: grid steps between t_0 and t_N, i.e. teacher Euler steps "
-                                           "per sample (official 1)", group="objective", ge=1)
+    use_dmd: bool = opt(
+        True,
+        "train a fake score and add the DMD term (false = sCM only)",
+        group="objective",
+        resume="fixed",
+        why="the fake score network and its optimizer",
+        strict=True,
+    )
+    dmd_weight: float = opt(
+        0.01,
+        "weight of L_DMD in L = scm_weight L_sCM + dmd_weight L_DMD (official rCM: 1 with scm_weight 100)",
+        group="objective",
+        ge=0,
+    )
+    scm_weight: float = opt(
+        1.0,
+        "weight of the consistency term L_sCM, or L_dCM with cm_type dcm (0 = DMD only, no JVP; official rCM: 100)",
+        group="objective",
+        ge=0,
+    )
+    regression_weight: float = opt(
+        0.0,
+        "weight of the ODE-pair regression of the one-step student, "
+        "||x0_theta(noise, pi/2) - x_teacher||^2 (docs/math.md §4.7); needs "
+        "regression_data_dir; 0 = off",
+        group="objective",
+        ge=0,
+        allow_inf_nan=False,
+    )
+    loss_reduction: Literal["mean", "sum"] = opt(
+        "mean", "batch reduction of the per-sample losses: 'mean' or 'sum' (official rCM)", group="objective"
+    )
+    cm_type: Literal["scm", "dcm"] = opt(
+        "scm",
+        "consistency term: 'scm' = continuous-time sCM (JVP tangent, fd_type) | "
+        "'dcm' = discrete-time CM on the teacher's guided Euler steps, no JVP "
+        "(docs/math.md §4.6)",
+        group="objective",
+    )
+    dcm_total_steps: int = opt(
+        48, "cm_type dcm: uniform steps in u of the grid before the shift (official 48)", group="objective", ge=2
+    )
+    dcm_skipping_interval_steps: int = opt(
+        1,
+        "cm_type dcm: grid steps between t_0 and t_N, i.e. teacher Euler steps per sample (official 1)",
+        group="objective",
+        ge=1,
+    )
     dcm_timestep_shift: float = opt(5.0, "cm_type dcm: flow shift s of the grid (official 5)", group="objective", **POS)
-    dmd_fix_timesteps: bool = opt(False, "backward simulation (DMD term and fake score) on the fixed angles "
-                                  "backward_timesteps instead of p_D draws (docs/math.md §4.2)", group="objective",
-                                  strict=True)
-    backward_timesteps: list[float] = opt([1.5, 1.4, 1.0], "dmd_fix_timesteps: intermediate TrigFlow angles after "
-                                          "pi/2, n steps use the first n - 1 (official default)", group="objective")
-    student_update_freq: int = opt(5, "after warm-up, the student trains every this many iterations, the fake score "
-                                   "otherwise", group="objective", resume="fixed", why=_STREAM, ge=1)
-    max_simulation_steps: int = opt(4, "backward simulation uses n = student_eff % this + 1 student steps",
-                                    group="objective", resume="fixed", why=_STREAM, ge=1)
+    dmd_fix_timesteps: bool = opt(
+        False,
+        "backward simulation (DMD term and fake score) on the fixed angles "
+        "backward_timesteps instead of p_D draws (docs/math.md §4.2)",
+        group="objective",
+        strict=True,
+    )
+    backward_timesteps: list[float] = opt(
+        [1.5, 1.4, 1.0],
+        "dmd_fix_timesteps: intermediate TrigFlow angles after pi/2, n steps use the first n - 1 (official default)",
+        group="objective",
+    )
+    student_update_freq: int = opt(
+        5,
+        "after warm-up, the student trains every this many iterations, the fake score otherwise",
+        group="objective",
+        resume="fixed",
+        why=_STREAM,
+        ge=1,
+    )
+    max_simulation_steps: int = opt(
+        4,
+        "backward simulation uses n = student_eff % this + 1 student steps",
+        group="objective",
+        resume="fixed",
+        why=_STREAM,
+        ge=1,
+    )
     # optimisation (docs/math.md §4.4, §4.5)
     fake_lr: float = opt(2e-5, "fake-score learning rate", group="optimisation", **POS)
     lr_decay: Literal["none", "cosine", "linear"] = opt(
-        "none", "after the warm-up: 'none' = constant (official rCM), 'cosine' or 'linear' = decay to lr_final_ratio x "
-        "lr at the current launch's max_steps", group="optimisation")
-    lr_final_ratio: float = opt(0.0, "with lr_decay cosine/linear: the last step's rate as a fraction of lr / fake_lr",
-                                group="optimisation", ge=0, le=1)
-    lr_decay_fraction: float = opt(1.0, "with lr_decay cosine/linear: the decay spans this last fraction of each "
-                                   "optimizer's steps after the warm-up", group="optimisation", gt=0, le=1)
-    context_parallel_size: int = opt(1, "Wan: processes that run one sample together (Ulysses: video tokens split, "
-                                     "all-to-all around self-attention); data parallelism runs across the world_size "
-                                     "/ this groups", group="optimisation", ge=1)
+        "none",
+        "after the warm-up: 'none' = constant (official rCM), 'cosine' or 'linear' = decay to lr_final_ratio x "
+        "lr at the current launch's max_steps",
+        group="optimisation",
+    )
+    lr_final_ratio: float = opt(
+        0.0,
+        "with lr_decay cosine/linear: the last step's rate as a fraction of lr / fake_lr",
+        group="optimisation",
+        ge=0,
+        le=1,
+    )
+    lr_decay_fraction: float = opt(
+        1.0,
+        "with lr_decay cosine/linear: the decay spans this last fraction of each optimizer's steps after the warm-up",
+        group="optimisation",
+        gt=0,
+        le=1,
+    )
+    context_parallel_size: int = opt(
+        1,
+        "Wan: processes that run one sample together (Ulysses: video tokens split, "
+        "all-to-all around self-attention); data parallelism runs across the world_size "
+        "/ this groups",
+        group="optimisation",
+        ge=1,
+    )
     # outputs and guards
-    sample_every: int = opt(0, "write a student sample grid every N iterations (0 = off)", group="outputs",
-                            resume="free", ge=0)
-    sample_steps: list[int] = opt([1, 2, 4], "RCMScheduler step counts of the sample grid", group="outputs",
-                                  resume="free")
-    sigma_max: float = opt(80.0, "sigma_max of the student sampler (80 T2V, 200 Wan I2V); written into scheduler/",
-                           group="outputs", **POS)
-    mid_t: Any = opt([], "intermediate TrigFlow angles of the student sampler, strictly decreasing below "
-                     "arctan(sigma_max); n steps use the first n - 1 ([] = docs/math.md §2.1). Or per step count: "
-                     "{2: [1.0], 4: [1.5, 1.4, 0.8]} (YAML) or '2: 1.0; 4: 1.5, 1.4, 0.8'; written into scheduler/",
-                     group="outputs")
-    spike_factor: float = opt(5.0, "grad-norm spike: norm > factor x running median ...", group="outputs",
-                              resume="free", **POS)
-    spike_patience: int = opt(3, "... for this many consecutive steps of one network dumps spikes.jsonl",
-                              group="outputs", resume="free", ge=1)
+    sample_every: int = opt(
+        0, "write a student sample grid every N iterations (0 = off)", group="outputs", resume="free", ge=0
+    )
+    sample_steps: list[int] = opt(
+        [1, 2, 4], "RCMScheduler step counts of the sample grid", group="outputs", resume="free"
+    )
+    sigma_max: float = opt(
+        80.0, "sigma_max of the student sampler (80 T2V, 200 Wan I2V); written into scheduler/", group="outputs", **POS
+    )
+    mid_t: Any = opt(
+        [],
+        "intermediate TrigFlow angles of the student sampler, strictly decreasing below "
+        "arctan(sigma_max); n steps use the first n - 1 ([] = docs/math.md §2.1). Or per step count: "
+        "{2: [1.0], 4: [1.5, 1.4, 0.8]} (YAML) or '2: 1.0; 4: 1.5, 1.4, 0.8'; written into scheduler/",
+        group="outputs",
+    )
+    spike_factor: float = opt(
+        5.0, "grad-norm spike: norm > factor x running median ...", group="outputs", resume="free", **POS
+    )
+    spike_patience: int = opt(
+        3, "... for this many consecutive steps of one network dumps spikes.jsonl", group="outputs", resume="free", ge=1
+    )
 
     @model_validator(mode="after")
     def _rcm(self):
         if self.checkpointing_policy != "full" and not self.gradient_checkpointing:
             _bad(self, "checkpointing_policy", "applies with gradient_checkpointing true; set it too")
         if self.activation_offload and not self.gradient_checkpointing:
-            _bad(self, "activation_offload", "keeps the checkpointed block inputs on the host: set gradient_checkpointing "
-                                             "true too")
+            _bad(
+                self,
+                "activation_offload",
+                "keeps the checkpointed block inputs on the host: set gradient_checkpointing true too",
+            )
         if self.mode == "full":
             for key in ("base_dtype", "blocks_to_swap", "activation_offload"):
                 if getattr(self, key) != type(self).model_fields[key].default:
                     _bad(self, key, "applies to the frozen base of mode shared; mode full trains every weight")
         if self.dcm_skipping_interval_steps >= self.dcm_total_steps:
-            _bad(self, "dcm_skipping_interval_steps", f"must lie in [1, dcm_total_steps - 1 = {self.dcm_total_steps - 1}]")
+            _bad(
+                self,
+                "dcm_skipping_interval_steps",
+                f"must lie in [1, dcm_total_steps - 1 = {self.dcm_total_steps - 1}]",
+            )
         if self.dmd_fix_timesteps:
             bt = self.backward_timesteps
             if any(not 0 < a < math.pi / 2 for a in bt) or any(a <= b for a, b in zip(bt, bt[1:])):
                 _bad(self, "backward_timesteps", "TrigFlow angles strictly decreasing, strictly inside (0, pi/2)")
             if len(bt) < self.max_simulation_steps - 1:
-                _bad(self, "backward_timesteps", f"max_simulation_steps {self.max_simulation_steps} needs at least "
-                     f"{self.max_simulation_steps - 1} angles")
+                _bad(
+                    self,
+                    "backward_timesteps",
+                    f"max_simulation_steps {self.max_simulation_steps} needs at least "
+                    f"{self.max_simulation_steps - 1} angles",
+                )
         if self.regression_weight > 0 and not self.regression_data_dir:
-            _bad(self, "regression_data_dir", "regression_weight > 0 needs ODE pairs: a dataset from "
-                                              "training/prepare_data.py --synthetic")
+            _bad(
+                self,
+                "regression_data_dir",
+                "regression_weight > 0 needs ODE pairs: a dataset from training/prepare_data.py --synthetic",
+            )
         if self.scm_weight == 0 and not self.use_dmd:
             _bad(self, "scm_weight", "sCM off and DMD off leaves nothing to train")
         if self.scm_weight == 0 and self.tangent_warmup > 0:
-            _bad(self, "tangent_warmup", "with scm_weight 0 (DMD only) the warm-up iterations train nothing; set "
-                                         "tangent_warmup 0")
+            _bad(
+                self,
+                "tangent_warmup",
+                "with scm_weight 0 (DMD only) the warm-up iterations train nothing; set tangent_warmup 0",
+            )
         if self.context_parallel_size > 1 and self.sample_every:
-            _bad(self, "sample_every", "sample grids run on the main process alone, a context-parallel model needs its "
-                                       "whole group: use sample_every 0 with context_parallel_size > 1")
+            _bad(
+                self,
+                "sample_every",
+                "sample grids run on the main process alone, a context-parallel model needs its "
+                "whole group: use sample_every 0 with context_parallel_size > 1",
+            )
         _check_mid_t(self, self.sample_steps, "sample_steps")
         return self
 
@@ -348,8 +627,12 @@ class QADConfig(CommonOptions):
 
     script: ClassVar[str] = "training/qad.py"
 
-    teacher_lora: str = opt("", "'' = the base model is the teacher; else an rCM student LoRA (training/rcm.py output "
-                            "dir or .safetensors) fused into it", group="model")
+    teacher_lora: str = opt(
+        "",
+        "'' = the base model is the teacher; else an rCM student LoRA (training/rcm.py output "
+        "dir or .safetensors) fused into it",
+        group="model",
+    )
     # shared options with QAD's own defaults
     lr: float = _again(CommonOptions, "lr", 1e-5)
     weight_decay: float = _again(CommonOptions, "weight_decay", 0.0)
@@ -358,61 +641,160 @@ class QADConfig(CommonOptions):
     ema_rate: float = _again(CommonOptions, "ema_rate", 0.0)
     output_dir: str = _again(CommonOptions, "output_dir", "outputs/qad")
     # quantization (docs/math.md §7)
-    format: str = opt("nvfp4", "weight format: nvfp4 | mxfp4 | fp8_e4m3 | int8", group="quantization", resume="fixed",
-                      why="the student was trained through the old quantizer")
-    act_format: str = opt("", "target fake: activation format ('' = weight-only); static per-tensor range calibrated on "
-                          "calibration_batches", group="quantization", resume="fixed", why="the activation quantizer")
+    format: str = opt(
+        "nvfp4",
+        "weight format: nvfp4 | mxfp4 | fp8_e4m3 | int8",
+        group="quantization",
+        resume="fixed",
+        why="the student was trained through the old quantizer",
+    )
+    act_format: str = opt(
+        "",
+        "target fake: activation format ('' = weight-only); static per-tensor range calibrated on calibration_batches",
+        group="quantization",
+        resume="fixed",
+        why="the activation quantizer",
+    )
     target: Literal["auto", "comfyui", "fake"] = opt(
-        "auto", "arithmetic trained: comfyui = what ComfyUI runs for the format on a GPU with kernels for it (nvfp4 "
+        "auto",
+        "arithmetic trained: comfyui = what ComfyUI runs for the format on a GPU with kernels for it (nvfp4 "
         "W+A, fp8 W+A with calibrated input_scale, int8 W8A8 per-row dynamic) | fake = format / act_format as given | "
-        "auto = comfyui when the export layout is comfyui, else fake", group="quantization", resume="fixed",
-        why="the student was trained through the old runtime arithmetic")
+        "auto = comfyui when the export layout is comfyui, else fake",
+        group="quantization",
+        resume="fixed",
+        why="the student was trained through the old runtime arithmetic",
+    )
     act_scale: Literal["static", "dynamic"] = opt(
-        "static", "target comfyui, nvfp4: static = calibrated input_scale (exported) | dynamic = per-call amax, "
-        "ComfyUI's mode without input_scale (fp8 is always static, int8 always dynamic per row)", group="quantization",
-        resume="fixed", why="the activation quantizer")
-    per_channel: bool = opt(False, "fp8_e4m3: per-output-channel weight scales (no ComfyUI field; export refuses it)",
-                            group="quantization", resume="fixed", why="the quantizer's scales", strict=True)
-    calibration_batches: int = opt(4, "batches run to calibrate activation ranges (act_format only)",
-                                   group="quantization", resume="fixed",
-                                   why="the activation ranges are recalibrated identically on resume", ge=1)
-    exclude: list[str] = opt([], "extra fnmatch patterns of Linear names kept in high precision (added to "
-                             "rcm_diffusers.quant.modules.DEFAULT_EXCLUDE)", group="quantization", resume="fixed",
-                             why="which layers are quantized")
-    overrides: list[str] = opt([], "'pattern=format' entries, first match wins ('pattern=none' keeps a layer "
-                               "unquantized)", group="quantization", resume="fixed", why="which layers are quantized")
-    scope: Literal["all", "lora"] = opt("all", "'all' = every student weight trains (fake-quantized); 'lora' = frozen "
-                                        "quantized base + bf16 LoRA", group="quantization", resume="fixed", why=_SHAPES)
+        "static",
+        "target comfyui, nvfp4: static = calibrated input_scale (exported) | dynamic = per-call amax, "
+        "ComfyUI's mode without input_scale (fp8 is always static, int8 always dynamic per row)",
+        group="quantization",
+        resume="fixed",
+        why="the activation quantizer",
+    )
+    per_channel: bool = opt(
+        False,
+        "fp8_e4m3: per-output-channel weight scales (no ComfyUI field; export refuses it)",
+        group="quantization",
+        resume="fixed",
+        why="the quantizer's scales",
+        strict=True,
+    )
+    calibration_batches: int = opt(
+        4,
+        "batches run to calibrate activation ranges (act_format only)",
+        group="quantization",
+        resume="fixed",
+        why="the activation ranges are recalibrated identically on resume",
+        ge=1,
+    )
+    exclude: list[str] = opt(
+        [],
+        "extra fnmatch patterns of Linear names kept in high precision (added to "
+        "rcm_diffusers.quant.modules.DEFAULT_EXCLUDE)",
+        group="quantization",
+        resume="fixed",
+        why="which layers are quantized",
+    )
+    overrides: list[str] = opt(
+        [],
+        "'pattern=format' entries, first match wins ('pattern=none' keeps a layer unquantized)",
+        group="quantization",
+        resume="fixed",
+        why="which layers are quantized",
+    )
+    scope: Literal["all", "lora"] = opt(
+        "all",
+        "'all' = every student weight trains (fake-quantized); 'lora' = frozen quantized base + bf16 LoRA",
+        group="quantization",
+        resume="fixed",
+        why=_SHAPES,
+    )
     # objective (docs/math.md §7): L = alpha L_FM + (1 - alpha) L_distill
-    alpha: float = opt(0.1, "weight of flow matching on real data; 1 - alpha weighs distillation of the guided teacher "
-                       "velocity", group="objective", ge=0, le=1)
-    guidance: list = opt([[0.0, 2.0], [0.5, 5.0], [1.0, 4.0]], "teacher CFG schedule s(r): piecewise-linear [[r, s], "
-                         "...] knots (a single number = constant; 1 = no CFG)", group="objective")
-    r_source: Literal["shifted", "rcm"] = opt("shifted", "training times: 'shifted' = shifted uniform r (shift); 'rcm' "
-                                              "= the rCM student's rcm_steps sampling times", group="objective",
-                                              resume="fixed", why=_CALIB)
-    shift: float = opt(3.0, "flow shift s of r = s u / (1 + (s - 1) u) (r_source shifted)", group="objective",
-                       resume="fixed", why=_CALIB, **POS)
-    rcm_steps: int = opt(4, "number of RCMScheduler steps whose times r is drawn from (r_source rcm)", group="objective",
-                         resume="fixed", why=_CALIB, ge=1)
-    sigma_max: float = opt(80.0, "RCMScheduler sigma_max of those times (r_source rcm)", group="objective",
-                           resume="fixed", why=_CALIB, **POS)
-    mid_t: Any = opt([], "RCMScheduler intermediate TrigFlow angles ([] = docs/math.md §2.1 default; r_source rcm); a "
-                     "list, or per step count as the rCM trainer's mid_t", group="objective", resume="fixed", why=_CALIB)
+    alpha: float = opt(
+        0.1,
+        "weight of flow matching on real data; 1 - alpha weighs distillation of the guided teacher velocity",
+        group="objective",
+        ge=0,
+        le=1,
+    )
+    guidance: list = opt(
+        [[0.0, 2.0], [0.5, 5.0], [1.0, 4.0]],
+        "teacher CFG schedule s(r): piecewise-linear [[r, s], ...] knots (a single number = constant; 1 = no CFG)",
+        group="objective",
+    )
+    r_source: Literal["shifted", "rcm"] = opt(
+        "shifted",
+        "training times: 'shifted' = shifted uniform r (shift); 'rcm' = the rCM student's rcm_steps sampling times",
+        group="objective",
+        resume="fixed",
+        why=_CALIB,
+    )
+    shift: float = opt(
+        3.0,
+        "flow shift s of r = s u / (1 + (s - 1) u) (r_source shifted)",
+        group="objective",
+        resume="fixed",
+        why=_CALIB,
+        **POS,
+    )
+    rcm_steps: int = opt(
+        4,
+        "number of RCMScheduler steps whose times r is drawn from (r_source rcm)",
+        group="objective",
+        resume="fixed",
+        why=_CALIB,
+        ge=1,
+    )
+    sigma_max: float = opt(
+        80.0,
+        "RCMScheduler sigma_max of those times (r_source rcm)",
+        group="objective",
+        resume="fixed",
+        why=_CALIB,
+        **POS,
+    )
+    mid_t: Any = opt(
+        [],
+        "RCMScheduler intermediate TrigFlow angles ([] = docs/math.md §2.1 default; r_source rcm); a "
+        "list, or per step count as the rCM trainer's mid_t",
+        group="objective",
+        resume="fixed",
+        why=_CALIB,
+    )
     # block-wise warm start (docs/math.md §7)
-    warm_start_batches: int = opt(0, "batches of block-wise warm start before end-to-end QAD (0 = off)",
-                                  group="warm start", resume="fixed", why=_START, ge=0)
-    warm_start_steps_per_batch: int = opt(1, "optimizer steps per block and warm-start batch", group="warm start",
-                                          resume="fixed", why=_START, ge=1)
+    warm_start_batches: int = opt(
+        0,
+        "batches of block-wise warm start before end-to-end QAD (0 = off)",
+        group="warm start",
+        resume="fixed",
+        why=_START,
+        ge=0,
+    )
+    warm_start_steps_per_batch: int = opt(
+        1, "optimizer steps per block and warm-start batch", group="warm start", resume="fixed", why=_START, ge=1
+    )
     warm_start_lr: float = opt(1e-4, "warm-start learning rate", group="warm start", resume="fixed", why=_START, **POS)
     # outputs
-    export_delta: bool = opt(True, "scope all: also export the bf16 full-weight delta student - teacher (ComfyUI LoRA "
-                             "layout, .diff/.diff_b)", group="outputs", strict=True)
-    eval_batches: int = opt(2, "fixed-seed batches of the distillation-loss probe logged before/after warm start and "
-                            "at the end", group="outputs", resume="free", ge=0)
+    export_delta: bool = opt(
+        True,
+        "scope all: also export the bf16 full-weight delta student - teacher (ComfyUI LoRA layout, .diff/.diff_b)",
+        group="outputs",
+        strict=True,
+    )
+    eval_batches: int = opt(
+        2,
+        "fixed-seed batches of the distillation-loss probe logged before/after warm start and at the end",
+        group="outputs",
+        resume="free",
+        ge=0,
+    )
     export_layout: Literal["auto", "comfyui", "diffusers"] = opt(
-        "auto", "quantized checkpoint layout: auto (comfyui for Wan, diffusers for Flux) | comfyui | diffusers",
-        group="outputs", resume="free")
+        "auto",
+        "quantized checkpoint layout: auto (comfyui for Wan, diffusers for Flux) | comfyui | diffusers",
+        group="outputs",
+        resume="free",
+    )
 
     def guidance_knots(self) -> list:
         """``guidance`` as ``[(r, s), ...]`` knots (a bare number or ``[s]`` = constant ``s``)."""
@@ -456,13 +838,21 @@ class QADConfig(CommonOptions):
             _bad(self, "per_channel", "only fp8_e4m3 has a per-channel option (int8 is always per-channel)")
         if self.target == "comfyui":
             if self.format not in COMFY_ACT:
-                _bad(self, "format", f"target comfyui: ComfyUI has no layout for it (use {', '.join(COMFY_ACT)}, or "
-                                     "target fake)")
+                _bad(
+                    self,
+                    "format",
+                    f"target comfyui: ComfyUI has no layout for it (use {', '.join(COMFY_ACT)}, or target fake)",
+                )
             if self.act_format and self.act_format != self.format:
-                _bad(self, "act_format", f"target comfyui quantizes activations as the weight format ({self.format}); "
-                                         "leave it ''")
+                _bad(
+                    self,
+                    "act_format",
+                    f"target comfyui quantizes activations as the weight format ({self.format}); leave it ''",
+                )
             if self.format == "fp8_e4m3" and self.act_scale == "dynamic":
-                _bad(self, "act_scale", "target comfyui, fp8: ComfyUI without input_scale casts at scale 1.0; use static")
+                _bad(
+                    self, "act_scale", "target comfyui, fp8: ComfyUI without input_scale casts at scale 1.0; use static"
+                )
             if self.per_channel:
                 _bad(self, "per_channel", "target comfyui: per-channel FP8 has no ComfyUI field")
         _check_mid_t(self, [self.rcm_steps] if self.r_source == "rcm" else [], "rcm_steps")
@@ -523,9 +913,16 @@ def noise_seeding_of(cfg) -> str:
 
 # ----------------------------------------------------------------------------- building, errors, help, docs
 
-_PHRASES = {"int_type": "expects an integer", "int_parsing": "expects an integer", "int_from_float": "expects an integer",
-            "float_type": "expects a number", "float_parsing": "expects a number", "bool_type": "expects true/false",
-            "list_type": "expects a list", "finite_number": "must be a finite number"}
+_PHRASES = {
+    "int_type": "expects an integer",
+    "int_parsing": "expects an integer",
+    "int_from_float": "expects an integer",
+    "float_type": "expects a number",
+    "float_parsing": "expects a number",
+    "bool_type": "expects true/false",
+    "list_type": "expects a list",
+    "finite_number": "must be a finite number",
+}
 
 
 def _message(cls, err: ValidationError) -> str:
@@ -598,8 +995,12 @@ def load_config(argv: list[str] | None = None, default_config: str | None = None
     if "-h" in argv or "--help" in argv:
         print(format_help(cls))
         raise SystemExit(0)
-    argv = [a.split("=", 1)[0].replace("-", "_").replace("__", "--", 1) + a[len(a.split("=", 1)[0]):]
-            if a.startswith("--") else a for a in argv]
+    argv = [
+        a.split("=", 1)[0].replace("-", "_").replace("__", "--", 1) + a[len(a.split("=", 1)[0]) :]
+        if a.startswith("--")
+        else a
+        for a in argv
+    ]
     args = vars(_parser(cls).parse_args(argv))
     values = _read_yaml(args.pop("config", None) or default_config)
     unknown = sorted(set(values) - set(cls.model_fields))
@@ -631,8 +1032,11 @@ def _choices(f) -> str:
 def format_help(config_cls=None) -> str:
     """``--help``: one line per option of ``config_cls`` (default ``RCMConfig``), grouped: ``--name (default): meaning``."""
     cls = config_cls or RCMConfig
-    lines = [f"usage: accelerate launch {cls.script} [--config FILE.yaml] [--key value ...]", "",
-             "Options (YAML keys or --key value; later wins; docs/training.md lists which may change on resume):"]
+    lines = [
+        f"usage: accelerate launch {cls.script} [--config FILE.yaml] [--key value ...]",
+        "",
+        "Options (YAML keys or --key value; later wins; docs/training.md lists which may change on resume):",
+    ]
     for group, names in _groups(cls).items():
         lines.append(f"\n {group}:")
         for n in names:
@@ -648,6 +1052,7 @@ def resume_policy(config_cls) -> dict[str, tuple[str, str]]:
 
 def options_markdown() -> str:
     """The options tables of docs/training.md: common options (both defaults), then rCM's and QAD's own."""
+
     def cell(v):
         return "`" + repr(v).replace("|", "\\|") + "`"
 
@@ -658,13 +1063,23 @@ def options_markdown() -> str:
     def esc(f):
         return (f.description + _choices(f)).replace("|", "\\|")
 
-    out = ["### Options of both trainers", "", "| option | rCM default | QAD default | meaning | on resume |",
-           "|---|---|---|---|---|"]
+    out = [
+        "### Options of both trainers",
+        "",
+        "| option | rCM default | QAD default | meaning | on resume |",
+        "|---|---|---|---|---|",
+    ]
     for n, f in CommonOptions.model_fields.items():
         q = QADConfig.model_fields[n]
         out.append(f"| `{n}` | {cell(_default(f))} | {cell(_default(q))} | {esc(f)} | {on_resume(f)} |")
     for cls, title in ((RCMConfig, "rCM (`training/rcm.py`)"), (QADConfig, "QAD (`training/qad.py`)")):
-        out += ["", f"### Options of {title} only", "", "| option | default | meaning | on resume |", "|---|---|---|---|"]
+        out += [
+            "",
+            f"### Options of {title} only",
+            "",
+            "| option | default | meaning | on resume |",
+            "|---|---|---|---|",
+        ]
         for n, f in cls.model_fields.items():
             if n not in CommonOptions.model_fields:
                 out.append(f"| `{n}` | {cell(_default(f))} | {esc(f)} | {on_resume(f)} |")

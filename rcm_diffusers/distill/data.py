@@ -41,10 +41,23 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["write_latent_dataset", "check_dataset", "scan_values", "DataError", "LatentDataset", "batch_indices",
-           "pair_indices", "step_seed",
-           "step_generator", "sample_generators", "step_noise", "model_inputs", "pair_inputs",
-           "pack_flux_latents", "unpack_flux_latents"]
+__all__ = [
+    "write_latent_dataset",
+    "check_dataset",
+    "scan_values",
+    "DataError",
+    "LatentDataset",
+    "batch_indices",
+    "pair_indices",
+    "step_seed",
+    "step_generator",
+    "sample_generators",
+    "step_noise",
+    "model_inputs",
+    "pair_inputs",
+    "pack_flux_latents",
+    "unpack_flux_latents",
+]
 
 FORMAT = "rcm-latents"
 
@@ -55,9 +68,16 @@ def _atomic_save(tensors: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def write_latent_dataset(out_dir: str, samples: dict[str, torch.Tensor], *, family: str,
-                         tables: dict[str, torch.Tensor] | None = None, table_index: dict[str, str | None] | None = None,
-                         shard_size: int = 4096, extra_meta: dict | None = None) -> str:
+def write_latent_dataset(
+    out_dir: str,
+    samples: dict[str, torch.Tensor],
+    *,
+    family: str,
+    tables: dict[str, torch.Tensor] | None = None,
+    table_index: dict[str, str | None] | None = None,
+    shard_size: int = 4096,
+    extra_meta: dict | None = None,
+) -> str:
     """Write the docs/math.md §8 latent format: per-sample tensors ``samples`` (leading dim N) sharded, and
     shared ``tables`` looked up by ``table_index[name]`` (or broadcast when ``None``)."""
     if "latents" not in samples:
@@ -77,10 +97,17 @@ def write_latent_dataset(out_dir: str, samples: dict[str, torch.Tensor], *, fami
     shards = []
     for s, start in enumerate(range(0, N, shard_size)):
         name = f"shard-{s:05d}.safetensors"
-        _atomic_save({k: v[start:start + shard_size] for k, v in samples.items()}, os.path.join(out_dir, name))
+        _atomic_save({k: v[start : start + shard_size] for k, v in samples.items()}, os.path.join(out_dir, name))
         shards.append({"file": name, "num_samples": min(shard_size, N - start)})
-    meta = {"format": FORMAT, "version": 1, "family": family, "num_samples": N, "shards": shards,
-            "tables": table_index, **(extra_meta or {})}
+    meta = {
+        "format": FORMAT,
+        "version": 1,
+        "family": family,
+        "num_samples": N,
+        "shards": shards,
+        "tables": table_index,
+        **(extra_meta or {}),
+    }
     if tables:
         _atomic_save(tables, os.path.join(out_dir, "tables.safetensors"))
         meta["tables_file"] = "tables.safetensors"
@@ -146,8 +173,10 @@ def _header(path: str) -> dict:
         out[k] = (dtype, tuple(shape))
         end = max(end, int(b))
     if end != size - 8 - n:
-        raise DataError(f"{path}: the header describes {end} bytes of data, the file holds {size - 8 - n} "
-                        "(truncated or damaged; write the dataset again)")
+        raise DataError(
+            f"{path}: the header describes {end} bytes of data, the file holds {size - 8 - n} "
+            "(truncated or damaged; write the dataset again)"
+        )
     return out
 
 
@@ -185,14 +214,18 @@ def check_dataset(root: str, model_config: dict | None = None, option: str = "--
         raise DataError(f"{option} {root}: no such folder (make a latent dataset with training/prepare_data.py)")
     mpath = os.path.join(root, "meta.json")
     if not os.path.isfile(mpath):
-        raise DataError(f"{option} {root}: no meta.json, not an rcm latent dataset (make one with training/prepare_data.py)")
+        raise DataError(
+            f"{option} {root}: no meta.json, not an rcm latent dataset (make one with training/prepare_data.py)"
+        )
     try:
         with open(mpath) as f:
             meta = json.load(f)
     except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"{mpath} is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DataError(f"{mpath}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}")
+        raise DataError(
+            f"{mpath}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r}"
+        )
     family = meta.get("family")
     if family not in FAMILIES:
         raise DataError(f"{mpath}: unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
@@ -217,12 +250,16 @@ def check_dataset(root: str, model_config: dict | None = None, option: str = "--
         if bad:
             raise DataError(f"{path}: field {bad[0]!r} has {rows[bad[0]]} rows, latents has {r}")
         if s.get("num_samples") != r:
-            raise DataError(f"{mpath}: shard {s.get('file')} says num_samples {s.get('num_samples')!r}, the file holds {r}")
+            raise DataError(
+                f"{mpath}: shard {s.get('file')} says num_samples {s.get('num_samples')!r}, the file holds {r}"
+            )
         sig = {k: (d, shape[1:]) for k, (d, shape) in head.items()}
         if fields is None:
             fields = sig
         elif sig != fields:
-            raise DataError(f"{path}: fields, dtypes or shapes differ from the first shard's ({sorted(sig)} vs {sorted(fields)})")
+            raise DataError(
+                f"{path}: fields, dtypes or shapes differ from the first shard's ({sorted(sig)} vs {sorted(fields)})"
+            )
         total += r
         index_files.append(path)
     if total != n:
@@ -239,8 +276,14 @@ def check_dataset(root: str, model_config: dict | None = None, option: str = "--
     ranges = {}
     for name, idx in index.items():
         if name not in tables:
-            raise DataError(f"{mpath}: table {name!r} is listed but "
-                            + (f"{meta.get('tables_file')} has no such tensor" if meta.get("tables_file") else "there is no tables_file"))
+            raise DataError(
+                f"{mpath}: table {name!r} is listed but "
+                + (
+                    f"{meta.get('tables_file')} has no such tensor"
+                    if meta.get("tables_file")
+                    else "there is no tables_file"
+                )
+            )
         d, shape = tables[name]
         if not shape or shape[0] < 1:
             raise DataError(f"{root}: table {name!r} has no rows")
@@ -248,8 +291,10 @@ def check_dataset(root: str, model_config: dict | None = None, option: str = "--
             if idx not in fields:
                 raise DataError(f"{mpath}: table {name!r} is indexed by {idx!r}, which is not a per-sample field")
             if fields[idx][0] not in _INTS or fields[idx][1] != ():
-                raise DataError(f"{root}: index field {idx!r} must hold one whole number per sample, got "
-                                f"{fields[idx][0]} {list(fields[idx][1])}")
+                raise DataError(
+                    f"{root}: index field {idx!r} must hold one whole number per sample, got "
+                    f"{fields[idx][0]} {list(fields[idx][1])}"
+                )
             ranges.setdefault(idx, []).append((name, shape[0]))
         per[name] = (d, shape[1:])
     for idx, limits in ranges.items():  # the only values read: one small integer per sample
@@ -259,19 +304,26 @@ def check_dataset(root: str, model_config: dict | None = None, option: str = "--
                 v = f.get_tensor(idx)
             if v.numel() and (int(v.min()) < 0 or int(v.max()) >= hi):
                 bad = int(v.min()) if int(v.min()) < 0 else int(v.max())
-                raise DataError(f"{path}: {idx} holds {bad}, outside the table rows 0..{hi - 1} "
-                                f"({', '.join(f'{t}: {m} rows' for t, m in limits)})")
+                raise DataError(
+                    f"{path}: {idx} holds {bad}, outside the table rows 0..{hi - 1} "
+                    f"({', '.join(f'{t}: {m} rows' for t, m in limits)})"
+                )
     _check_layout(root, family, per, _dims(model_config, family))
-    return {"family": family, "num_samples": n, "fields": sorted(per),
-            "shapes": {k: (d, tuple(shape)) for k, (d, shape) in per.items()}}
+    return {
+        "family": family,
+        "num_samples": n,
+        "fields": sorted(per),
+        "shapes": {k: (d, tuple(shape)) for k, (d, shape) in per.items()},
+    }
 
 
 #: bytes of one field read at a time by ``scan_values`` (the memory the scan needs, whatever the dataset's size)
 SCAN_CHUNK_BYTES = 64 * 2**20
 
 
-def scan_values(root: str, option: str = "--data_dir", part: int = 0, parts: int = 1,
-                chunk_bytes: int = SCAN_CHUNK_BYTES) -> int:
+def scan_values(
+    root: str, option: str = "--data_dir", part: int = 0, parts: int = 1, chunk_bytes: int = SCAN_CHUNK_BYTES
+) -> int:
     """Read every float value of a dataset that ``check_dataset`` passed (latents, noise, conditions, per-sample
     embeddings, every table) in chunks of rows and raise ``DataError`` at the first NaN or inf, naming the file, the
     field and the sample (or table row). Streams: memory stays near ``chunk_bytes`` for any dataset size; the cost
@@ -297,7 +349,7 @@ def scan_values(root: str, option: str = "--data_dir", part: int = 0, parts: int
                 step = max(1, chunk_bytes // row_bytes)
                 start, stop = rows * part // parts, rows * (part + 1) // parts
                 for a in range(start, stop, step):
-                    t = sl[a:min(a + step, stop)] if shape else f.get_tensor(k).reshape(1)
+                    t = sl[a : min(a + step, stop)] if shape else f.get_tensor(k).reshape(1)
                     nbytes += t.numel() * t.element_size()
                     if not t.numel():
                         continue
@@ -306,9 +358,12 @@ def scan_values(root: str, option: str = "--data_dir", part: int = 0, parts: int
                         bad = ~torch.isfinite(t)
                         j = a + int(bad.reshape(len(t), -1).any(1).nonzero()[0, 0])
                         where = f"{k} of sample {first + j}" if unit == "sample" else f"table {k!r}, row {j}"
-                        raise DataError(f"{option} {root}: {where} holds NaN or inf ({name}); training on it gives "
-                                        "non-finite gradients. Remove or re-encode that "
-                                        + ("sample" if unit == "sample" else "row") + ".")
+                        raise DataError(
+                            f"{option} {root}: {where} holds NaN or inf ({name}); training on it gives "
+                            "non-finite gradients. Remove or re-encode that "
+                            + ("sample" if unit == "sample" else "row")
+                            + "."
+                        )
         first += count
     return nbytes
 
@@ -326,15 +381,19 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
     want = 4 if family.startswith("wan") else 3
     layout = "[C, T, H, W]" if family.startswith("wan") else "[C, H, W]"
     if len(lat) != want:
-        raise DataError(f"{root}: latents are {len(lat) + 1}-D [N, {', '.join(map(str, lat))}]; family {family!r} "
-                        f"needs [N, {layout[1:]}")
+        raise DataError(
+            f"{root}: latents are {len(lat) + 1}-D [N, {', '.join(map(str, lat))}]; family {family!r} "
+            f"needs [N, {layout[1:]}"
+        )
     C = lat[0]
     if dims.get("channels") and C != dims["channels"]:
         raise DataError(f"{root}: latents have {C} channels, the teacher's transformer takes {dims['channels']}")
     hw = lat[-2:]
     p = (2, 2) if family == "flux" else dims.get("patch", (1, 1))  # Flux packs 2 x 2 latent pixels per token
     if any(h % q for h, q in zip(hw, p)):
-        raise DataError(f"{root}: latent height x width {hw[0]} x {hw[1]} is not divisible by the patch size {p[0]} x {p[1]}")
+        raise DataError(
+            f"{root}: latent height x width {hw[0]} x {hw[1]} is not divisible by the patch size {p[0]} x {p[1]}"
+        )
     if "noise" in per and tuple(need("noise")) != tuple(lat):
         raise DataError(f"{root}: noise {list(per['noise'][1])} must have the latents' shape {list(lat)}")
     text = need("prompt_embeds")
@@ -344,25 +403,35 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
             if len(shape) != 2:
                 raise DataError(f"{root}: {k} must be [L, D] per sample, got {list(shape)}")
             if dims.get("text_dim") and shape[1] != dims["text_dim"]:
-                raise DataError(f"{root}: {k} are {shape[1]} wide, the teacher's transformer takes {dims['text_dim']} "
-                                "(text encoder of another model?)")
+                raise DataError(
+                    f"{root}: {k} are {shape[1]} wide, the teacher's transformer takes {dims['text_dim']} "
+                    "(text encoder of another model?)"
+                )
     if family == "wan_i2v":
         cond = need("condition")
         if len(cond) != 4 or tuple(cond[1:]) != tuple(lat[1:]):
-            raise DataError(f"{root}: condition {list(cond)} must be [4 + C, T, H, W] with the latents' T, H, W {list(lat[1:])}")
+            raise DataError(
+                f"{root}: condition {list(cond)} must be [4 + C, T, H, W] with the latents' T, H, W {list(lat[1:])}"
+            )
         if dims.get("in_channels") and C + cond[0] != dims["in_channels"]:
-            raise DataError(f"{root}: latents ({C}) + condition ({cond[0]}) channels = {C + cond[0]}, the teacher's "
-                            f"transformer takes {dims['in_channels']}")
+            raise DataError(
+                f"{root}: latents ({C}) + condition ({cond[0]}) channels = {C + cond[0]}, the teacher's "
+                f"transformer takes {dims['in_channels']}"
+            )
         if "image_embeds" in per:
             img = need("image_embeds")
             if len(img) != 2 or (dims.get("image_dim") and img[1] != dims["image_dim"]):
                 raise DataError(f"{root}: image_embeds {list(img)} must be [tokens, {dims.get('image_dim') or 'D'}]")
             if text[0] != 512:
-                raise DataError(f"{root}: Wan I2V with image embeddings needs prompt_embeds of exactly 512 tokens, got "
-                                f"{text[0]}: re-run training/prepare_data.py with --max_sequence_length 512")
+                raise DataError(
+                    f"{root}: Wan I2V with image embeddings needs prompt_embeds of exactly 512 tokens, got "
+                    f"{text[0]}: re-run training/prepare_data.py with --max_sequence_length 512"
+                )
     elif family == "wan" and dims.get("in_channels") and C != dims["in_channels"]:
-        raise DataError(f"{root}: latents have {C} channels, the teacher's transformer takes {dims['in_channels']} "
-                        "(an image-to-video teacher needs family 'wan_i2v' data with a condition)")
+        raise DataError(
+            f"{root}: latents have {C} channels, the teacher's transformer takes {dims['in_channels']} "
+            "(an image-to-video teacher needs family 'wan_i2v' data with a condition)"
+        )
     if family == "flux":
         for k in ("pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
             if k in per or k == "pooled_prompt_embeds":
@@ -377,7 +446,9 @@ class LatentDataset:
     def __init__(self, root: str):
         path = os.path.join(root, "meta.json")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{root} is not an rcm latent dataset (no meta.json); create one with training/prepare_data.py")
+            raise FileNotFoundError(
+                f"{root} is not an rcm latent dataset (no meta.json); create one with training/prepare_data.py"
+            )
         with open(path) as f:
             self.meta = json.load(f)
         if self.meta.get("format") != FORMAT:
@@ -407,7 +478,7 @@ class LatentDataset:
             s = int(np.searchsorted(self._starts, i, side="right") - 1)
             f, j = self._files[s], i - int(self._starts[s])
             for k in f.keys():
-                rows.setdefault(k, []).append(f.get_slice(k)[j:j + 1])
+                rows.setdefault(k, []).append(f.get_slice(k)[j : j + 1])
         batch = {k: torch.cat(v) for k, v in rows.items()}
         for name, idx in self.table_index.items():
             tab = self.tables[name]
@@ -419,7 +490,9 @@ class LatentDataset:
 
 def step_seed(seed: int, *keys: int) -> int:
     """A 63-bit seed mixed from ``(seed, *keys)`` (e.g. step, rank) by numpy's SeedSequence."""
-    return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, *[int(k) for k in keys]]).generate_state(2, np.uint64)[0] >> 1)
+    return int(
+        np.random.SeedSequence([int(seed) & 0xFFFFFFFF, *[int(k) for k in keys]]).generate_state(2, np.uint64)[0] >> 1
+    )
 
 
 def step_generator(seed: int, step: int, rank: int, stream: int = 0, device="cpu") -> torch.Generator:
@@ -436,8 +509,10 @@ def sample_generators(seed: int, step: int, first: int, count: int, device="cpu"
     not on how the global batch is split over processes and micro-batches."""
     from ..rng import SampleGenerators
 
-    return SampleGenerators(torch.Generator(device=device).manual_seed(step_seed(seed, step, SAMPLE_STREAM, first + j))
-                            for j in range(count))
+    return SampleGenerators(
+        torch.Generator(device=device).manual_seed(step_seed(seed, step, SAMPLE_STREAM, first + j))
+        for j in range(count)
+    )
 
 
 def step_noise(noise_seeding: str, seed: int, step: int, rank: int, batch: int, device="cpu"):
@@ -499,6 +574,7 @@ def _flux_img_ids(H: int, W: int) -> torch.Tensor:
 def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: float | None = None):
     """``(x0, cond, uncond)``: float64 clean latents in the model's layout (Flux: packed tokens) and
     the condition kwargs of ``rcm_diffusers.models.velocity_fn`` (``uncond`` is ``None`` without negatives)."""
+
     def md(x):
         return x.to(device=device, dtype=model_dtype)
 
@@ -511,8 +587,10 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
             if "image_embeds" in batch:
                 n_txt = batch["prompt_embeds"].shape[1]
                 if n_txt != 512:  # diffusers' Wan I2V attention takes the last 512 context tokens as text
-                    raise ValueError(f"Wan I2V with image embeddings needs prompt_embeds of exactly 512 tokens (the WanPipeline "
-                                     f"padding), got {n_txt}: re-run training/prepare_data.py with --max_sequence_length 512")
+                    raise ValueError(
+                        f"Wan I2V with image embeddings needs prompt_embeds of exactly 512 tokens (the WanPipeline "
+                        f"padding), got {n_txt}: re-run training/prepare_data.py with --max_sequence_length 512"
+                    )
                 cond["encoder_hidden_states_image"] = md(batch["image_embeds"])
         uncond = None if neg is None else {**cond, "encoder_hidden_states": md(neg)}
         return x0, cond, uncond
@@ -520,14 +598,21 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
         H, W = x0.shape[-2:]
         x0 = pack_flux_latents(x0)
         L = batch["prompt_embeds"].shape[1]
-        cond = {"encoder_hidden_states": md(batch["prompt_embeds"]), "pooled_projections": md(batch["pooled_prompt_embeds"]),
-                "txt_ids": md(torch.zeros(L, 3)), "img_ids": md(_flux_img_ids(H, W))}
+        cond = {
+            "encoder_hidden_states": md(batch["prompt_embeds"]),
+            "pooled_projections": md(batch["pooled_prompt_embeds"]),
+            "txt_ids": md(torch.zeros(L, 3)),
+            "img_ids": md(_flux_img_ids(H, W)),
+        }
         if flux_guidance is not None:
             cond["guidance"] = torch.full((x0.shape[0],), float(flux_guidance), device=device, dtype=torch.float32)
         uncond = None
         if neg is not None:
-            uncond = {**cond, "encoder_hidden_states": md(neg),
-                      "pooled_projections": md(batch.get("negative_pooled_prompt_embeds", batch["pooled_prompt_embeds"]))}
+            uncond = {
+                **cond,
+                "encoder_hidden_states": md(neg),
+                "pooled_projections": md(batch.get("negative_pooled_prompt_embeds", batch["pooled_prompt_embeds"])),
+            }
         return x0, cond, uncond
     raise ValueError(f"unknown data family {family!r}; expected 'wan', 'wan_i2v' or 'flux'")
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-__all__ = ['fail', 'user_error', 'UserError', 'load_config_or_exit', 'run_main', 'EXIT_BAD_INPUT', 'EXIT_FAULT']
+__all__ = ["fail", "user_error", "UserError", "load_config_or_exit", "run_main", "EXIT_BAD_INPUT", "EXIT_FAULT"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAULT = 1

@@ -24,7 +24,17 @@ from torch import nn
 
 from .. import rng
 
-__all__ = ["WanExpertSwitch", "pipeline_boundary_ratio", "index_boundary_ratio", "switch_of", "expert_lora_weights", "boundary_sigma", "sample_p_G_experts", "HIGH", "LOW"]
+__all__ = [
+    "WanExpertSwitch",
+    "pipeline_boundary_ratio",
+    "index_boundary_ratio",
+    "switch_of",
+    "expert_lora_weights",
+    "boundary_sigma",
+    "sample_p_G_experts",
+    "HIGH",
+    "LOW",
+]
 
 #: the pipeline components of the high-noise and low-noise experts
 HIGH, LOW = "transformer", "transformer_2"
@@ -65,8 +75,9 @@ class WanExpertSwitch(nn.Module):
     it evaluates nearby times). ``calls``, when a list, records ``(expert, timesteps)`` per expert call.
     """
 
-    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_ratio: float,
-                 num_train_timesteps: int = 1000):
+    def __init__(
+        self, transformer: nn.Module, transformer_2: nn.Module, boundary_ratio: float, num_train_timesteps: int = 1000
+    ):
         super().__init__()
         boundary_sigma(boundary_ratio)  # validates
         self.transformer = transformer
@@ -115,7 +126,7 @@ class WanExpertSwitch(nn.Module):
         """Set processors on both experts; a dict is keyed like :attr:`attn_processors`."""
         for e, m in self.experts.items():
             if isinstance(processors, dict):
-                m.set_attn_processor({k[len(e) + 1:]: v for k, v in processors.items() if k.split(".", 1)[0] == e})
+                m.set_attn_processor({k[len(e) + 1 :]: v for k, v in processors.items() if k.split(".", 1)[0] == e})
             else:
                 m.set_attn_processor(processors)
 
@@ -134,8 +145,16 @@ class WanExpertSwitch(nn.Module):
         finally:
             self._pin = before
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None,
-                return_dict: bool = True, attention_kwargs=None, **kw):
+    def forward(
+        self,
+        hidden_states,
+        timestep,
+        encoder_hidden_states,
+        encoder_hidden_states_image=None,
+        return_dict: bool = True,
+        attention_kwargs=None,
+        **kw,
+    ):
         B = hidden_states.shape[0]
         high = self._pin if self._pin is not None else self.is_high(timestep)
         if high.shape[0] != B:
@@ -148,9 +167,15 @@ class WanExpertSwitch(nn.Module):
             sub = (lambda a: a) if idx is None else (lambda a: a if a is None else a.index_select(0, idx))
             if self.calls is not None and record:
                 self.calls.append((expert, sub(timestep).detach().double().cpu().reshape(-1).tolist()))
-            return m(hidden_states=sub(hidden_states), timestep=sub(timestep), encoder_hidden_states=sub(encoder_hidden_states),
-                     encoder_hidden_states_image=sub(encoder_hidden_states_image), attention_kwargs=attention_kwargs,
-                     return_dict=False, **kw)[0]
+            return m(
+                hidden_states=sub(hidden_states),
+                timestep=sub(timestep),
+                encoder_hidden_states=sub(encoder_hidden_states),
+                encoder_hidden_states_image=sub(encoder_hidden_states_image),
+                attention_kwargs=attention_kwargs,
+                return_dict=False,
+                **kw,
+            )[0]
 
         if self.run_both:
             # FSDP2 gathers an expert's shards in collectives every rank must join, forward and backward: each rank
@@ -191,17 +216,27 @@ def _same_choice_in_cp_group(high: torch.Tensor, expert: nn.Module) -> None:
         return
     import torch.distributed as dist
 
-    mine = torch.tensor([int(h) for h in high.tolist()], dtype=torch.int32, device=high.device)  # plain, also inside a jvp
+    mine = torch.tensor(
+        [int(h) for h in high.tolist()], dtype=torch.int32, device=high.device
+    )  # plain, also inside a jvp
     total = mine.clone()
     dist.all_reduce(total, group=group)
     if not torch.equal(total, mine * dist.get_world_size(group)):
-        raise ValueError(f"two experts under context parallelism: the ranks of a group route the batch differently "
-                         f"(this rank: high-noise expert for {mine.tolist()}); every rank of a group needs the same times")
+        raise ValueError(
+            f"two experts under context parallelism: the ranks of a group route the batch differently "
+            f"(this rank: high-noise expert for {mine.tolist()}); every rank of a group needs the same times"
+        )
 
 
-def sample_p_G_experts(high: torch.Tensor, boundary_ratio: float, P_mean: float = -0.8, P_std: float = 1.6,
-                       video_noise_multiplier: float = 1.0, generator: torch.Generator | None = None,
-                       device=None) -> torch.Tensor:
+def sample_p_G_experts(
+    high: torch.Tensor,
+    boundary_ratio: float,
+    P_mean: float = -0.8,
+    P_std: float = 1.6,
+    video_noise_multiplier: float = 1.0,
+    generator: torch.Generator | None = None,
+    device=None,
+) -> torch.Tensor:
     """sCM angles from ``p_G`` restricted to each sample's expert (docs/math.md §6.1): ``ln sigma ~ N(P_mean, P_std^2)``
     conditioned on ``m sigma >= sigma_b`` where ``high`` is true, ``< sigma_b`` elsewhere (``m`` the video noise
     multiplier, ``sigma_b = b / (1 - b)``), by inverse-CDF sampling of the truncated normal; ``t = arctan(m sigma)``."""
@@ -229,4 +264,4 @@ def expert_lora_weights(weights: dict, expert: str) -> dict:
     """The entries of a switch-level parameter dict (``"transformer.blocks..."`` / ``"transformer_2.blocks..."``,
     e.g. EMA weights) that belong to ``expert``, with the expert prefix removed."""
     pre = expert + "."
-    return {k[len(pre):]: v for k, v in weights.items() if k.startswith(pre)}
+    return {k[len(pre) :]: v for k, v in weights.items() if k.startswith(pre)}

@@ -1,5 +1,4 @@
-"""The exports of an rCM run: the student LoRA (diffusers format), its EMA variant, ``scheduler/``.
-"""
+"""The exports of an rCM run: the student LoRA (diffusers format), its EMA variant, ``scheduler/``."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import os
 
 import torch
 
-__all__ = ['export_student', 'save_student_lora']
+__all__ = ["export_student", "save_student_lora"]
 
 
 def export_student(pipeline_cls, cfg, base, ema) -> None:
@@ -17,10 +16,12 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
     of each (``rcm_diffusers.load_rcm_lora`` loads the pair). Next to each: ``scheduler/``, the
     ``RCMScheduler`` config the student was trained for (``sigma_max``, ``mid_t``, ``time_input``), so that
     ``RCMScheduler.from_pretrained(run_dir, subfolder="scheduler")`` samples it as the trainer's previews do."""
-    from .experts import HIGH, LOW, expert_lora_weights, switch_of
     from ..schedulers import RCMScheduler
+    from .experts import HIGH, LOW, expert_lora_weights, switch_of
 
-    sched = RCMScheduler(sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": cfg.mid_t} if cfg.mid_t else {}))
+    sched = RCMScheduler(
+        sigma_max=cfg.sigma_max, time_input=cfg.time_input, **({"mid_t": cfg.mid_t} if cfg.mid_t else {})
+    )
     for d in [cfg.output_dir] + ([os.path.join(cfg.output_dir, "ema")] if ema is not None else []):
         sched.save_pretrained(os.path.join(d, "scheduler"))
 
@@ -28,6 +29,7 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
     parts = [("", HIGH, sw.transformer), (LOW, LOW, sw.transformer_2)] if sw is not None else [("", None, base)]
     shadow = None if ema is None else ema.shadow
     for sub, expert, model in parts:
+
         def pick(w):
             return w if expert is None else expert_lora_weights(w, expert)
 
@@ -35,7 +37,9 @@ def export_student(pipeline_cls, cfg, base, ema) -> None:
             lora_cfg = model.peft_config["student"]
             save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, sub), model, lora_cfg)
             if shadow is not None:
-                save_student_lora(pipeline_cls, os.path.join(cfg.output_dir, "ema", sub), model, lora_cfg, weights=pick(shadow))
+                save_student_lora(
+                    pipeline_cls, os.path.join(cfg.output_dir, "ema", sub), model, lora_cfg, weights=pick(shadow)
+                )
             continue
         name = "student_" + (LOW if sub else "transformer")
         model.save_pretrained(os.path.join(cfg.output_dir, name))

@@ -56,8 +56,10 @@ def family_of(pipeline: str | None, transformers: list[str]) -> Family:
             odd = [t for t in transformers if t not in fam.transformers]
             if not transformers or odd:
                 got = ", ".join(odd) if odd else "no transformer"
-                raise UnsupportedTeacher(f"a {pipeline} with {got} is not a supported teacher (a {pipeline} takes "
-                                         f"{' / '.join(fam.transformers)}); supported: {supported()}")
+                raise UnsupportedTeacher(
+                    f"a {pipeline} with {got} is not a supported teacher (a {pipeline} takes "
+                    f"{' / '.join(fam.transformers)}); supported: {supported()}"
+                )
             return fam
     what = f"a {pipeline}" if pipeline else "a pipeline without a _class_name"
     if transformers:

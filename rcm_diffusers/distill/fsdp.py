@@ -25,11 +25,25 @@ import torch
 __all__ = ["FSDP_ENV", "take_fsdp_request", "shard_frozen_base", "all_reduce_grads"]
 
 #: environment variables ``accelerate launch`` sets for FSDP (popped by ``take_fsdp_request``)
-FSDP_ENV = ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_TRANSFORMER_CLS_TO_WRAP", "FSDP_RESHARD_AFTER_FORWARD",
-            "FSDP_AUTO_WRAP_POLICY", "FSDP_STATE_DICT_TYPE", "FSDP_OFFLOAD_PARAMS", "FSDP_CPU_RAM_EFFICIENT_LOADING",
-            "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_SYNC_MODULE_STATES", "FSDP_USE_ORIG_PARAMS", "FSDP_SHARDING_STRATEGY",
-            "FSDP_BACKWARD_PREFETCH", "FSDP_FORWARD_PREFETCH", "FSDP_MIN_NUM_PARAMS", "FSDP_IGNORED_MODULES",
-            "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD")
+FSDP_ENV = (
+    "ACCELERATE_USE_FSDP",
+    "FSDP_VERSION",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP",
+    "FSDP_RESHARD_AFTER_FORWARD",
+    "FSDP_AUTO_WRAP_POLICY",
+    "FSDP_STATE_DICT_TYPE",
+    "FSDP_OFFLOAD_PARAMS",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING",
+    "FSDP_ACTIVATION_CHECKPOINTING",
+    "FSDP_SYNC_MODULE_STATES",
+    "FSDP_USE_ORIG_PARAMS",
+    "FSDP_SHARDING_STRATEGY",
+    "FSDP_BACKWARD_PREFETCH",
+    "FSDP_FORWARD_PREFETCH",
+    "FSDP_MIN_NUM_PARAMS",
+    "FSDP_IGNORED_MODULES",
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+)
 
 _TRUE = ("1", "true", "yes")
 
@@ -46,15 +60,22 @@ def take_fsdp_request(environ=None) -> dict | None:
     from .errors import user_error  # a refused setting: one line, exit status 2
 
     if version != "2":
-        user_error(f"FSDP version {version}: the rCM trainer supports FSDP2 only; set fsdp_version: 2 in the "
-                   "accelerate config (see training/accelerate/fsdp2_8gpu.yaml)")
+        user_error(
+            f"FSDP version {version}: the rCM trainer supports FSDP2 only; set fsdp_version: 2 in the "
+            "accelerate config (see training/accelerate/fsdp2_8gpu.yaml)"
+        )
     if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() in _TRUE:
         user_error("fsdp_offload_params is not supported by the rCM trainer's FSDP2 path; set it to false")
     if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() in _TRUE:
-        user_error("fsdp_activation_checkpointing: use the trainer's --gradient_checkpointing instead (set it to false "
-                   "in the accelerate config)")
+        user_error(
+            "fsdp_activation_checkpointing: use the trainer's --gradient_checkpointing instead (set it to false "
+            "in the accelerate config)"
+        )
     classes = [c.strip() for c in env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip()]
-    opts = {"layer_classes": classes, "reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in _TRUE}
+    opts = {
+        "layer_classes": classes,
+        "reshard_after_forward": env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() in _TRUE,
+    }
     for k in FSDP_ENV:
         env.pop(k, None)
     return opts
@@ -74,8 +95,10 @@ def shard_frozen_base(model: torch.nn.Module, layer_classes=(), reshard_after_fo
     trainable = {p for p in model.parameters() if p.requires_grad}
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ValueError(f"no module of classes {sorted(names)} in {type(model).__name__}; set fsdp_transformer_layer_cls_to_wrap "
-                         f"to its block class(es) in the accelerate config")
+        raise ValueError(
+            f"no module of classes {sorted(names)} in {type(model).__name__}; set fsdp_transformer_layer_cls_to_wrap "
+            f"to its block class(es) in the accelerate config"
+        )
     for b in blocks:
         fully_shard(b, reshard_after_forward=reshard_after_forward, ignored_params=trainable)
     fully_shard(model, reshard_after_forward=reshard_after_forward, ignored_params=trainable)
@@ -100,5 +123,5 @@ def all_reduce_grads(params) -> None:
         flat /= world
         off = 0
         for g in grads:
-            g.copy_(flat[off: off + g.numel()].view_as(g))
+            g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()

@@ -1,5 +1,4 @@
-"""Guards of a training run: gradient-norm spikes, skipped non-finite steps, a student that learned nothing.
-"""
+"""Guards of a training run: gradient-norm spikes, skipped non-finite steps, a student that learned nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import torch
 
 from .errors import fail
 
-__all__ = ['SpikeGuard', 'note_skip', 'param_checksum', 'check_learned', 'grad_norm']
+__all__ = ["SpikeGuard", "note_skip", "param_checksum", "check_learned", "grad_norm"]
 
 
 class SpikeGuard:
@@ -28,7 +27,7 @@ class SpikeGuard:
         self.s[net + "_run"] = run
         if math.isfinite(norm) and not spike:
             hist.append(norm)
-            del hist[:-self.window]
+            del hist[: -self.window]
         return run >= self.patience
 
 
@@ -37,14 +36,18 @@ def note_skip(state, cfg, i: int, role: str, norm: float, ids, log=print) -> Non
     ``max_skipped_fraction`` of ``max_steps`` were skipped."""
     state.skipped += 1
     state.skipped_steps.append(i)
-    log(f"warning: step {i}: {role} gradient norm is {norm}, optimizer step skipped "
-        f"({state.skipped} skipped so far; batch sample ids {list(ids)})")
+    log(
+        f"warning: step {i}: {role} gradient norm is {norm}, optimizer step skipped "
+        f"({state.skipped} skipped so far; batch sample ids {list(ids)})"
+    )
     limit = cfg.max_skipped_fraction * cfg.max_steps
     if state.skipped > limit:
-        fail(f"{state.skipped} of {i + 1} steps had a non-finite gradient and were skipped (steps {state.skipped_steps[:10]}"
-             f"{' ...' if state.skipped > 10 else ''}), more than max_skipped_fraction {cfg.max_skipped_fraction} of "
-             f"max_steps {cfg.max_steps}. Check the data for NaN/inf (rcm_diffusers.distill.data) and the learning rate; "
-             "raise --max_skipped_fraction to accept more.")
+        fail(
+            f"{state.skipped} of {i + 1} steps had a non-finite gradient and were skipped (steps {state.skipped_steps[:10]}"
+            f"{' ...' if state.skipped > 10 else ''}), more than max_skipped_fraction {cfg.max_skipped_fraction} of "
+            f"max_steps {cfg.max_steps}. Check the data for NaN/inf (rcm_diffusers.distill.data) and the learning rate; "
+            "raise --max_skipped_fraction to accept more."
+        )
 
 
 @torch.no_grad()
@@ -62,15 +65,19 @@ def check_learned(params, init_checksum, state, cfg) -> None:
     whatever weight decay did to ``A``)."""
     now = param_checksum(params)
     if not all(math.isfinite(v) for v in now):
-        fail("the student weights contain NaN or inf; the exports would be garbage. Lower the learning rate, keep "
-             "skip_nonfinite true, and check the data for NaN/inf.")
+        fail(
+            "the student weights contain NaN or inf; the exports would be garbage. Lower the learning rate, keep "
+            "skip_nonfinite true, and check the data for NaN/inf."
+        )
     if state.step == 0:
         return
     named = params if isinstance(params, dict) else {}
     b = [p for n, p in named.items() if "lora_B" in n]
     if (init_checksum and now == list(init_checksum)) or (b and all(not bool(p.detach().any()) for p in b)):
-        fail(f"after {state.step} steps the student {'LoRA is zero' if b else 'weights are exactly their initial values'}: "
-             f"nothing was learned ({state.skipped} steps skipped). Check the data and the learning rate.")
+        fail(
+            f"after {state.step} steps the student {'LoRA is zero' if b else 'weights are exactly their initial values'}: "
+            f"nothing was learned ({state.skipped} steps skipped). Check the data and the learning rate."
+        )
 
 
 def grad_norm(params) -> float:

@@ -12,8 +12,15 @@ import os
 
 from .errors import UserError, user_error
 
-__all__ = ['model_index', 'check_inputs', 'check_pairs', 'check_context_parallel', 'scan_data_values', 'data_dirs',
-           'PICKLE_WEIGHTS']
+__all__ = [
+    "model_index",
+    "check_inputs",
+    "check_pairs",
+    "check_context_parallel",
+    "scan_data_values",
+    "data_dirs",
+    "PICKLE_WEIGHTS",
+]
 
 
 PICKLE_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -26,11 +33,15 @@ def model_index(pretrained: str) -> dict:
     p = os.path.expanduser(pretrained)
     looks_local = os.path.isabs(p) or p.startswith(".") or p.count("/") != 1 or p.endswith("/")
     if not os.path.isdir(p) and looks_local:
-        user_error(f"--pretrained {pretrained}: no such folder. Give a diffusers pipeline folder (with "
-                   "model_index.json) or a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers.")
+        user_error(
+            f"--pretrained {pretrained}: no such folder. Give a diffusers pipeline folder (with "
+            "model_index.json) or a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers."
+        )
     if os.path.isdir(p) and not os.path.isfile(os.path.join(p, "model_index.json")):
-        user_error(f"--pretrained {pretrained}: the folder has no model_index.json (not a diffusers pipeline folder; "
-                   "point at the folder that holds model_index.json and transformer/)")
+        user_error(
+            f"--pretrained {pretrained}: the folder has no model_index.json (not a diffusers pipeline folder; "
+            "point at the folder that holds model_index.json and transformer/)"
+        )
     try:
         return diffusers.DiffusionPipeline.load_config(p)
     except Exception as e:  # noqa: BLE001 - hub/network/format errors all mean the same to the user
@@ -47,9 +58,11 @@ def _teacher_config(pretrained: str, sub: str) -> dict | None:
     if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
         pickles = sorted(n for n in names if n.endswith(PICKLE_WEIGHTS))
         if pickles:
-            user_error(f"--pretrained {pretrained}: {sub}/ holds only pickle weights ({', '.join(pickles[:3])}); they are "
-                       "not loaded (a pickle can run code). Save the transformer as safetensors (diffusers' "
-                       "save_pretrained does by default) and point --pretrained at that folder.")
+            user_error(
+                f"--pretrained {pretrained}: {sub}/ holds only pickle weights ({', '.join(pickles[:3])}); they are "
+                "not loaded (a pickle can run code). Save the transformer as safetensors (diffusers' "
+                "save_pretrained does by default) and point --pretrained at that folder."
+            )
         user_error(f"--pretrained {pretrained}: {sub}/ holds no weights (no .safetensors file)")
     try:
         with open(os.path.join(d, "config.json")) as f:
@@ -81,9 +94,11 @@ def check_pairs(pairs: dict, data: dict, pairs_dir: str, data_dir: str) -> None:
     from .data import DataError
 
     def bad(what, a, b):
-        raise DataError(f"--regression_data_dir {pairs_dir}: {what} {a}, the training data's (--data_dir {data_dir}) "
-                        f"{b}; make the pairs with the same teacher, resolution and text encoder "
-                        "(training/prepare_data.py --synthetic)")
+        raise DataError(
+            f"--regression_data_dir {pairs_dir}: {what} {a}, the training data's (--data_dir {data_dir}) "
+            f"{b}; make the pairs with the same teacher, resolution and text encoder "
+            "(training/prepare_data.py --synthetic)"
+        )
 
     if pairs["family"] != data["family"]:
         bad("family", repr(pairs["family"]), repr(data["family"]))
@@ -97,8 +112,11 @@ def check_pairs(pairs: dict, data: dict, pairs_dir: str, data_dir: str) -> None:
         if k in ps and k in ds and ps[k][1] != ds[k][1]:
             bad(f"{k} per sample is", list(ps[k][1]), f"is {list(ds[k][1])}")
     if ("image_embeds" in ps) != ("image_embeds" in ds):
-        bad("image_embeds", "present" if "image_embeds" in ps else "absent",
-            "present" if "image_embeds" in ds else "absent")
+        bad(
+            "image_embeds",
+            "present" if "image_embeds" in ps else "absent",
+            "present" if "image_embeds" in ds else "absent",
+        )
     if "image_embeds" in ps and ps["image_embeds"][1][-1:] != ds["image_embeds"][1][-1:]:
         bad("image_embeds are", f"{ps['image_embeds'][1][-1]} wide", f"are {ds['image_embeds'][1][-1]} wide")
 
@@ -128,8 +146,10 @@ def check_context_parallel(cfg, configs: list, info: dict) -> None:
         lat = info["shapes"]["latents"][1][-3:]
         n_tok = math.prod(n // q for n, q in zip(lat, patch))
         if n_tok % cp:
-            user_error(f"context_parallel_size {cp}: a sample has {n_tok} video tokens ({' x '.join(map(str, lat))} "
-                       f"latents, patch {' x '.join(map(str, patch))}), not divisible by {cp}")
+            user_error(
+                f"context_parallel_size {cp}: a sample has {n_tok} video tokens ({' x '.join(map(str, lat))} "
+                f"latents, patch {' x '.join(map(str, patch))}), not divisible by {cp}"
+            )
 
 
 def check_inputs(cfg) -> dict:
@@ -153,7 +173,9 @@ def check_inputs(cfg) -> dict:
     if lora and not os.path.exists(os.path.expanduser(lora)):
         user_error(f"--teacher_lora {lora}: no such file or folder (an rCM run folder or a LoRA .safetensors)")
     subs = [cfg.transformer_subfolder]
-    if getattr(cfg, "experts", "one") != "one" and os.path.isdir(os.path.join(os.path.expanduser(cfg.pretrained), "transformer_2")):
+    if getattr(cfg, "experts", "one") != "one" and os.path.isdir(
+        os.path.join(os.path.expanduser(cfg.pretrained), "transformer_2")
+    ):
         subs = list(dict.fromkeys(["transformer", "transformer_2", *subs]))
     configs = [_teacher_config(cfg.pretrained, s) or _hub_config(cfg.pretrained, s) for s in subs]
     try:
@@ -161,8 +183,10 @@ def check_inputs(cfg) -> dict:
         if getattr(cfg, "regression_weight", 0) > 0:
             pairs = check_dataset(cfg.regression_data_dir, configs[0], "--regression_data_dir")
             if "noise" not in pairs["fields"]:
-                raise DataError(f"--regression_data_dir {cfg.regression_data_dir}: no 'noise' field, so these are not ODE "
-                                "pairs; make them with training/prepare_data.py --synthetic")
+                raise DataError(
+                    f"--regression_data_dir {cfg.regression_data_dir}: no 'noise' field, so these are not ODE "
+                    "pairs; make them with training/prepare_data.py --synthetic"
+                )
             check_pairs(pairs, info, cfg.regression_data_dir, cfg.data_dir)
     except DataError as e:
         user_error(str(e))

@@ -1,5 +1,4 @@
-"""Starting trainers on CPU processes (gloo) and reading back how many processes trained a run.
-"""
+"""Starting trainers on CPU processes (gloo) and reading back how many processes trained a run."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import os
 import socket
 import sys
 
-__all__ = ['free_port', 'cpu_launch_command', 'trained_processes']
+__all__ = ["free_port", "cpu_launch_command", "trained_processes"]
 
 
 def free_port() -> int:
@@ -26,8 +25,22 @@ def cpu_launch_command(script: str, args: list[str], processes: int = 1) -> list
     if processes < 1:
         raise ValueError(f"processes = {processes}: must be >= 1")
     mode = ["--multi_gpu", "--main_process_port", str(free_port())] if processes > 1 else ["--cpu"]
-    return [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", script, *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *mode,
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        script,
+        *args,
+    ]
 
 
 def trained_processes(output_dir: str) -> int | None:

@@ -81,8 +81,15 @@ def scm_tangents(x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor):
 
 
 @torch.no_grad()
-def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor, fd_type: int = 0, h: float = 1e-4,
-           F_minus: torch.Tensor | None = None):
+def scm_dF(
+    F_student: Fn,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+    F_T: torch.Tensor,
+    fd_type: int = 0,
+    h: float = 1e-4,
+    F_minus: torch.Tensor | None = None,
+):
     """``(F_minus, dF)``: the student's velocity and its derivative along the teacher flow,
     already multiplied by ``cos t sin t`` (docs/math.md §4.1). No gradient.
 
@@ -92,7 +99,9 @@ def scm_dF(F_student: Fn, x_t: torch.Tensor, t: torch.Tensor, F_T: torch.Tensor,
     ignore it and take the JVP's primal output.
     """
     if fd_type not in (0, 1, 2):
-        raise ValueError(f"fd_type must be 0 (exact JVP), 1 (JVP in x, finite difference in t) or 2 (finite difference); got {fd_type!r}")
+        raise ValueError(
+            f"fd_type must be 0 (exact JVP), 1 (JVP in x, finite difference in t) or 2 (finite difference); got {fd_type!r}"
+        )
     dx, dt = scm_tangents(x_t, t, F_T)
     cs = _bcast(torch.cos(t) * torch.sin(t), x_t)
     cos_h, sin_h = math.cos(h), math.sin(h)
@@ -159,7 +168,9 @@ def scm_loss(
         F_minus, dF = scm_dF(F_student, x_t, t, F_T, fd_type=fd_type, h=h)
         F_theta = F_student(x_t, t)
     g = scm_g(x_t, t, F_minus, F_T, dF, r)
-    ok = torch.isfinite(g.reshape(g.shape[0], -1)).all(1) & torch.isfinite(F_theta.detach().reshape(g.shape[0], -1)).all(1)
+    ok = torch.isfinite(g.reshape(g.shape[0], -1)).all(1) & torch.isfinite(
+        F_theta.detach().reshape(g.shape[0], -1)
+    ).all(1)
     g_norm = torch.linalg.vector_norm(torch.where(_bcast(ok, g), g, 0.0).reshape(g.shape[0], -1), dim=1)
     g = normalize_g(torch.where(_bcast(ok, g), g, 0.0), norm_c)
     F_theta = torch.where(_bcast(ok, F_theta), F_theta, 0.0).to(F64)
@@ -177,8 +188,17 @@ def dcm_angles(u: torch.Tensor, total_steps: int, skip: int, shift: float) -> to
     return r_to_t(shift_r(1.0 - (u.reshape(1, -1) + k / total_steps), shift))
 
 
-def dcm_loss(student_x0: Fn, teacher_F: Fn, x0: torch.Tensor, eps: torch.Tensor, u: torch.Tensor, *, total_steps: int,
-             skip: int, shift: float):
+def dcm_loss(
+    student_x0: Fn,
+    teacher_F: Fn,
+    x0: torch.Tensor,
+    eps: torch.Tensor,
+    u: torch.Tensor,
+    *,
+    total_steps: int,
+    skip: int,
+    shift: float,
+):
     """Per-sample discrete-time consistency loss (docs/math.md §4.6), no JVP anywhere:
     ``x_{t_0} = cos t_0 x0 + sin t_0 eps``; ``skip`` Euler steps of the (guided) teacher velocity
     ``x_{k+1} = x_k - (t_k - t_{k+1}) F_T(x_k, t_k)``; target ``sg(x0_theta(x_{t_skip}, t_skip))``;
@@ -282,7 +302,10 @@ def boundary_loss(F_high: torch.Tensor, F_low: torch.Tensor, c: float = 0.1):
     step = d.detach() / _bcast(norm + c, d)
     loss = per_sample_sum((F_high - (F_high.detach() - step)) ** 2)
     ok = torch.isfinite(loss)
-    return torch.where(ok, loss, torch.zeros_like(loss)), {"nan": int((~ok).sum()), "d_norm": float(norm[torch.isfinite(norm)].mean())}
+    return torch.where(ok, loss, torch.zeros_like(loss)), {
+        "nan": int((~ok).sum()),
+        "d_norm": float(norm[torch.isfinite(norm)].mean()),
+    }
 
 
 def regression_loss(student_x0: Fn, noise: torch.Tensor, target: torch.Tensor):

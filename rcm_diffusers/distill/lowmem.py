@@ -52,9 +52,24 @@ from torch import nn
 
 from ..models import transformer_blocks
 
-__all__ = ["BASE_DTYPES", "FP8_BLOCK", "PREFETCH_BLOCKS", "quantize_weight", "dequantize_weight", "dequantized_weight",
-           "WeightStore", "FrozenLinear", "BlockSwap", "HostActivations", "LowMemory", "apply_low_memory",
-           "transformer_blocks", "base_networks", "check_base_dtype", "frozen_linears"]
+__all__ = [
+    "BASE_DTYPES",
+    "FP8_BLOCK",
+    "PREFETCH_BLOCKS",
+    "quantize_weight",
+    "dequantize_weight",
+    "dequantized_weight",
+    "WeightStore",
+    "FrozenLinear",
+    "BlockSwap",
+    "HostActivations",
+    "LowMemory",
+    "apply_low_memory",
+    "transformer_blocks",
+    "base_networks",
+    "check_base_dtype",
+    "frozen_linears",
+]
 
 #: values of the ``base_dtype`` option: the frozen Linear weights as ``weight_dtype``, FP8 E4M3 block-scaled, INT8
 BASE_DTYPES = ("weight_dtype", "fp8", "int8")
@@ -127,8 +142,9 @@ def check_base_dtype(fmt: str, device) -> None:
         try:
             torch.zeros(2, dtype=torch.float8_e4m3fn, device=dev).to(torch.float32).sum()
         except (RuntimeError, TypeError) as e:
-            raise ValueError(f"base_dtype fp8: {dev} cannot convert float8_e4m3fn ({type(e).__name__}); use base_dtype "
-                             "int8") from None
+            raise ValueError(
+                f"base_dtype fp8: {dev} cannot convert float8_e4m3fn ({type(e).__name__}); use base_dtype int8"
+            ) from None
 
 
 # ----------------------------------------------------------------------------- the frozen Linear
@@ -503,16 +519,24 @@ class LowMemory:
     def describe(self) -> str:
         parts = [f"base Linear weights {self.base_dtype}"]
         if self.swap is not None:
-            parts.append(f"{self.blocks_to_swap} blocks per network on the host "
-                         f"({self.swap.host_bytes() / 2**30:.2f} GiB, {'pinned' if self.swap.cuda else 'host'} memory)")
+            parts.append(
+                f"{self.blocks_to_swap} blocks per network on the host "
+                f"({self.swap.host_bytes() / 2**30:.2f} GiB, {'pinned' if self.swap.cuda else 'host'} memory)"
+            )
         if self.activations is not None:
             parts.append("checkpointed block inputs on the host")
         return ", ".join(parts)
 
 
-def apply_low_memory(model, *, base_dtype: str = "weight_dtype", blocks_to_swap: int = 0,
-                     activation_offload: bool = False, device=None,
-                     swap_window: int = PREFETCH_BLOCKS) -> LowMemory | None:
+def apply_low_memory(
+    model,
+    *,
+    base_dtype: str = "weight_dtype",
+    blocks_to_swap: int = 0,
+    activation_offload: bool = False,
+    device=None,
+    swap_window: int = PREFETCH_BLOCKS,
+) -> LowMemory | None:
     """Install the low-memory mechanisms on ``model`` (a diffusers transformer or a ``WanExpertSwitch``, adapters
     already added) and move it to ``device``: block Linears to ``FrozenLinear`` of ``base_dtype`` (all blocks when
     quantized; only the swapped ones for ``weight_dtype``), the last ``blocks_to_swap`` blocks of each network to the
@@ -585,13 +609,28 @@ def train_setup(cfg, config: dict, class_name: str, latent_shape, text_tokens: i
         tokens = math.prod(n // p for n, p in zip(latent_shape[-3:], patch))
     fd = cfg.fd_type if needs_jvp(cfg) else 2
     s = TrainSetup.from_config(
-        config, class_name, tokens=tokens, text_tokens=text_tokens, batch=cfg.batch_size, lora_rank=cfg.lora_rank,
-        weight_dtype=cfg.weight_dtype, gradient_checkpointing=cfg.gradient_checkpointing, fd_type=fd, mode=cfg.mode,
-        ema=cfg.ema_rate > 0, experts=experts, context_parallel=cfg.context_parallel_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, checkpointing_policy=cfg.checkpointing_policy,
-        base_dtype=cfg.base_dtype, blocks_to_swap=cfg.blocks_to_swap, activation_offload=cfg.activation_offload,
-        student_update_freq=cfg.student_update_freq, max_simulation_steps=cfg.max_simulation_steps,
-        use_dmd=cfg.use_dmd)
+        config,
+        class_name,
+        tokens=tokens,
+        text_tokens=text_tokens,
+        batch=cfg.batch_size,
+        lora_rank=cfg.lora_rank,
+        weight_dtype=cfg.weight_dtype,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        fd_type=fd,
+        mode=cfg.mode,
+        ema=cfg.ema_rate > 0,
+        experts=experts,
+        context_parallel=cfg.context_parallel_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        checkpointing_policy=cfg.checkpointing_policy,
+        base_dtype=cfg.base_dtype,
+        blocks_to_swap=cfg.blocks_to_swap,
+        activation_offload=cfg.activation_offload,
+        student_update_freq=cfg.student_update_freq,
+        max_simulation_steps=cfg.max_simulation_steps,
+        use_dmd=cfg.use_dmd,
+    )
     if cfg.fake_lora_rank and cfg.fake_lora_rank != cfg.lora_rank and s.lora_rank:
         s.lora_params_fake = int(round(s.lora_params_fake * cfg.fake_lora_rank / cfg.lora_rank))
     return s
@@ -616,11 +655,15 @@ def startup_check(cfg, log=print) -> None:
     except ValueError as e:
         user_error(str(e))
     if one_card and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes"):
-        user_error("base_dtype / blocks_to_swap / activation_offload are for one card; FSDP2 shards the frozen base "
-                   "over the processes instead: use one or the other")
+        user_error(
+            "base_dtype / blocks_to_swap / activation_offload are for one card; FSDP2 shards the frozen base "
+            "over the processes instead: use one or the other"
+        )
     if one_card and cfg.context_parallel_size > 1:
-        user_error("base_dtype / blocks_to_swap / activation_offload are for one card; context_parallel_size > 1 runs "
-                   "a sample on several: use one or the other")
+        user_error(
+            "base_dtype / blocks_to_swap / activation_offload are for one card; context_parallel_size > 1 runs "
+            "a sample on several: use one or the other"
+        )
     index = model_index(cfg.pretrained)
     from .experts import HIGH, index_boundary_ratio
 
@@ -642,15 +685,22 @@ def startup_check(cfg, log=print) -> None:
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     n_blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
     if cfg.blocks_to_swap > n_blocks:
-        user_error(f"blocks_to_swap {cfg.blocks_to_swap}: {cfg.pretrained} has {n_blocks} transformer blocks per "
-                   "network")
+        user_error(
+            f"blocks_to_swap {cfg.blocks_to_swap}: {cfg.pretrained} has {n_blocks} transformer blocks per network"
+        )
     from .data import LatentDataset
     from .memory import CARDS, GiB, cheapest_fitting, predict_training, setting_text
 
     try:
         row = LatentDataset(cfg.data_dir).get([0])
-        s = train_setup(cfg, config, class_name, tuple(row["latents"].shape[1:]), int(row["prompt_embeds"].shape[-2]),
-                        2 if two else 1)
+        s = train_setup(
+            cfg,
+            config,
+            class_name,
+            tuple(row["latents"].shape[1:]),
+            int(row["prompt_embeds"].shape[-2]),
+            2 if two else 1,
+        )
         capacity = cfg.device_memory_gb * 1e9 if cfg.device_memory_gb else total
         plan = "cuda" if (kind == "cuda" or cfg.device_memory_gb) else kind
         pred = predict_training(s, "cpu" if plan == "cpu" else "cuda")
@@ -662,18 +712,26 @@ def startup_check(cfg, log=print) -> None:
         where = f"planned {cfg.device_memory_gb:g} GB card ({capacity / GiB:.1f} GiB)"
     else:
         where = f"{name} ({capacity / GiB:.1f} GiB)" if capacity else f"{name} (no card limit)"
-    log(f"memory: predicted peak {pred['total'] / GiB:.2f} GiB on {where}; host {pred['host'] / GiB:.2f} GiB; "
-        f"{setting_text(s)}")
+    log(
+        f"memory: predicted peak {pred['total'] / GiB:.2f} GiB on {where}; host {pred['host'] / GiB:.2f} GiB; "
+        f"{setting_text(s)}"
+    )
     if capacity is None or pred["total"] <= 0.9 * capacity:
         return
     rank = cfg.lora_rank
     ranks = [r for r in (rank, rank // 2, rank // 4, rank // 8) if r >= 4] or [rank]
     best = cheapest_fitting(s, capacity, card, formats=[cfg.base_dtype, "fp8", "int8"], ranks=ranks)
-    head = (f"memory: the predicted peak {pred['total'] / GiB:.1f} GiB does not fit 90 % of {where} "
-            f"({0.9 * capacity / GiB:.1f} GiB)")
+    head = (
+        f"memory: the predicted peak {pred['total'] / GiB:.1f} GiB does not fit 90 % of {where} "
+        f"({0.9 * capacity / GiB:.1f} GiB)"
+    )
     if best is None:
-        user_error(f"{head}, and no setting of base_dtype, blocks_to_swap, activation_offload and lora_rank >= "
-                   f"{ranks[-1]} does; use a larger card, fewer frames or a lower resolution")
+        user_error(
+            f"{head}, and no setting of base_dtype, blocks_to_swap, activation_offload and lora_rank >= "
+            f"{ranks[-1]} does; use a larger card, fewer frames or a lower resolution"
+        )
     c, p, t = best
-    user_error(f"{head}; the cheapest setting that fits: {setting_text(c)} (predicted {p['total'] / GiB:.1f} GiB, "
-               f"host {p['host'] / GiB:.1f} GiB, step time {t['slowdown']:.2f}x on PCIe 4.0 x16)")
+    user_error(
+        f"{head}; the cheapest setting that fits: {setting_text(c)} (predicted {p['total'] / GiB:.1f} GiB, "
+        f"host {p['host'] / GiB:.1f} GiB, step time {t['slowdown']:.2f}x on PCIe 4.0 x16)"
+    )

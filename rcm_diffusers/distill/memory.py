@@ -54,11 +54,38 @@ import time
 
 import torch
 
-__all__ = ["TrainSetup", "predict_training", "per_rank", "saved_activation_bytes", "checkpoint_held", "checkpoint_held_bytes",
-           "held_bytes", "working_set", "allocation_trace", "AllocationTrace", "WORKING_SETS", "DEVICES", "fits", "ACT_COEFFS", "SELECTIVE_COEFFS",
-           "JVP_COEFFS", "JVP_CPU_ATTENTION", "jvp_bytes", "weight_parts", "linear_weight_bytes",
-           "host_activation_bytes", "CARDS", "LINKS", "PASS_COST", "passes_per_iteration", "block_flops", "step_time",
-           "with_lora_rank", "setting_text", "cheapest_fitting"]
+__all__ = [
+    "TrainSetup",
+    "predict_training",
+    "per_rank",
+    "saved_activation_bytes",
+    "checkpoint_held",
+    "checkpoint_held_bytes",
+    "held_bytes",
+    "working_set",
+    "allocation_trace",
+    "AllocationTrace",
+    "WORKING_SETS",
+    "DEVICES",
+    "fits",
+    "ACT_COEFFS",
+    "SELECTIVE_COEFFS",
+    "JVP_COEFFS",
+    "JVP_CPU_ATTENTION",
+    "jvp_bytes",
+    "weight_parts",
+    "linear_weight_bytes",
+    "host_activation_bytes",
+    "CARDS",
+    "LINKS",
+    "PASS_COST",
+    "passes_per_iteration",
+    "block_flops",
+    "step_time",
+    "with_lora_rank",
+    "setting_text",
+    "cheapest_fitting",
+]
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -73,17 +100,43 @@ ACT_COEFFS = {
     # F 1024 / 8960 / 13824, r 4 / 32 / 64, as differences of 1- and 2-block models and of token and text counts; the
     # terms are exact there. per_head: the float32 log-sum-exp of both attentions; layer_D: the float32 modulation;
     # bf16 layer_r*: autocast's bf16 copies of the float32 LoRA weights, saved for the backward
-    "wan": {"float32": {"per_D": 60.0, "per_F": 8.0, "per_head": 8.0, "per_r": 32.0, "per_tok": 36.0,
-                        "txt_D": 12.0, "txt_r": 8.0, "txt": 4.0, "layer_D": 32.0},
-            "bfloat16": {"per_D": 50.0, "per_F": 4.0, "per_head": 8.0, "per_r": 16.0, "per_tok": 36.0,
-                         "txt_D": 12.0, "txt_r": 4.0, "txt": 4.0, "layer_D": 32.0, "layer_rD": 32.0, "layer_rF": 4.0}},
+    "wan": {
+        "float32": {
+            "per_D": 60.0,
+            "per_F": 8.0,
+            "per_head": 8.0,
+            "per_r": 32.0,
+            "per_tok": 36.0,
+            "txt_D": 12.0,
+            "txt_r": 8.0,
+            "txt": 4.0,
+            "layer_D": 32.0,
+        },
+        "bfloat16": {
+            "per_D": 50.0,
+            "per_F": 4.0,
+            "per_head": 8.0,
+            "per_r": 16.0,
+            "per_tok": 36.0,
+            "txt_D": 12.0,
+            "txt_r": 4.0,
+            "txt": 4.0,
+            "layer_D": 32.0,
+            "layer_rD": 32.0,
+            "layer_rF": 4.0,
+        },
+    },
     # Flux double block (both streams, per token of either) and single block (concatenated tokens), F = 4 D in per_D;
     # counted the same way at D 512 / 1536 / 3072 (image and text tokens save the same), LoRA r32 (per_tok holds its
     # rank terms); the per-block constants are not counted
-    "flux_double": {"float32": {"per_D": 72.0, "per_head": 12.0, "per_tok": 784.0},
-                    "bfloat16": {"per_D": 46.0, "per_head": 12.0, "per_tok": 392.0}},
-    "flux_single": {"float32": {"per_D": 68.0, "per_head": 12.0, "per_tok": 648.0},
-                    "bfloat16": {"per_D": 44.0, "per_head": 12.0, "per_tok": 324.0}},
+    "flux_double": {
+        "float32": {"per_D": 72.0, "per_head": 12.0, "per_tok": 784.0},
+        "bfloat16": {"per_D": 46.0, "per_head": 12.0, "per_tok": 392.0},
+    },
+    "flux_single": {
+        "float32": {"per_D": 68.0, "per_head": 12.0, "per_tok": 648.0},
+        "bfloat16": {"per_D": 44.0, "per_head": 12.0, "per_tok": 324.0},
+    },
 }
 
 #: bytes the ``selective`` checkpointing policy keeps per Wan block (``rcm_diffusers.distill.activation_checkpointing``), by
@@ -101,10 +154,18 @@ SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, 
 #: ``allocation_trace`` (``benchmarks/memory_peaks.py``) at the Wan2.1-1.3B width (2 blocks, 1600 video tokens) and the
 #: 14B width (1 block, 576 tokens) in float32, the bf16 no-grad set scaled by the one bf16 point (1.3B width, 784
 #: tokens: bf16 autocast keeps norms and modulation in float32); checked on other token counts (docs/benchmarks.md).
-WORKING_SETS = {"float32": {"nograd": {"per_F": 2.93, "per_D": 5.19}, "backward": {"per_F": 1.98, "per_D": 0.23},
-                            "forward": {"per_F": 0.0, "per_D": 0.0}},
-                "bfloat16": {"nograd": {"per_F": 4.07, "per_D": 7.21}, "backward": {"per_F": 1.98, "per_D": 0.23},
-                             "forward": {"per_F": 3.01, "per_D": 5.34}}}
+WORKING_SETS = {
+    "float32": {
+        "nograd": {"per_F": 2.93, "per_D": 5.19},
+        "backward": {"per_F": 1.98, "per_D": 0.23},
+        "forward": {"per_F": 0.0, "per_D": 0.0},
+    },
+    "bfloat16": {
+        "nograd": {"per_F": 4.07, "per_D": 7.21},
+        "backward": {"per_F": 1.98, "per_D": 0.23},
+        "forward": {"per_F": 3.01, "per_D": 5.34},
+    },
+}
 
 #: the JVP pass (fd_type 0/1), which holds no activations across blocks: its token-bound peak is a block's primal and
 #: tangent feed-forward, ``b (per_F F + per_D D)`` per video token (Flux: per token of either stream) plus ``txt_D D b``
@@ -114,8 +175,10 @@ WORKING_SETS = {"float32": {"nograd": {"per_F": 2.93, "per_D": 5.19}, "backward"
 #: (the slope halves exactly at the 1.3B width) and the peak holds ``per_FD F D b`` more, bytes that scale with the
 #: feed-forward's weight (3.05 / 3.23 F D bytes at the 1.3B / 5B widths, fitted, not traced to an op). The pass also holds at
 #: least the weight copies of the condition embedder (``_jvp_weight_copies``); the larger of the two counts.
-JVP_COEFFS = {"float32": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 0.0},
-              "bfloat16": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 1.57}}
+JVP_COEFFS = {
+    "float32": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 0.0},
+    "bfloat16": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 1.57},
+}
 #: the CPU attention JVP (``attention/torch_backend.py``, chunks of ``TrainSetup.cpu_attention_chunk`` query rows) holds ``scores`` score-sized
 #: matrices ``[heads, min(chunk, L), L]`` at once (S, P, tS, P tS and a temporary) beside ``per_D D b`` per token of
 #: inputs, tangents and outputs; a GPU flash kernel holds no such matrix, so only ``device="cpu"`` counts it. Fitted on
@@ -123,7 +186,12 @@ JVP_COEFFS = {"float32": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD":
 JVP_CPU_ATTENTION = {"per_D": 13.97, "scores": 4.83}
 
 #: device name -> usable bytes
-DEVICES = {"H200 (141 GB)": 141e9, "80 GB (A100/H100)": 80e9, "48 GB (L40S / RTX 6000 Ada)": 48e9, "24 GB (RTX 4090)": 24e9}
+DEVICES = {
+    "H200 (141 GB)": 141e9,
+    "80 GB (A100/H100)": 80e9,
+    "48 GB (L40S / RTX 6000 Ada)": 48e9,
+    "24 GB (RTX 4090)": 24e9,
+}
 POLICIES = ("full", "selective")
 
 
@@ -169,11 +237,26 @@ class TrainSetup:
     use_dmd: bool = True
 
     @classmethod
-    def from_config(cls, config: dict, class_name: str, *, tokens: int, text_tokens: int, batch: int = 1, lora_rank: int = 64,
-                    weight_dtype: str = "bfloat16", gradient_checkpointing: bool = True, fd_type: int = 0, mode: str = "shared",
-                    ema: bool = True, experts: int = 1, context_parallel: int = 1,
-                    gradient_accumulation_steps: int = 1, checkpointing_policy: str = "full",
-                    **one_card) -> "TrainSetup":
+    def from_config(
+        cls,
+        config: dict,
+        class_name: str,
+        *,
+        tokens: int,
+        text_tokens: int,
+        batch: int = 1,
+        lora_rank: int = 64,
+        weight_dtype: str = "bfloat16",
+        gradient_checkpointing: bool = True,
+        fd_type: int = 0,
+        mode: str = "shared",
+        ema: bool = True,
+        experts: int = 1,
+        context_parallel: int = 1,
+        gradient_accumulation_steps: int = 1,
+        checkpointing_policy: str = "full",
+        **one_card,
+    ) -> "TrainSetup":
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact.
         ``one_card``: ``base_dtype``, ``blocks_to_swap``, ``activation_offload`` and the schedule fields."""
         flux = class_name.startswith("Flux")
@@ -181,14 +264,32 @@ class TrainSetup:
         counts = _counts(class_name, items, lora_rank)
         one_card.setdefault("block_linears", _block_linears(class_name, items))
         D = config["num_attention_heads"] * config["attention_head_dim"]
-        return cls(family="flux" if flux else "wan", dim=D, ffn_dim=4 * D if flux else config["ffn_dim"],
-                   num_layers=config["num_layers"], num_single_layers=config.get("num_single_layers", 0) if flux else 0,
-                   params=counts[0], lora_params_student=counts[1], lora_params_fake=counts[2], tokens=tokens,
-                   text_tokens=text_tokens, batch=batch, weight_dtype=weight_dtype, gradient_checkpointing=gradient_checkpointing,
-                   fd_type=fd_type, mode=mode, ema=ema, experts=experts, context_parallel=context_parallel,
-                   gradient_accumulation_steps=gradient_accumulation_steps, checkpointing_policy=checkpointing_policy,
-                   lora_rank=lora_rank if mode == "shared" else 0, head_dim=config["attention_head_dim"],
-                   text_dim=config.get("text_dim", config.get("joint_attention_dim", 4096)), **one_card)
+        return cls(
+            family="flux" if flux else "wan",
+            dim=D,
+            ffn_dim=4 * D if flux else config["ffn_dim"],
+            num_layers=config["num_layers"],
+            num_single_layers=config.get("num_single_layers", 0) if flux else 0,
+            params=counts[0],
+            lora_params_student=counts[1],
+            lora_params_fake=counts[2],
+            tokens=tokens,
+            text_tokens=text_tokens,
+            batch=batch,
+            weight_dtype=weight_dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            fd_type=fd_type,
+            mode=mode,
+            ema=ema,
+            experts=experts,
+            context_parallel=context_parallel,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            checkpointing_policy=checkpointing_policy,
+            lora_rank=lora_rank if mode == "shared" else 0,
+            head_dim=config["attention_head_dim"],
+            text_dim=config.get("text_dim", config.get("joint_attention_dim", 4096)),
+            **one_card,
+        )
 
     @classmethod
     def from_arch(cls, name: str, **kw) -> "TrainSetup":
@@ -215,8 +316,11 @@ def _counts(class_name: str, items: tuple, lora_rank: int) -> tuple[int, int, in
     # what peft adds per targeted nn.Linear (lora_A: r x in, lora_B: out x r), matched as add_rcm_adapters does;
     # counted here instead of calling peft, which would allocate the adapters for real (GBs for 14B)
     targets = default_lora_targets(m)
-    lora = sum(lora_rank * (mod.in_features + mod.out_features) for name, mod in m.named_modules()
-               if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    lora = sum(
+        lora_rank * (mod.in_features + mod.out_features)
+        for name, mod in m.named_modules()
+        if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+    )
     return base, lora, lora
 
 
@@ -230,8 +334,10 @@ def _block_linears(class_name: str, items: tuple) -> tuple:
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in items}
     with torch.device("meta"):
         m = getattr(diffusers, class_name)(**cfg)
-    return tuple(tuple((mod.out_features, mod.in_features) for mod in b.modules() if type(mod) is torch.nn.Linear)
-                 for b in transformer_blocks(m))
+    return tuple(
+        tuple((mod.out_features, mod.in_features) for mod in b.modules() if type(mod) is torch.nn.Linear)
+        for b in transformer_blocks(m)
+    )
 
 
 def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> float:
@@ -241,7 +347,9 @@ def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> 
     D, F, r, H = s.dim, s.ffn_dim, s.lora_rank, s.dim // s.head_dim
     per_token = g("per_D") * D + g("per_F") * F + g("per_head") * H + g("per_r") * r + g("per_tok")
     per_text = g("txt_D") * D + g("txt_r") * r + g("txt")
-    return s.batch * (tokens * per_token + text_tokens * per_text + g("layer_D") * D + r * (g("layer_rD") * D + g("layer_rF") * F))
+    return s.batch * (
+        tokens * per_token + text_tokens * per_text + g("layer_D") * D + r * (g("layer_rD") * D + g("layer_rF") * F)
+    )
 
 
 def _dtype_key(s: TrainSetup) -> str:
@@ -263,9 +371,11 @@ def _selective_block_bytes(s: TrainSetup) -> float:
     """Bytes the ``selective`` policy keeps for one Wan block (``SELECTIVE_COEFFS``)."""
     c, b = SELECTIVE_COEFFS, DTYPE_BYTES[s.weight_dtype]
     heads = s.dim // s.head_dim
-    return s.batch * (_rank_tokens(s) * (b * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim + c["per_r"] * s.lora_rank)
-                                         + c["lse_per_head"] * heads)
-                      + s.text_tokens * b * (c["txt_D"] * s.dim + c["txt_r"] * s.lora_rank))
+    return s.batch * (
+        _rank_tokens(s)
+        * (b * (c["per_D"] * s.dim + c["per_F"] * s.ffn_dim + c["per_r"] * s.lora_rank) + c["lse_per_head"] * heads)
+        + s.text_tokens * b * (c["txt_D"] * s.dim + c["txt_r"] * s.lora_rank)
+    )
 
 
 def _head_bytes(s: TrainSetup) -> float:
@@ -319,7 +429,9 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
         blocks = [(ACT_COEFFS["wan"], _rank_tokens(s), s.text_tokens)] * s.num_layers
     else:
         n = s.tokens + s.text_tokens  # both streams (double) / concatenated (single)
-        blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [(ACT_COEFFS["flux_single"], n, 0)] * s.num_single_layers
+        blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [
+            (ACT_COEFFS["flux_single"], n, 0)
+        ] * s.num_single_layers
     sizes = [_block_bytes(c, s, t, tt) for c, t, tt in blocks]
     one = max(sizes) if sizes else 0.0
     if not s.gradient_checkpointing:  # Wan: the float32 RoPE cos / sin tables, once for all blocks; the head's saved
@@ -347,8 +459,9 @@ def held_bytes(s: TrainSetup) -> float:
     ``checkpoint_held`` and the output head's saved input (the recompute comes in the backward)."""
     if not s.gradient_checkpointing:
         if s.activation_offload:
-            raise ValueError("activation_offload keeps the checkpointed block inputs on the host: it needs gradient "
-                             "checkpointing")
+            raise ValueError(
+                "activation_offload keeps the checkpointed block inputs on the host: it needs gradient checkpointing"
+            )
         return activation_bytes(s)[0]
     return checkpoint_held(s) + (0.0 if s.activation_offload else _head_bytes(s))
 
@@ -385,8 +498,9 @@ def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
     # forward's own transient, whichever is larger); a no-grad forward while a grad-enabled one is saved (the DMD
     # term's fake-score and teacher calls, fd_type 2's second student call); the JVP pass, which runs before the sCM
     # term's grad-enabled forward (losses.scm_loss)
-    out["step_peak"] = max(saved + max(out["backward"], out["forward"]) + exchange, held + out["nograd"] + exchange,
-                           out["jvp"] + exchange)
+    out["step_peak"] = max(
+        saved + max(out["backward"], out["forward"]) + exchange, held + out["nograd"] + exchange, out["jvp"] + exchange
+    )
     out["prefetch"] = parts["prefetch"]  # part of "weights"
     out["host"] = parts["host"] + host_activation_bytes(s)  # host memory (pinned on CUDA), not in the total
     return _with_total(out)
@@ -400,12 +514,20 @@ def jvp_bytes(s: TrainSetup, device: str = "cuda") -> float:
         return 0.0
     b, c, D = DTYPE_BYTES[s.weight_dtype], JVP_COEFFS[_dtype_key(s)], s.dim
     text = s.text_tokens if s.family == "wan" else 0
-    parts = [_jvp_weight_copies(s), b * (s.batch * (_stream_tokens(s) * (c["per_F"] * s.ffn_dim + c["per_D"] * D)
-                                                    + text * c["txt_D"] * D) + c["per_FD"] * s.ffn_dim * D)]
+    parts = [
+        _jvp_weight_copies(s),
+        b
+        * (
+            s.batch * (_stream_tokens(s) * (c["per_F"] * s.ffn_dim + c["per_D"] * D) + text * c["txt_D"] * D)
+            + c["per_FD"] * s.ffn_dim * D
+        ),
+    ]
     if device == "cpu":
         a, L = JVP_CPU_ATTENTION, s.tokens + (s.text_tokens if s.family == "flux" else 0)
         heads = (D // s.head_dim) // s.context_parallel
-        parts.append(s.batch * b * (a["per_D"] * _stream_tokens(s) * D + a["scores"] * heads * min(s.cpu_attention_chunk, L) * L))
+        parts.append(
+            s.batch * b * (a["per_D"] * _stream_tokens(s) * D + a["scores"] * heads * min(s.cpu_attention_chunk, L) * L)
+        )
     return float(max(parts))
 
 
@@ -426,8 +548,10 @@ def _jvp_weight_copies(s: TrainSetup) -> float:
 def _with_total(out: dict) -> dict:
     """``out`` plus ``total`` (static parts + grads + the largest phase + overhead) and ``total_gib``."""
     res = {k: float(v) for k, v in out.items() if k not in ("total", "total_gib")}
-    res["total"] = sum(res.get(k, 0.0) for k in ("weights", "dequant", "trainable", "grads", "optimizer", "ema",
-                                                  "step_peak", "overhead"))
+    res["total"] = sum(
+        res.get(k, 0.0)
+        for k in ("weights", "dequant", "trainable", "grads", "optimizer", "ema", "step_peak", "overhead")
+    )
     res["total_gib"] = res["total"] / GiB
     return res
 
@@ -440,7 +564,9 @@ def per_rank(s: TrainSetup, world: int, device: str = "cuda") -> dict:
     if world % s.context_parallel:
         raise ValueError(f"context_parallel {s.context_parallel} does not divide {world} processes")
     if world > 1 and (s.base_dtype != "weight_dtype" or s.blocks_to_swap or s.activation_offload):
-        raise ValueError("base_dtype, blocks_to_swap and activation_offload are for one card: FSDP2 shards the base instead")
+        raise ValueError(
+            "base_dtype, blocks_to_swap and activation_offload are for one card: FSDP2 shards the base instead"
+        )
     out = predict_training(s, device)
     blocks = s.num_layers + s.num_single_layers
     full = out["weights"]
@@ -488,18 +614,24 @@ def weight_parts(s: TrainSetup) -> dict:
     linear_numel = sum(o * k for b in s.block_linears for o, k in b)
     blocks = [sum(linear_weight_bytes(o, k, s.base_dtype, s.weight_dtype) for o, k in b) for b in s.block_linears]
     rest = (s.params - linear_numel) * wb
-    resident, swapped = sum(blocks[:L - N]), blocks[L - N:]
+    resident, swapped = sum(blocks[: L - N]), blocks[L - N :]
     prefetch = float(min(N * s.experts, PREFETCH_BLOCKS) * max(swapped)) if N else 0.0
     biggest = max((o * k for b in s.block_linears for o, k in b), default=0)
     dequant = float(biggest * wb) if s.base_dtype != "weight_dtype" else 0.0
-    return {"device": float(s.experts * (rest + resident) + prefetch), "host": float(s.experts * sum(swapped)),
-            "prefetch": prefetch, "dequant": dequant}
+    return {
+        "device": float(s.experts * (rest + resident) + prefetch),
+        "host": float(s.experts * sum(swapped)),
+        "prefetch": prefetch,
+        "dequant": dequant,
+    }
 
 
 #: cards of the one-card tables: usable bytes (as ``DEVICES``), an achieved dense bf16 matrix rate (FLOP/s: about 60 %
 #: of the data sheet's dense rate with float32 accumulation) and memory bandwidth (bytes/s, data sheet)
-CARDS = {"24 GB (RTX 4090)": {"memory": 24e9, "flops": 100e12, "hbm": 1.0e12},
-         "48 GB (L40S / RTX 6000 Ada)": {"memory": 48e9, "flops": 200e12, "hbm": 0.86e12}}
+CARDS = {
+    "24 GB (RTX 4090)": {"memory": 24e9, "flops": 100e12, "hbm": 1.0e12},
+    "48 GB (L40S / RTX 6000 Ada)": {"memory": 48e9, "flops": 200e12, "hbm": 0.86e12},
+}
 #: host links, bytes/s of pinned host -> device copies (about 80 % of the line rate)
 LINKS = {"PCIe 3.0 x16": 12.5e9, "PCIe 4.0 x16": 25e9, "PCIe 5.0 x16": 50e9}
 #: cost of a pass through the network in forward-pass units: no-grad, the JVP pass (primal and tangent), a
@@ -562,8 +694,11 @@ def step_time(s: TrainSetup, card: str = "24 GB (RTX 4090)", link: str = "PCIe 4
     block = parts["prefetch"] / min(N * s.experts, PREFETCH_BLOCKS) if N else 0.0
     x = block / bw  # one swapped block's copy
     exposed = lambda hide: max(0.0, x - hide)  # noqa: E731
-    transfer = N * (p["nograd"] * exposed(c1) + p["jvp"] * exposed(PASS_COST["jvp"] * c1)
-                    + p["grad"] * (exposed(c1) + exposed((grad_cost - 1) * c1)))
+    transfer = N * (
+        p["nograd"] * exposed(c1)
+        + p["jvp"] * exposed(PASS_COST["jvp"] * c1)
+        + p["grad"] * (exposed(c1) + exposed((grad_cost - 1) * c1))
+    )
     loads = N * (p["nograd"] + p["jvp"] + 2 * p["grad"])
     dequant = 0.0
     if s.base_dtype != "weight_dtype":
@@ -572,25 +707,45 @@ def step_time(s: TrainSetup, card: str = "24 GB (RTX 4090)", link: str = "PCIe 4
         dequant = uses * numel * DEQUANT_BYTES[s.weight_dtype] / c["hbm"]
     offload = 2 * p["grad"] * host_activation_bytes(s) / bw
     total = compute + transfer + dequant + offload
-    return {"compute": compute, "transfer": transfer, "dequant": dequant, "offload": offload, "total": total,
-            "slowdown": total / compute, "h2d_bytes": loads * block + p["grad"] * host_activation_bytes(s)}
+    return {
+        "compute": compute,
+        "transfer": transfer,
+        "dequant": dequant,
+        "offload": offload,
+        "total": total,
+        "slowdown": total / compute,
+        "h2d_bytes": loads * block + p["grad"] * host_activation_bytes(s),
+    }
 
 
 def with_lora_rank(s: TrainSetup, rank: int) -> TrainSetup:
     """``s`` with LoRA rank ``rank`` (adapter parameters scale with the rank)."""
     f = rank / s.lora_rank
-    return dataclasses.replace(s, lora_rank=rank, lora_params_student=int(round(s.lora_params_student * f)),
-                               lora_params_fake=int(round(s.lora_params_fake * f)))
+    return dataclasses.replace(
+        s,
+        lora_rank=rank,
+        lora_params_student=int(round(s.lora_params_student * f)),
+        lora_params_fake=int(round(s.lora_params_fake * f)),
+    )
 
 
 def setting_text(s: TrainSetup) -> str:
     """The one-card options of ``s`` as the trainer's command line spells them."""
-    return (f"--base_dtype {s.base_dtype} --blocks_to_swap {s.blocks_to_swap} "
-            f"--activation_offload {str(s.activation_offload).lower()} --lora_rank {s.lora_rank}")
+    return (
+        f"--base_dtype {s.base_dtype} --blocks_to_swap {s.blocks_to_swap} "
+        f"--activation_offload {str(s.activation_offload).lower()} --lora_rank {s.lora_rank}"
+    )
 
 
-def cheapest_fitting(s: TrainSetup, capacity: float, card: str = "24 GB (RTX 4090)", link: str = "PCIe 4.0 x16",
-                     margin: float = 0.9, formats=None, ranks=None):
+def cheapest_fitting(
+    s: TrainSetup,
+    capacity: float,
+    card: str = "24 GB (RTX 4090)",
+    link: str = "PCIe 4.0 x16",
+    margin: float = 0.9,
+    formats=None,
+    ranks=None,
+):
     """The setting that fits ``margin x capacity`` bytes at the least predicted slowdown (``step_time``), or
     ``None``: over base formats (``formats``, default ``s.base_dtype`` and ``fp8``), activation offload (with
     checkpointing), 0..all blocks swapped, and LoRA ranks (``ranks``, default ``s.lora_rank``; lower ranks only when
@@ -604,7 +759,7 @@ def cheapest_fitting(s: TrainSetup, capacity: float, card: str = "24 GB (RTX 409
         base = with_lora_rank(s, r) if r != s.lora_rank else s
         best = None
         for fmt in formats:
-            for off in ([False, True] if s.gradient_checkpointing else [False]):
+            for off in [False, True] if s.gradient_checkpointing else [False]:
                 for n in range(L + 1):
                     c = dataclasses.replace(base, base_dtype=fmt, blocks_to_swap=n, activation_offload=off)
                     pred = predict_training(c)

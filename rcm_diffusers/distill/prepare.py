@@ -31,8 +31,21 @@ import torch
 
 from .data import FORMAT, _atomic_save, pack_flux_latents, unpack_flux_latents
 
-__all__ = ["IMAGE_EXTS", "VIDEO_EXTS", "Item", "read_items", "read_prompts", "load_media", "family_of", "PipelineEncoder",
-           "ShardWriter", "seed_noise", "teacher_samples", "prepare_real", "prepare_synthetic"]
+__all__ = [
+    "IMAGE_EXTS",
+    "VIDEO_EXTS",
+    "Item",
+    "read_items",
+    "read_prompts",
+    "load_media",
+    "family_of",
+    "PipelineEncoder",
+    "ShardWriter",
+    "seed_noise",
+    "teacher_samples",
+    "prepare_real",
+    "prepare_synthetic",
+]
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTS = (".gif", ".mp4", ".webm", ".mov", ".mkv", ".avi")
@@ -67,8 +80,10 @@ def read_items(source: str, caption_ext: str = ".txt") -> list[Item]:
             raise ValueError(f"{source}: no image/video files ({', '.join(IMAGE_EXTS + VIDEO_EXTS)})")
         missing = [n for n in names if not os.path.exists(os.path.join(source, os.path.splitext(n)[0] + caption_ext))]
         if missing:
-            raise FileNotFoundError(f"{source}: {len(missing)} media file(s) without a {caption_ext} caption, e.g. "
-                                    f"{missing[:3]}; write <name>{caption_ext} next to each or use a manifest")
+            raise FileNotFoundError(
+                f"{source}: {len(missing)} media file(s) without a {caption_ext} caption, e.g. "
+                f"{missing[:3]}; write <name>{caption_ext} next to each or use a manifest"
+            )
         for n in names:
             with open(os.path.join(source, os.path.splitext(n)[0] + caption_ext), encoding="utf-8") as f:
                 items.append(Item(os.path.join(source, n), f.read().strip()))
@@ -85,7 +100,12 @@ def read_items(source: str, caption_ext: str = ".txt") -> list[Item]:
     for line, r in rows:
         where = f"{source}:{line}"
         media = str(_pick(r, _FILE_KEYS, "file", where))
-        items.append(Item(media if os.path.isabs(media) else os.path.join(root, media), str(_pick(r, _TEXT_KEYS, "caption", where))))
+        items.append(
+            Item(
+                media if os.path.isabs(media) else os.path.join(root, media),
+                str(_pick(r, _TEXT_KEYS, "caption", where)),
+            )
+        )
     for it in items:
         if not os.path.exists(it.media):
             raise FileNotFoundError(f"{source}: media file {it.media} does not exist")
@@ -120,7 +140,9 @@ def _frames(path: str) -> list:
     try:
         import imageio.v3 as iio
     except ImportError as e:
-        raise ValueError(f"cannot read {path}: {ext} video needs `pip install imageio[pyav]` (GIF and images need only Pillow)") from e
+        raise ValueError(
+            f"cannot read {path}: {ext} video needs `pip install imageio[pyav]` (GIF and images need only Pillow)"
+        ) from e
     try:
         return [Image.fromarray(np.asarray(a)).convert("RGB") for a in iio.imiter(path)]
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad file for the user
@@ -133,8 +155,10 @@ def _fit(img, height: int, width: int, resize: str, path: str):
     if img.size == (width, height):
         return img
     if resize == "error":
-        raise ValueError(f"{path} is {img.size[0]}x{img.size[1]} (WxH), expected {width}x{height}; "
-                         "resize the data or pass --resize crop (scale + centre crop) or --resize stretch")
+        raise ValueError(
+            f"{path} is {img.size[0]}x{img.size[1]} (WxH), expected {width}x{height}; "
+            "resize the data or pass --resize crop (scale + centre crop) or --resize stretch"
+        )
     if resize == "stretch":
         return img.resize((width, height), Image.BICUBIC)
     s = max(width / img.size[0], height / img.size[1])
@@ -162,7 +186,9 @@ def family_of(pipe) -> str:
     name = type(pipe).__name__
     if name == "WanImageToVideoPipeline":
         if getattr(pipe.config, "expand_timesteps", False):
-            raise ValueError("WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B) is not supported by the rCM trainer's condition format")
+            raise ValueError(
+                "WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B) is not supported by the rCM trainer's condition format"
+            )
         return "wan_i2v"
     if name.startswith("Wan"):
         return "wan"
@@ -174,8 +200,16 @@ def family_of(pipe) -> str:
 class PipelineEncoder:
     """The pipeline's own text encoder(s) and VAE, producing tensors in the docs/math.md §8 layout."""
 
-    def __init__(self, pipe, height: int, width: int, num_frames: int = 1, max_sequence_length: int | None = None,
-                 device="cpu", dtype=torch.float32):
+    def __init__(
+        self,
+        pipe,
+        height: int,
+        width: int,
+        num_frames: int = 1,
+        max_sequence_length: int | None = None,
+        device="cpu",
+        dtype=torch.float32,
+    ):
         self.pipe, self.family, self.device, self.dtype = pipe, family_of(pipe), torch.device(device), dtype
         self.height, self.width, self.num_frames = height, width, num_frames
         # 512 for both: what WanPipeline/FluxPipeline.__call__ pad prompts to at inference (encode_prompt's own
@@ -186,7 +220,9 @@ class PipelineEncoder:
         if self.family == "flux":
             self.sf = 2 ** (len(vae.config.block_out_channels) - 1)
             if height % (2 * self.sf) or width % (2 * self.sf):
-                raise ValueError(f"Flux needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 packing); got {height}x{width}")
+                raise ValueError(
+                    f"Flux needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 packing); got {height}x{width}"
+                )
             if num_frames != 1:
                 raise ValueError("Flux is an image model: use --num_frames 1")
         else:
@@ -197,7 +233,9 @@ class PipelineEncoder:
                 raise ValueError(f"Wan needs num_frames = {self.tf} k + 1 (1, 5, 9, ..., 81); got {num_frames}")
             z = vae.config.z_dim
             if len(vae.config.latents_mean) != z or len(vae.config.latents_std) != z:
-                raise ValueError(f"VAE latents_mean/std have {len(vae.config.latents_mean)}/{len(vae.config.latents_std)} entries, z_dim is {z}")
+                raise ValueError(
+                    f"VAE latents_mean/std have {len(vae.config.latents_mean)}/{len(vae.config.latents_std)} entries, z_dim is {z}"
+                )
             self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
             self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
 
@@ -214,13 +252,20 @@ class PipelineEncoder:
     def encode_text(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``pipe.encode_prompt`` of ``prompts``: ``prompt_embeds`` ``[n, L, D]`` (+ Flux ``pooled_prompt_embeds``)."""
         if self.pipe.text_encoder is None or self.pipe.tokenizer is None:
-            raise ValueError("the pipeline has no text encoder/tokenizer; load one that has (or precompute embeddings and call write_latent_dataset)")
+            raise ValueError(
+                "the pipeline has no text encoder/tokenizer; load one that has (or precompute embeddings and call write_latent_dataset)"
+            )
         if self.family == "flux":
-            pe, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
-                                                    max_sequence_length=self.max_sequence_length)
+            pe, pooled, _ = self.pipe.encode_prompt(
+                prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            )
             return {"prompt_embeds": pe.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
-        pe, _ = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=False,
-                                        max_sequence_length=self.max_sequence_length, device=self.device)
+        pe, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
         return {"prompt_embeds": pe.float().cpu()}
 
     def _vae_encode(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -242,7 +287,9 @@ class PipelineEncoder:
         normalised latents of ``[image, zeros...]`` (``[B, 4 + C, T, h, w]``), and CLIP ``image_embeds`` when the
         pipeline has an image encoder (penultimate hidden states, as ``WanImageToVideoPipeline.encode_image``)."""
         B, F = first_frames.shape[0], self.num_frames
-        video = torch.cat([first_frames[:, :, None], first_frames.new_zeros(B, 3, F - 1, self.height, self.width)], dim=2)
+        video = torch.cat(
+            [first_frames[:, :, None], first_frames.new_zeros(B, 3, F - 1, self.height, self.width)], dim=2
+        )
         lat = (self._vae_encode(video) - self.mean) / self.std
         T, h, w = lat.shape[2:]
         mask = torch.zeros(B, self.tf, T, h, w)
@@ -251,7 +298,10 @@ class PipelineEncoder:
         if getattr(self.pipe, "image_encoder", None) is not None:
             from PIL import Image
 
-            imgs = [Image.fromarray(((f.permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy()) for f in first_frames]
+            imgs = [
+                Image.fromarray(((f.permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).byte().numpy())
+                for f in first_frames
+            ]
             out["image_embeds"] = self.pipe.encode_image(imgs, device=self.device).float().cpu()
         return out
 
@@ -300,10 +350,19 @@ class ShardWriter:
             self._flush(self._buffered())
         if not self.num_samples:
             raise ValueError("no samples were written")
-        meta = {"format": FORMAT, "version": 1, "family": family, "num_samples": self.num_samples, "shards": self.shards,
-                "tables": table_index, **extra_meta}
+        meta = {
+            "format": FORMAT,
+            "version": 1,
+            "family": family,
+            "num_samples": self.num_samples,
+            "shards": self.shards,
+            "tables": table_index,
+            **extra_meta,
+        }
         if tables:
-            _atomic_save({k: v.to(self.dtype) for k, v in tables.items()}, os.path.join(self.out_dir, "tables.safetensors"))
+            _atomic_save(
+                {k: v.to(self.dtype) for k, v in tables.items()}, os.path.join(self.out_dir, "tables.safetensors")
+            )
             meta["tables_file"] = "tables.safetensors"
         tmp = os.path.join(self.out_dir, "meta.json.tmp")
         with open(tmp, "w") as f:
@@ -325,7 +384,7 @@ class _Text:
         if self.as_table:
             rows: dict[str, list] = {}
             for s in tqdm(range(0, len(self.unique), batch_size), desc="text", disable=not progress):
-                for k, v in enc.encode_text(self.unique[s:s + batch_size]).items():
+                for k, v in enc.encode_text(self.unique[s : s + batch_size]).items():
                     rows.setdefault(k, []).append(v)
             self.tables = {k: torch.cat(v) for k, v in rows.items()}
             self.pos = {c: i for i, c in enumerate(self.unique)}
@@ -343,14 +402,29 @@ class _Text:
 
 
 def _close(writer: ShardWriter, enc: PipelineEncoder, text: _Text, neg: dict, negative_prompt, extra_meta: dict) -> str:
-    meta = {"prompts": text.unique if text.as_table else None, "negative_prompt": negative_prompt, "height": enc.height,
-            "width": enc.width, "num_frames": enc.num_frames, **extra_meta}
+    meta = {
+        "prompts": text.unique if text.as_table else None,
+        "negative_prompt": negative_prompt,
+        "height": enc.height,
+        "width": enc.width,
+        "num_frames": enc.num_frames,
+        **extra_meta,
+    }
     return writer.close(enc.family, {**text.tables, **neg}, {**text.table_index(), **{k: None for k in neg}}, meta)
 
 
-def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negative_prompt: str | None = "",
-                 resize: str = "error", batch_size: int = 4, shard_size: int = 256, save_dtype=torch.float32,
-                 progress: bool = True) -> str:
+def prepare_real(
+    enc: PipelineEncoder,
+    items: list[Item],
+    out_dir: str,
+    *,
+    negative_prompt: str | None = "",
+    resize: str = "error",
+    batch_size: int = 4,
+    shard_size: int = 256,
+    save_dtype=torch.float32,
+    progress: bool = True,
+) -> str:
     """Encode media + captions with the pipeline into a docs/math.md §8 dataset at ``out_dir``, streamed shard by shard."""
     from tqdm.auto import tqdm
 
@@ -363,13 +437,20 @@ def prepare_real(enc: PipelineEncoder, items: list[Item], out_dir: str, *, negat
     neg = _negative(enc, negative_prompt)
     writer = ShardWriter(out_dir, shard_size, save_dtype)
     for s in tqdm(range(0, len(items), batch_size), desc="encode", disable=not progress):
-        chunk = items[s:s + batch_size]
+        chunk = items[s : s + batch_size]
         px = torch.stack([load_media(it.media, enc.height, enc.width, enc.num_frames, resize) for it in chunk])
         rows = {"latents": enc.encode_media(px), **text.rows([it.caption for it in chunk])[0]}
         if enc.family == "wan_i2v":
             rows.update(enc.encode_condition(px[:, :, 0]))
         writer.add(rows)
-    return _close(writer, enc, text, neg, negative_prompt, {"source": "real", "files": [os.path.basename(it.media) for it in items]})
+    return _close(
+        writer,
+        enc,
+        text,
+        neg,
+        negative_prompt,
+        {"source": "real", "files": [os.path.basename(it.media) for it in items]},
+    )
 
 
 # ----------------------------------------------------------------------------- synthetic teacher samples
@@ -389,13 +470,26 @@ def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
 def seed_noise(latent_shape, seeds: list[int]) -> torch.Tensor:
     """The starting noise of synthetic samples ``[len(seeds), *latent_shape]`` (dataset layout, float32): sample ``j`` is
     ``randn(latent_shape, generator=manual_seed(seeds[j]))``, as a diffusers pipeline draws it for one seeded sample."""
-    return torch.stack([torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+    return torch.stack(
+        [torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    )
 
 
 @torch.no_grad()
-def teacher_samples(transformer, family: str, batch: dict, noise: torch.Tensor, *, steps: int = 100,
-                    shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler", sigma_max: float = 5000.0,
-                    flux_guidance: float | None = None, device="cpu") -> torch.Tensor:
+def teacher_samples(
+    transformer,
+    family: str,
+    batch: dict,
+    noise: torch.Tensor,
+    *,
+    steps: int = 100,
+    shift: float = 3.0,
+    guidance_scale: float = 5.0,
+    solver: str = "euler",
+    sigma_max: float = 5000.0,
+    flux_guidance: float | None = None,
+    device="cpu",
+) -> torch.Tensor:
     """Teacher ODE samples ``x0`` in the dataset layout from conditions ``batch`` (docs/math.md §2.2, §8).
 
     Starting from ``noise`` ``[B, *latent_shape]`` (float32, dataset layout, e.g. ``seed_noise``; Flux packs it as
@@ -403,8 +497,8 @@ def teacher_samples(transformer, family: str, batch: dict, noise: torch.Tensor, 
     without ``negative_prompt_embeds`` or at ``s = 1``), stepped by ``TrigFlowEulerScheduler`` /
     ``TrigFlowUniPCScheduler`` (shift ``shift``, ``steps`` steps).
     """
-    from .data import model_inputs
     from ..models import compute_dtype, velocity_fn
+    from .data import model_inputs
 
     dtype = compute_dtype(transformer)
     _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
@@ -423,11 +517,27 @@ def teacher_samples(transformer, family: str, batch: dict, noise: torch.Tensor, 
     return unpack_flux_latents(x, *noise.shape[-2:]) if family == "flux" else x
 
 
-def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *, num_samples: int, seed: int = 0,
-                      steps: int = 100, shift: float = 3.0, guidance_scale: float = 5.0, solver: str = "euler",
-                      sigma_max: float = 5000.0, flux_guidance: float | None = 3.5, negative_prompt: str | None = "",
-                      images: list[str] | None = None, resize: str = "error", batch_size: int = 4, shard_size: int = 256,
-                      save_dtype=torch.float32, progress: bool = True) -> str:
+def prepare_synthetic(
+    enc: PipelineEncoder,
+    prompts: list[str],
+    out_dir: str,
+    *,
+    num_samples: int,
+    seed: int = 0,
+    steps: int = 100,
+    shift: float = 3.0,
+    guidance_scale: float = 5.0,
+    solver: str = "euler",
+    sigma_max: float = 5000.0,
+    flux_guidance: float | None = 3.5,
+    negative_prompt: str | None = "",
+    images: list[str] | None = None,
+    resize: str = "error",
+    batch_size: int = 4,
+    shard_size: int = 256,
+    save_dtype=torch.float32,
+    progress: bool = True,
+) -> str:
     """Synthetic dataset: sample ``i`` = teacher sample of ``prompts[i % P]`` with seed ``seed + i`` (docs/math.md §8).
     Wan I2V needs ``images`` (first frames, one per prompt)."""
     from tqdm.auto import tqdm
@@ -437,7 +547,9 @@ def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *,
     if not prompts:
         raise ValueError("synthetic data needs at least one prompt")
     if enc.family == "wan_i2v" and (images is None or len(images) != len(prompts)):
-        raise ValueError("Wan I2V synthetic data needs one first-frame image per prompt (a folder or manifest of image + caption)")
+        raise ValueError(
+            "Wan I2V synthetic data needs one first-frame image per prompt (a folder or manifest of image + caption)"
+        )
     captions = [prompts[i % len(prompts)] for i in range(num_samples)]
     text = _Text(enc, captions, batch_size, progress)
     neg = _negative(enc, negative_prompt)
@@ -456,12 +568,32 @@ def prepare_synthetic(enc: PipelineEncoder, prompts: list[str], out_dir: str, *,
             batch.update(per)
             stored = {**stored, **per}
         noise = seed_noise(enc.latent_shape, [seed + i for i in ids])
-        x0 = teacher_samples(enc.pipe.transformer, enc.family, batch, noise,
-                             steps=steps, shift=shift, guidance_scale=guidance_scale, solver=solver,
-                             sigma_max=sigma_max, flux_guidance=guide, device=enc.device)
+        x0 = teacher_samples(
+            enc.pipe.transformer,
+            enc.family,
+            batch,
+            noise,
+            steps=steps,
+            shift=shift,
+            guidance_scale=guidance_scale,
+            solver=solver,
+            sigma_max=sigma_max,
+            flux_guidance=guide,
+            device=enc.device,
+        )
         if not torch.isfinite(x0).all():
-            raise FloatingPointError(f"teacher samples {ids} contain NaN/inf; check the model dtype and the guidance scale")
+            raise FloatingPointError(
+                f"teacher samples {ids} contain NaN/inf; check the model dtype and the guidance scale"
+            )
         writer.add({"latents": x0, "noise": noise, **stored})
-    meta = {"source": "synthetic", "seed": seed, "solver": solver, "steps": steps, "shift": shift,
-            "guidance_scale": guidance_scale, "sigma_max": sigma_max, "flux_guidance": guide}
+    meta = {
+        "source": "synthetic",
+        "seed": seed,
+        "solver": solver,
+        "steps": steps,
+        "shift": shift,
+        "guidance_scale": guidance_scale,
+        "sigma_max": sigma_max,
+        "flux_guidance": guide,
+    }
     return _close(writer, enc, text, neg, negative_prompt, meta)

@@ -23,8 +23,10 @@ class SampleDecoder:
     def __init__(self, vae, family: str):
         c = vae.config
         if family != "flux" and (len(c.latents_mean) != c.z_dim or len(c.latents_std) != c.z_dim):
-            raise ValueError(f"VAE latents_mean/std have {len(c.latents_mean)}/{len(c.latents_std)} entries, z_dim is {c.z_dim}: "
-                             "fix the VAE config (sample grids decode with them)")
+            raise ValueError(
+                f"VAE latents_mean/std have {len(c.latents_mean)}/{len(c.latents_std)} entries, z_dim is {c.z_dim}: "
+                "fix the VAE config (sample grids decode with them)"
+            )
         self.vae, self.family = vae.eval(), family
 
     @classmethod
@@ -64,7 +66,7 @@ def grid_frames(rows: list[torch.Tensor]) -> np.ndarray:
     out = np.zeros((F, R * H, B * W, 3), dtype=np.uint8)
     for i, r in enumerate(rows):
         a = (r.permute(2, 3, 0, 4, 1).reshape(F, H, B * W, 3) * 255).round().to(torch.uint8).numpy()
-        out[:, i * H:(i + 1) * H] = a
+        out[:, i * H : (i + 1) * H] = a
     return out
 
 
@@ -88,8 +90,9 @@ def save_grid(path_stem: str, rows: list[torch.Tensor], gif: bool = True) -> lis
 
 
 @torch.no_grad()
-def sample_student(nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student",
-                   mid_t=None):
+def sample_student(
+    nets, cond, shape, steps: int, sigma_max: float, generator, device, role: str = "student", mid_t=None
+):
     """Few-step student samples with ``RCMScheduler`` (docs/math.md §2.1; ``mid_t`` empty = its default angles, else
     a list or per step count), model-layout float32 latents; the network sees its time as in training
     (``nets.time_input``), the update runs on the exact RF times."""
@@ -119,13 +122,19 @@ def write_samples(nets, data, cfg, step: int, device, transformer, n: int = 4, d
 
     ids = list(range(min(n, len(data))))
     batch = data.get(ids)
-    x0, cond, _ = model_inputs(data.family, batch, device, nets.model_dtype,
-                               cfg.flux_guidance if getattr(transformer.config, "guidance_embeds", False) else None)
+    x0, cond, _ = model_inputs(
+        data.family,
+        batch,
+        device,
+        nets.model_dtype,
+        cfg.flux_guidance if getattr(transformer.config, "guidance_embeds", False) else None,
+    )
     out = {}
     for k in cfg.sample_steps:
         gen = torch.Generator().manual_seed(cfg.seed)
-        out[f"steps_{k}"] = sample_student(nets, cond, tuple(x0.shape), int(k), cfg.sigma_max, gen, device,
-                                           mid_t=cfg.mid_t).cpu()
+        out[f"steps_{k}"] = sample_student(
+            nets, cond, tuple(x0.shape), int(k), cfg.sigma_max, gen, device, mid_t=cfg.mid_t
+        ).cpu()
     d = os.path.join(cfg.output_dir, "samples")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, f"step-{step:08d}.safetensors")

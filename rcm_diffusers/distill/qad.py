@@ -51,7 +51,7 @@ class GuidanceSchedule:
         if len(self.knots) == 1:
             return ss[0].expand_as(r).clone()
         i = torch.searchsorted(rs, r.clamp(rs[0], rs[-1]), right=True).clamp(1, len(rs) - 1)
-        w = ((r.clamp(rs[0], rs[-1]) - rs[i - 1]) / (rs[i] - rs[i - 1]))
+        w = (r.clamp(rs[0], rs[-1]) - rs[i - 1]) / (rs[i] - rs[i - 1])
         return ss[i - 1] + w * (ss[i] - ss[i - 1])
 
     @property
@@ -72,8 +72,20 @@ def _bc(r, x):
     return r.reshape(-1, *([1] * (x.dim() - 1)))
 
 
-def qad_loss(student_v, teacher_v, x0, cond, uncond, *, alpha: float, guidance: GuidanceSchedule, generator=None,
-             shift: float = 1.0, times=None, model_dtype=None):
+def qad_loss(
+    student_v,
+    teacher_v,
+    x0,
+    cond,
+    uncond,
+    *,
+    alpha: float,
+    guidance: GuidanceSchedule,
+    generator=None,
+    shift: float = 1.0,
+    times=None,
+    model_dtype=None,
+):
     """Per-sample ``alpha L_FM + (1 - alpha) L_distill`` (docs/math.md §7, see module docstring) and a dict of logged floats.
 
     ``student_v`` / ``teacher_v``: ``v(x_r, r, **cond)`` (``rcm_diffusers.models.velocity_fn``); ``x0`` float64.
@@ -101,8 +113,12 @@ def qad_loss(student_v, teacher_v, x0, cond, uncond, *, alpha: float, guidance: 
                 v_T = v_u + _bc(guidance(r), v_u) * (v_c - v_u)
         l_d = ((v_S - v_T) ** 2).mean(dims)
     loss = alpha * l_fm + (1 - alpha) * l_d
-    return loss, {"loss": float(loss.detach().mean()), "loss_fm": float(l_fm.detach().mean()),
-                  "loss_distill": float(l_d.detach().mean()), "r_mean": float(r.mean())}
+    return loss, {
+        "loss": float(loss.detach().mean()),
+        "loss_fm": float(l_fm.detach().mean()),
+        "loss_distill": float(l_d.detach().mean()),
+        "r_mean": float(r.mean()),
+    }
 
 
 def transformer_blocks(model) -> list[tuple[str, torch.nn.Module]]:
@@ -123,8 +139,10 @@ def _tensors(y):
 
 def relative_error(y_q, y_t) -> torch.Tensor:
     """``sum_k ||y_q,k - y_t,k||^2 / ||y_t,k||^2`` over the block's tensor outputs (docs/math.md §7 warm start)."""
-    return sum(((q.float() - t.float()) ** 2).sum() / (t.float() ** 2).sum().clamp_min(1e-30)
-               for q, t in zip(_tensors(y_q), _tensors(y_t)))
+    return sum(
+        ((q.float() - t.float()) ** 2).sum() / (t.float() ** 2).sum().clamp_min(1e-30)
+        for q, t in zip(_tensors(y_q), _tensors(y_t))
+    )
 
 
 @dataclass
@@ -140,12 +158,17 @@ def _capture(teacher, run_teacher, blocks_t):
     io = {}
     hooks = []
     for name, b in blocks_t:
+
         def pre(mod, args, kwargs, name=name):
-            io[name] = [tuple(a.detach() if torch.is_tensor(a) else a for a in args),
-                        {k: (v.detach() if torch.is_tensor(v) else v) for k, v in kwargs.items()}, None]
+            io[name] = [
+                tuple(a.detach() if torch.is_tensor(a) else a for a in args),
+                {k: (v.detach() if torch.is_tensor(v) else v) for k, v in kwargs.items()},
+                None,
+            ]
 
         def post(mod, args, kwargs, out, name=name):
             io[name][2] = tuple(t.detach() for t in _tensors(out))
+
         hooks += [b.register_forward_pre_hook(pre, with_kwargs=True), b.register_forward_hook(post, with_kwargs=True)]
     try:
         with torch.no_grad():
@@ -156,8 +179,16 @@ def _capture(teacher, run_teacher, blocks_t):
     return io
 
 
-def blockwise_warm_start(student, teacher, run_batches, *, steps_per_batch: int = 1, lr: float = 1e-4,
-                         max_grad_norm: float = 1.0, optimizer_cls=torch.optim.AdamW) -> list[BlockStats]:
+def blockwise_warm_start(
+    student,
+    teacher,
+    run_batches,
+    *,
+    steps_per_batch: int = 1,
+    lr: float = 1e-4,
+    max_grad_norm: float = 1.0,
+    optimizer_cls=torch.optim.AdamW,
+) -> list[BlockStats]:
     """Align every student block to the teacher block on the teacher's block input (docs/math.md §7).
 
     ``run_batches``: iterable of callables ``f(model)`` that run one forward pass of a batch.

@@ -12,13 +12,26 @@ import os
 
 import torch
 
-from .data import batch_indices, model_inputs
 from ..models import _base_model, compute_dtype, velocity_fn
 from ..quant.modules import DEFAULT_EXCLUDE, calibration, quantize_transformer
+from .data import batch_indices, model_inputs
 from .qad import GuidanceSchedule, qad_loss
 
-__all__ = ["fuse_lora_file", "build_student", "training_times", "fixed_batches", "calibrate", "distill_probe",
-           "export_student", "trainable", "ema_student", "full_delta", "save_full_delta", "save_qad_lora", "arch_of"]
+__all__ = [
+    "fuse_lora_file",
+    "build_student",
+    "training_times",
+    "fixed_batches",
+    "calibrate",
+    "distill_probe",
+    "export_student",
+    "trainable",
+    "ema_student",
+    "full_delta",
+    "save_full_delta",
+    "save_qad_lora",
+    "arch_of",
+]
 
 
 def arch_of(transformer) -> str:
@@ -55,10 +68,17 @@ def build_student(teacher, cfg):
         student = copy.deepcopy(teacher, memo={id(p): p for p in teacher.parameters()})
     else:
         student = copy.deepcopy(teacher)
-    layers = quantize_transformer(student, cfg.format, act_fmt=cfg.act_format or None,
-                                  per_channel=cfg.per_channel if cfg.format == "fp8_e4m3" else None,
-                                  exclude=DEFAULT_EXCLUDE, extra_exclude=tuple(cfg.exclude), overrides=cfg.quant_overrides(),
-                                  target=cfg.resolved_target(arch_of(teacher)), act_scale=cfg.act_scale)
+    layers = quantize_transformer(
+        student,
+        cfg.format,
+        act_fmt=cfg.act_format or None,
+        per_channel=cfg.per_channel if cfg.format == "fp8_e4m3" else None,
+        exclude=DEFAULT_EXCLUDE,
+        extra_exclude=tuple(cfg.exclude),
+        overrides=cfg.quant_overrides(),
+        target=cfg.resolved_target(arch_of(teacher)),
+        act_scale=cfg.act_scale,
+    )
     if cfg.scope == "all":
         student.requires_grad_(True)
         return student, layers
@@ -70,8 +90,12 @@ def build_student(teacher, cfg):
     targets = list(cfg.lora_target_modules or default_lora_targets(student))
     names = [n for n, _ in student.named_modules()]
     targets = [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
-    student.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or cfg.lora_rank, target_modules=targets,
-                                   init_lora_weights=True), adapter_name="student")
+    student.add_adapter(
+        LoraConfig(
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha or cfg.lora_rank, target_modules=targets, init_lora_weights=True
+        ),
+        adapter_name="student",
+    )
     for n, p in student.named_parameters():
         p.requires_grad_(".student." in n)
     return student, layers
@@ -106,8 +130,19 @@ def calibrate(student, batches, times, cfg, accelerator=None) -> None:
     with calibration(student) as layers:
         for k, (x0, cond, _) in enumerate(batches):
             g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 7 * k)
-            qad_loss(v, v, x0, cond, None, alpha=1.0, guidance=GuidanceSchedule(1.0), generator=g, shift=cfg.shift,
-                     times=times, model_dtype=compute_dtype(student))
+            qad_loss(
+                v,
+                v,
+                x0,
+                cond,
+                None,
+                alpha=1.0,
+                guidance=GuidanceSchedule(1.0),
+                generator=g,
+                shift=cfg.shift,
+                times=times,
+                model_dtype=compute_dtype(student),
+            )
     if accelerator is not None and accelerator.num_processes > 1:
         import torch.distributed as dist
 
@@ -123,8 +158,19 @@ def distill_probe(student, teacher, batches, times, cfg) -> float:
     total = 0.0
     for k, (x0, cond, uncond) in enumerate(batches):
         g = torch.Generator(device=x0.device).manual_seed(cfg.seed + 31 * k + 5)
-        total += qad_loss(v_S, v_T, x0, cond, uncond, alpha=0.0, guidance=GuidanceSchedule(cfg.guidance_knots()),
-                          generator=g, shift=cfg.shift, times=times, model_dtype=dtype)[1]["loss_distill"]
+        total += qad_loss(
+            v_S,
+            v_T,
+            x0,
+            cond,
+            uncond,
+            alpha=0.0,
+            guidance=GuidanceSchedule(cfg.guidance_knots()),
+            generator=g,
+            shift=cfg.shift,
+            times=times,
+            model_dtype=dtype,
+        )[1]["loss_distill"]
     return total / max(1, len(batches))
 
 
@@ -139,8 +185,13 @@ def export_student(student, out_dir: str, cfg, teacher=None) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     paths = {"quantized": os.path.join(out_dir, "quantized_transformer.safetensors")}
     export_quantized(student, paths["quantized"], layout=layout, arch=arch)
-    meta = {"base_model": cfg.pretrained, "made_by": "training/qad.py", "quantized_base": cfg.format,
-            "quantized_layout": layout, "target": cfg.resolved_target(arch)}
+    meta = {
+        "base_model": cfg.pretrained,
+        "made_by": "training/qad.py",
+        "quantized_base": cfg.format,
+        "quantized_layout": layout,
+        "target": cfg.resolved_target(arch),
+    }
     if cfg.scope == "lora":
         paths.update(save_qad_lora(student, out_dir, arch, meta))
     elif cfg.export_delta and teacher is not None:
@@ -178,8 +229,11 @@ def full_delta(student, teacher) -> dict:
             raise ValueError(f"full delta: student parameter {name} {tuple(p.shape)} has no teacher counterpart")
         d = p.detach().float() - t[name].detach().float()
         if torch.any(d):
-            target, kind = (name[: -len(".bias")], "diff_b") if name.endswith(".bias") else \
-                (name[: -len(".weight")] if name.endswith(".weight") else name, "diff")
+            target, kind = (
+                (name[: -len(".bias")], "diff_b")
+                if name.endswith(".bias")
+                else (name[: -len(".weight")] if name.endswith(".weight") else name, "diff")
+            )
             out[f"{target}.{kind}"] = d.to(torch.bfloat16).cpu().contiguous()
     return out
 
@@ -202,12 +256,17 @@ def save_qad_lora(student, out_dir: str, arch: str, metadata: dict) -> dict:
 
     base = _base_model(student)
     conf = base.peft_config["student"]
-    sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in get_peft_model_state_dict(base, adapter_name="student").items()}
+    sd = {
+        k: v.detach().to(torch.bfloat16).cpu().contiguous()
+        for k, v in get_peft_model_state_dict(base, adapter_name="student").items()
+    }
     for k in list(sd):
         if k.endswith(".lora_A.weight"):
             sd[k[: -len("lora_A.weight")] + "alpha"] = torch.tensor(float(conf.lora_alpha))
-    paths = {"lora_diffusers": os.path.join(out_dir, "pytorch_lora_weights.safetensors"),
-             "lora_comfyui": os.path.join(out_dir, "lora_comfyui.safetensors")}
+    paths = {
+        "lora_diffusers": os.path.join(out_dir, "pytorch_lora_weights.safetensors"),
+        "lora_comfyui": os.path.join(out_dir, "lora_comfyui.safetensors"),
+    }
     save_lora(paths["lora_diffusers"], sd, arch=arch, format="diffusers", metadata=metadata)
     save_lora(paths["lora_comfyui"], sd, arch=arch, format="comfyui", metadata=metadata)
     return paths

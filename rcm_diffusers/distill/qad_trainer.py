@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..models import velocity_fn
 from . import qad_student as Q
 from .checkpoints import Checkpointer
 from .config import QADConfig, noise_seeding_of
@@ -33,7 +34,6 @@ from .optim import adamw, lr_lambda
 from .qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r
 from .rcm_trainer import DTYPES, make_accelerator
 from .session import RunSession, merge_logs, peak_memory_mb, write_json
-from ..models import velocity_fn
 
 __all__ = ["QADTrainer", "main"]
 
@@ -56,8 +56,9 @@ class QADTrainer:
         cfg = self.cfg
         index = model_index(cfg.pretrained)
         transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
-        teacher = transformer_cls.from_pretrained(cfg.pretrained, subfolder=cfg.transformer_subfolder,
-                                                  torch_dtype=dtype).to(device)
+        teacher = transformer_cls.from_pretrained(
+            cfg.pretrained, subfolder=cfg.transformer_subfolder, torch_dtype=dtype
+        ).to(device)
         if cfg.teacher_lora:
             Q.fuse_lora_file(teacher, cfg.teacher_lora)
         return teacher.requires_grad_(False).eval()
@@ -74,13 +75,19 @@ class QADTrainer:
             x_r = ((1 - rb) * x0 + rb * eps).to(dtype)
             return lambda m: velocity_fn(m, cfg.time_input)(x_r, r.float(), **cond)
 
-        stats = blockwise_warm_start(student, teacher, [runner(k, x0, c) for k, (x0, c, _) in enumerate(warm)],
-                                     steps_per_batch=cfg.warm_start_steps_per_batch, lr=cfg.warm_start_lr,
-                                     max_grad_norm=cfg.max_grad_norm or 1.0)
+        stats = blockwise_warm_start(
+            student,
+            teacher,
+            [runner(k, x0, c) for k, (x0, c, _) in enumerate(warm)],
+            steps_per_batch=cfg.warm_start_steps_per_batch,
+            lr=cfg.warm_start_lr,
+            max_grad_norm=cfg.max_grad_norm or 1.0,
+        )
         if session.main:
             write_json(session.path("warm_start.json"), [dataclasses.asdict(s) for s in stats])
-        session.metrics.write({"step": -1, "phase": "warm_start",
-                               "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)})
+        session.metrics.write(
+            {"step": -1, "phase": "warm_start", "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)}
+        )
 
     def train(self) -> str:
         """Run (or resume) QAD; returns ``output_dir`` once ``final.json`` is written."""
@@ -101,12 +108,14 @@ class QADTrainer:
         flux_g = cfg.flux_guidance if getattr(teacher.config, "guidance_embeds", False) else None
         probe = Q.fixed_batches(data, cfg, cfg.eval_batches, 2, device, dtype, flux_g)
         if any(m.static_act for m in layers.values()):
-            Q.calibrate(student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, device, dtype, flux_g), times,
-                        cfg, acc)
+            Q.calibrate(
+                student, Q.fixed_batches(data, cfg, cfg.calibration_batches, 1, device, dtype, flux_g), times, cfg, acc
+            )
         if session.fresh:
             # probe the naive post-training quantization, then the optional block-wise warm start
-            session.open_metrics(-1).write({"step": -1, "phase": "ptq",
-                                            "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)})
+            session.open_metrics(-1).write(
+                {"step": -1, "phase": "ptq", "eval_distill": Q.distill_probe(student, teacher, probe, times, cfg)}
+            )
             if cfg.warm_start_batches:
                 self._warm_start(session, student, teacher, data, times, dtype, flux_g, probe)
 
@@ -118,10 +127,15 @@ class QADTrainer:
         named = {n: p for n, p in student.named_parameters() if p.requires_grad}
         # the EMA is a float32 shadow of the trainable weights (scope lora: the adapter only)
         ema = PowerEMA(Q.trainable(acc.unwrap_model(student)), s=cfg.ema_rate) if cfg.ema_rate > 0 else None
-        checkpointer = Checkpointer(acc, ([student], ["student"]), {"student": (opt, named)}, {"student": sched},
-                                    session.state, ema)
-        session.start(checkpointer, params, {"quantized_layers": {n: m.fmt for n, m in sorted(layers.items())},
-                                            "training_times": times}, keep_metrics_before=-1)
+        checkpointer = Checkpointer(
+            acc, ([student], ["student"]), {"student": (opt, named)}, {"student": sched}, session.state, ema
+        )
+        session.start(
+            checkpointer,
+            params,
+            {"quantized_layers": {n: m.fmt for n, m in sorted(layers.items())}, "training_times": times},
+            keep_metrics_before=-1,
+        )
         state = session.state
 
         v_S = velocity_fn(student, cfg.time_input)
@@ -133,17 +147,28 @@ class QADTrainer:
             # each micro-batch's mean loss by n_micro: the mean over the whole batch
             ids = batch_indices(len(data), B * n_micro, i, rank, world, cfg.seed)
             x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, dtype, flux_g)
-            gen_all = step_noise(seeding, cfg.seed, i, rank, B * n_micro,
-                                 device=device.type if device.type != "mps" else "cpu")
+            gen_all = step_noise(
+                seeding, cfg.seed, i, rank, B * n_micro, device=device.type if device.type != "mps" else "cpu"
+            )
             opt.zero_grad(set_to_none=True)
             parts = []
             for m in range(n_micro):
                 rows = (m * B, (m + 1) * B, B * n_micro)
                 x0, cond, uncond = (batch_rows(v, *rows) for v in (x0_all, cond_all, uncond_all))
                 with acc.accumulate(student):
-                    loss, part = qad_loss(v_S, v_T, x0, cond, uncond, alpha=cfg.alpha, guidance=guidance,
-                                          generator=gen_all[m * B:(m + 1) * B] if n_micro > 1 else gen_all,
-                                          shift=cfg.shift, times=times, model_dtype=dtype)
+                    loss, part = qad_loss(
+                        v_S,
+                        v_T,
+                        x0,
+                        cond,
+                        uncond,
+                        alpha=cfg.alpha,
+                        guidance=guidance,
+                        generator=gen_all[m * B : (m + 1) * B] if n_micro > 1 else gen_all,
+                        shift=cfg.shift,
+                        times=times,
+                        model_dtype=dtype,
+                    )
                     acc.backward(loss.mean())
                 parts.append(part)
             logs = merge_logs(parts)
@@ -156,8 +181,15 @@ class QADTrainer:
             else:
                 note_skip(state, cfg, i, "student", norm, ids, acc.print)
             state.step = i + 1
-            record = {"step": i, "lr": sched.get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
-                      "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
+            record = {
+                "step": i,
+                "lr": sched.get_last_lr()[0],
+                "grad_norm": norm,
+                "skipped": state.skipped,
+                "step_time": time.perf_counter() - t0,
+                "peak_mem_mb": peak_memory_mb(device),
+                **logs,
+            }
             bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k.startswith("loss")})
             session.end_of_step(i, record)
             session.exit_if_asked(i)
@@ -169,8 +201,9 @@ class QADTrainer:
             extra["eval_distill"] = Q.distill_probe(base, teacher, probe, times, cfg)
             extra["exports"] = Q.export_student(base, cfg.output_dir, cfg, teacher=teacher)
             if ema is not None:
-                extra["exports_ema"] = Q.export_student(Q.ema_student(base, ema.shadow),
-                                                        os.path.join(cfg.output_dir, "ema"), cfg, teacher=teacher)
+                extra["exports_ema"] = Q.export_student(
+                    Q.ema_student(base, ema.shadow), os.path.join(cfg.output_dir, "ema"), cfg, teacher=teacher
+                )
         session.write_final(sums, extra)
         return cfg.output_dir
 

@@ -19,18 +19,51 @@ import time
 from .checkpoints import CheckpointError, _sha256, checkpoint_step, find_resumable, list_checkpoints, verify_checkpoint
 from .errors import user_error
 
-__all__ = ["RunLock", "choose_start", "broadcast_start", "resume_changes", "remove_run_files", "env_sessions",
-           "export_files", "run_entries", "verify_run", "verify_main", "LOCK", "EXPORT_FILES", "RUN_FILES",
-           "TOOL_FILES"]
+__all__ = [
+    "RunLock",
+    "choose_start",
+    "broadcast_start",
+    "resume_changes",
+    "remove_run_files",
+    "env_sessions",
+    "export_files",
+    "run_entries",
+    "verify_run",
+    "verify_main",
+    "LOCK",
+    "EXPORT_FILES",
+    "RUN_FILES",
+    "TOOL_FILES",
+]
 
 LOCK = ".rcm-run.lock"
 # what the trainers export at the end (each listed with its size and SHA-256 in final.json, ``export_files``)
-EXPORT_FILES = ("pytorch_lora_weights.safetensors", "lora_comfyui.safetensors", "delta_comfyui.safetensors",
-                "quantized_transformer.safetensors", "transformer_2", "student_transformer", "student_transformer_2",
-                "scheduler", "ema")
+EXPORT_FILES = (
+    "pytorch_lora_weights.safetensors",
+    "lora_comfyui.safetensors",
+    "delta_comfyui.safetensors",
+    "quantized_transformer.safetensors",
+    "transformer_2",
+    "student_transformer",
+    "student_transformer_2",
+    "scheduler",
+    "ema",
+)
 # files and folders the trainers write into output_dir (removed by --overwrite true; anything else is left alone)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "spikes.jsonl", "env.json", "final.json", "samples", "warm_start.json",
-             *EXPORT_FILES, "final.json.tmp", "env.json.tmp", "metrics.jsonl.tmp", "warm_start.json.tmp")
+RUN_FILES = (
+    "checkpoints",
+    "metrics.jsonl",
+    "spikes.jsonl",
+    "env.json",
+    "final.json",
+    "samples",
+    "warm_start.json",
+    *EXPORT_FILES,
+    "final.json.tmp",
+    "env.json.tmp",
+    "metrics.jsonl.tmp",
+    "warm_start.json.tmp",
+)
 # written by tools around a run before it starts (training/demo_digits.py logs here): not a sign of a run
 NEUTRAL_FILES = (LOCK, "train.log")
 EXPORTS = ("final.json", *(n for n in EXPORT_FILES if n != "ema"))
@@ -50,10 +83,16 @@ class RunLock:
             holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(self.fd)
             self.fd = None
-            user_error(f"{output_dir} is in use by {holder}: two trainers must not write one run folder. Wait for it "
-                       "to finish or stop it, or choose another --output_dir.")
+            user_error(
+                f"{output_dir} is in use by {holder}: two trainers must not write one run folder. Wait for it "
+                "to finish or stop it, or choose another --output_dir."
+            )
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+        os.pwrite(
+            self.fd,
+            f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
+            0,
+        )
 
     def release(self) -> None:
         if self.fd is not None:
@@ -105,8 +144,10 @@ def choose_start(cfg, log=print) -> str | None:
     what = f"{out} already holds a training run ({', '.join(found[:6])}{', ...' if len(found) > 6 else ''})"
     if not cfg.resume:
         if found and not cfg.overwrite:
-            user_error(f"{what}. Pass --resume latest to continue it, --overwrite true to delete it and start again, "
-                       "or choose another --output_dir.")
+            user_error(
+                f"{what}. Pass --resume latest to continue it, --overwrite true to delete it and start again, "
+                "or choose another --output_dir."
+            )
         if found:
             log(f"--overwrite: removed {', '.join(remove_run_files(out)) or 'nothing'}")
         return None
@@ -116,13 +157,18 @@ def choose_start(cfg, log=print) -> str | None:
             log(f"warning: checkpoint {p} is damaged, skipped: {why}")
         if path is None:
             if damaged and not cfg.overwrite:
-                user_error(f"no intact checkpoint in {out} (all {len(damaged)} failed verification, see above); "
-                           "--overwrite true starts again from scratch")
+                user_error(
+                    f"no intact checkpoint in {out} (all {len(damaged)} failed verification, see above); "
+                    "--overwrite true starts again from scratch"
+                )
             if any(os.path.exists(os.path.join(out, n)) for n in EXPORTS) and not cfg.overwrite:
                 user_error(f"{what} with exports but no checkpoint to continue from; --overwrite true starts again")
             if found:  # an attempt that stopped before its first checkpoint: its logs would mix with the new ones
                 gone = remove_run_files(out)
-                log(f"--resume latest: no checkpoint in {out}, starting fresh" + (f" (removed {', '.join(gone)})" if gone else ""))
+                log(
+                    f"--resume latest: no checkpoint in {out}, starting fresh"
+                    + (f" (removed {', '.join(gone)})" if gone else "")
+                )
             return None
         for p, _ in damaged:
             os.replace(p, p + ".damaged")
@@ -140,15 +186,18 @@ def choose_start(cfg, log=print) -> str | None:
         newer = [p for s, p in list_checkpoints(out) if s > k]
         if newer and not cfg.overwrite:
             later = ", ".join(os.path.basename(p) for p in newer)
-            user_error(f"{out} has checkpoints after {os.path.basename(path)} ({later}); "
-                       "continuing from an older one would mix two histories. Resume the newest (--resume latest), or "
-                       "pass --overwrite true to delete the later checkpoints and the exports.")
+            user_error(
+                f"{out} has checkpoints after {os.path.basename(path)} ({later}); "
+                "continuing from an older one would mix two histories. Resume the newest (--resume latest), or "
+                "pass --overwrite true to delete the later checkpoints and the exports."
+            )
         if newer or cfg.overwrite:
             log(f"--overwrite: removed {', '.join(remove_run_files(out, keep_checkpoints_upto=k)) or 'nothing'}")
         return path
     if found and not cfg.overwrite:
-        user_error(f"{what}; resuming the checkpoint {path} of another run needs an empty --output_dir "
-                   "(or --overwrite true)")
+        user_error(
+            f"{what}; resuming the checkpoint {path} of another run needs an empty --output_dir (or --overwrite true)"
+        )
     if found:
         log(f"--overwrite: removed {', '.join(remove_run_files(out)) or 'nothing'}")
     return path
@@ -171,16 +220,25 @@ def resume_changes(saved: dict, cfg, step: int) -> dict:
 
     new = cfg.model_dump()
     policy = resume_policy(type(cfg))
-    bad = [f"{k} {saved[k]!r} -> {new[k]!r} ({why})" for k, (kind, why) in policy.items()
-           if kind == "fixed" and k in saved and saved[k] != new[k]]
+    bad = [
+        f"{k} {saved[k]!r} -> {new[k]!r} ({why})"
+        for k, (kind, why) in policy.items()
+        if kind == "fixed" and k in saved and saved[k] != new[k]
+    ]
     if "ema_rate" in saved and (saved["ema_rate"] > 0) != (new.get("ema_rate", 0) > 0):
-        bad.append(f"ema_rate {saved['ema_rate']!r} -> {new['ema_rate']!r} (the EMA cannot be switched on or off mid-run)")
+        bad.append(
+            f"ema_rate {saved['ema_rate']!r} -> {new['ema_rate']!r} (the EMA cannot be switched on or off mid-run)"
+        )
     if bad:
-        user_error("cannot change on resume: " + "; ".join(bad) + ". Resume with the old values, or start a new run "
-                   "(another --output_dir, or --overwrite true).")
+        user_error(
+            "cannot change on resume: " + "; ".join(bad) + ". Resume with the old values, or start a new run "
+            "(another --output_dir, or --overwrite true)."
+        )
     if cfg.max_steps < step:
-        user_error(f"--max_steps {cfg.max_steps} is below the checkpoint's step {step}; a run cannot be shortened "
-                   f"on resume (resume an earlier checkpoint with --resume PATH, or use max_steps >= {step})")
+        user_error(
+            f"--max_steps {cfg.max_steps} is below the checkpoint's step {step}; a run cannot be shortened "
+            f"on resume (resume an earlier checkpoint with --resume PATH, or use max_steps >= {step})"
+        )
     # an option newer than the checkpoint counts as its default there (the behaviour before the option existed)
     old = {n: f.get_default(call_default_factory=True) for n, f in type(cfg).model_fields.items()} | saved
     return {k: [old.get(k), v] for k, v in new.items() if policy[k][0] == "applied" and old.get(k) != v}
@@ -213,8 +271,10 @@ def _export_paths(output_dir: str) -> list[str]:
 
 def export_files(output_dir: str) -> dict:
     """``{relative path: {"bytes", "sha256"}}`` of every exported file of a run (for ``final.json``)."""
-    return {r: {"bytes": os.path.getsize(os.path.join(output_dir, r)), "sha256": _sha256(os.path.join(output_dir, r))}
-            for r in _export_paths(output_dir)}
+    return {
+        r: {"bytes": os.path.getsize(os.path.join(output_dir, r)), "sha256": _sha256(os.path.join(output_dir, r))}
+        for r in _export_paths(output_dir)
+    }
 
 
 # written next to a run by this repository's tools (training/demo_digits.py, training/eval_digits.py): not exports
@@ -299,8 +359,9 @@ def verify_run(run_dir: str) -> tuple[int, list[str]]:
     files, links, other, unreadable = _scan(run_dir)
     files_set, other_set = set(files), set(other)
     problems = [f"{rel}/: cannot read the folder ({why})" for rel, why in sorted(unreadable.items())]
-    problems += [f"{rel}: a symbolic link (to {t}); not followed (a run writes no links)"
-                 for rel, t in sorted(links.items())]
+    problems += [
+        f"{rel}: a symbolic link (to {t}); not followed (a run writes no links)" for rel, t in sorted(links.items())
+    ]
 
     def under_link(rel):
         parts = rel.split("/")
@@ -337,7 +398,10 @@ def verify_run(run_dir: str) -> tuple[int, list[str]]:
 def verify_main(args: list[str]) -> int:
     """``--verify RUN_DIR``: print what ``verify_run`` found; exit status 0 all intact, 1 damaged, 2 bad usage."""
     if len(args) != 1 or not os.path.isdir(args[0]):
-        print(f"error: --verify needs one run folder{f', {args[0]} is not a folder' if len(args) == 1 else ''}", file=sys.stderr)
+        print(
+            f"error: --verify needs one run folder{f', {args[0]} is not a folder' if len(args) == 1 else ''}",
+            file=sys.stderr,
+        )
         return 2
     n, problems = verify_run(args[0])
     for p in problems:

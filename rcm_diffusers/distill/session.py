@@ -21,8 +21,15 @@ from .checkpoints import read_state
 from .errors import user_error
 from .guards import check_learned, param_checksum
 
-__all__ = ["TrainState", "MetricsWriter", "RunSession", "env_snapshot", "merge_logs", "peak_memory_mb",
-           "EXIT_AFTER_STEP_ENV"]
+__all__ = [
+    "TrainState",
+    "MetricsWriter",
+    "RunSession",
+    "env_snapshot",
+    "merge_logs",
+    "peak_memory_mb",
+    "EXIT_AFTER_STEP_ENV",
+]
 
 #: test aid: hard-exit (``os._exit(17)``) right after this iteration, as if killed (docs/training.md, testing aids)
 EXIT_AFTER_STEP_ENV = "RCM_TEST_EXIT_AFTER_STEP"
@@ -40,8 +47,13 @@ class TrainState:
         self.init_checksum = []  # runs.param_checksum of the student's trainable weights at step 0
 
     def state_dict(self):
-        return {"step": self.step, "skipped": self.skipped, "skipped_steps": self.skipped_steps, "guard": self.guard,
-                "init_checksum": self.init_checksum}
+        return {
+            "step": self.step,
+            "skipped": self.skipped,
+            "skipped_steps": self.skipped_steps,
+            "guard": self.guard,
+            "init_checksum": self.init_checksum,
+        }
 
     def load_state_dict(self, s):
         self.step, self.skipped, self.guard = int(s["step"]), int(s["skipped"]), dict(s["guard"])
@@ -69,7 +81,9 @@ class MetricsWriter:
                     if rec.get("step", -1) < resume_step:
                         keep.append(ln if ln.endswith("\n") else ln + "\n")
             if torn:
-                print(f"warning: {path}: dropped {torn} unreadable line(s) (a write cut off by a kill)", file=sys.stderr)
+                print(
+                    f"warning: {path}: dropped {torn} unreadable line(s) (a write cut off by a kill)", file=sys.stderr
+                )
             with open(path + ".tmp", "w") as f:
                 f.writelines(keep)
             os.replace(path + ".tmp", path)
@@ -86,20 +100,45 @@ def env_snapshot(path: str, cfg, extra: dict | None = None) -> dict:
     import platform
 
     vers = {}
-    for pkg in ("torch", "diffusers", "transformers", "accelerate", "peft", "safetensors", "numpy", "triton", "rcm-diffusers"):
+    for pkg in (
+        "torch",
+        "diffusers",
+        "transformers",
+        "accelerate",
+        "peft",
+        "safetensors",
+        "numpy",
+        "triton",
+        "rcm-diffusers",
+    ):
         try:
             vers[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             pass
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain"], capture_output=True, text=True, timeout=10).stdout.strip())
+        rev = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", here, "status", "--porcelain"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        )
     except Exception:  # noqa: BLE001 - no git is fine
         rev, dirty = "", None
-    snap = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version, "platform": platform.platform(),
-            "argv": sys.argv, "packages": vers, "git_revision": rev, "git_dirty": dirty,
-            "cuda": torch.version.cuda, "config": cfg.model_dump(), **(extra or {})}
+    snap = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": sys.version,
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        "packages": vers,
+        "git_revision": rev,
+        "git_dirty": dirty,
+        "cuda": torch.version.cuda,
+        "config": cfg.model_dump(),
+        **(extra or {}),
+    }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(snap, f, indent=1, default=str)
@@ -122,7 +161,6 @@ def merge_logs(parts: list[dict]) -> dict:
         else:
             out[k] = vals[-1]
     return out
-
 
 
 def peak_memory_mb(device) -> float:
@@ -225,11 +263,14 @@ class RunSession:
                     os.replace(p, p + ".damaged")
                 if path is None:
                     if not cfg.overwrite:
-                        user_error(f"no intact checkpoint in {out} (each failed verification, see above); "
-                                   "--overwrite true starts again from scratch")
+                        user_error(
+                            f"no intact checkpoint in {out} (each failed verification, see above); "
+                            "--overwrite true starts again from scratch"
+                        )
                     gone = RF.remove_run_files(out)
-                    self.acc.print("--overwrite: no intact checkpoint, starting fresh "
-                                   f"(removed {', '.join(gone) or 'nothing'})")
+                    self.acc.print(
+                        f"--overwrite: no intact checkpoint, starting fresh (removed {', '.join(gone) or 'nothing'})"
+                    )
                     break
                 self.acc.print(f"resuming from the newest intact checkpoint {path} (damaged ones renamed *.damaged)")
                 problem = None
@@ -245,7 +286,9 @@ class RunSession:
     def path(self, name: str) -> str:
         return os.path.join(self.cfg.output_dir, name)
 
-    def start(self, checkpointer, student_params, env_extra: dict | None = None, keep_metrics_before: int | None = None):
+    def start(
+        self, checkpointer, student_params, env_extra: dict | None = None, keep_metrics_before: int | None = None
+    ):
         """Load the checkpoint (if resuming), fingerprint the student's initial weights, write ``env.json``, open
         ``metrics.jsonl`` (lines from the resumed step on are dropped; ``keep_metrics_before`` for a fresh run keeps
         nothing by default) and start the tracker."""
@@ -258,19 +301,40 @@ class RunSession:
             checkpointer.load(self.ckpt, verify=False)  # verified by choose_start, matched just above
             acc.print(f"resumed from {self.ckpt} at iteration {state.step}")
             if self.changed:
-                acc.print("settings changed on resume, applied from iteration {}: {}".format(
-                    state.step, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items())))
+                acc.print(
+                    "settings changed on resume, applied from iteration {}: {}".format(
+                        state.step, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items())
+                    )
+                )
             if state.step < cfg.max_steps and self.main and os.path.exists(self.path("final.json")):
                 os.remove(self.path("final.json"))  # unfinished again until its exports are rewritten
         if self.main:
             env_path = self.path("env.json")
-            session = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "resumed_from": self.ckpt,
-                       "start_step": state.step, "changed_on_resume": self.changed, "world_size": acc.num_processes}
-            env_snapshot(env_path, cfg, {"world_size": acc.num_processes, "resumed_from": self.ckpt, "seed": cfg.seed,
-                                         "device": str(acc.device), "changed_on_resume": self.changed, **(env_extra or {}),
-                                         "sessions": RF.env_sessions(env_path, session, self.ckpt is None)})
+            session = {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "argv": sys.argv,
+                "resumed_from": self.ckpt,
+                "start_step": state.step,
+                "changed_on_resume": self.changed,
+                "world_size": acc.num_processes,
+            }
+            env_snapshot(
+                env_path,
+                cfg,
+                {
+                    "world_size": acc.num_processes,
+                    "resumed_from": self.ckpt,
+                    "seed": cfg.seed,
+                    "device": str(acc.device),
+                    "changed_on_resume": self.changed,
+                    **(env_extra or {}),
+                    "sessions": RF.env_sessions(env_path, session, self.ckpt is None),
+                },
+            )
         if self.metrics is None:
-            self.open_metrics(state.step if self.ckpt else (keep_metrics_before if keep_metrics_before is not None else 0))
+            self.open_metrics(
+                state.step if self.ckpt else (keep_metrics_before if keep_metrics_before is not None else 0)
+            )
         if cfg.report_to != "none":
             acc.init_trackers(self.name, config={k: str(v) for k, v in cfg.model_dump().items()})
 
@@ -284,8 +348,13 @@ class RunSession:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        return tqdm(range(self.state.step, cfg.max_steps), initial=self.state.step, total=cfg.max_steps,
-                    disable=not (cfg.progress and self.acc.is_local_main_process), desc=desc)
+        return tqdm(
+            range(self.state.step, cfg.max_steps),
+            initial=self.state.step,
+            total=cfg.max_steps,
+            disable=not (cfg.progress and self.acc.is_local_main_process),
+            desc=desc,
+        )
 
     def end_of_step(self, i: int, record: dict) -> None:
         """After iteration ``i``: ``metrics.jsonl`` (every ``log_every`` and the last), the tracker, the periodic
@@ -322,7 +391,9 @@ class RunSession:
         if len(set(sums)) != 1:
             raise RuntimeError(f"student weights differ across ranks: {sums}")
         check_learned(student_params, self.state.init_checksum, self.state, self.cfg)
-        self.checkpointer.save(self.cfg.output_dir, self.state.step, self.cfg.model_dump(), self.cfg.checkpoints_total_limit)
+        self.checkpointer.save(
+            self.cfg.output_dir, self.state.step, self.cfg.model_dump(), self.cfg.checkpoints_total_limit
+        )
         return sums
 
     def write_final(self, sums: list[float], extra: dict | None = None) -> None:
@@ -333,8 +404,14 @@ class RunSession:
         watchdog.stop_watching_peers()  # the last checkpoint is written; peers may exit once past the barrier below
         if self.main:
             s = self.state
-            final = {"step": s.step, "skipped": s.skipped, "skipped_steps": s.skipped_steps,
-                     "skipped_fraction": s.skipped / max(1, s.step), "student_checksum_per_rank": sums, **(extra or {})}
+            final = {
+                "step": s.step,
+                "skipped": s.skipped,
+                "skipped_steps": s.skipped_steps,
+                "skipped_fraction": s.skipped / max(1, s.step),
+                "student_checksum_per_rank": sums,
+                **(extra or {}),
+            }
             final["files"] = RF.export_files(self.cfg.output_dir)
             final["run_entries"] = RF.run_entries(self.cfg.output_dir)  # logs, checkpoints: --verify accepts them
             write_json(self.path("final.json"), final)

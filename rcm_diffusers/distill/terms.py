@@ -13,16 +13,31 @@ from contextlib import nullcontext
 
 import torch
 
-from . import losses as L
 from .. import rng
-from .alternation import StepPlan
-from .experts import sample_p_G_experts, switch_of
 from ..models import network_timestep
 from ..trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
+from . import losses as L
+from .alternation import StepPlan
+from .experts import sample_p_G_experts, switch_of
 
-__all__ = ["teacher_F", "teacher_x0", "batch_reduce", "needs_jvp", "backward_angles", "StudentBatch", "RegressionTerm",
-           "DMDTerm", "SCMTerm", "DCMTerm", "BoundaryTerm", "student_terms", "run_student_terms", "student_step",
-           "scm_times", "fake_step"]
+__all__ = [
+    "teacher_F",
+    "teacher_x0",
+    "batch_reduce",
+    "needs_jvp",
+    "backward_angles",
+    "StudentBatch",
+    "RegressionTerm",
+    "DMDTerm",
+    "SCMTerm",
+    "DCMTerm",
+    "BoundaryTerm",
+    "student_terms",
+    "run_student_terms",
+    "student_step",
+    "scm_times",
+    "fake_step",
+]
 
 F64 = torch.float64
 
@@ -129,8 +144,15 @@ class DMDTerm(Term):
 
     def loss(self, nets, batch, generator):
         cfg, shape, dev = self.cfg, batch.x0.shape, batch.device
-        G_x0, _ = L.backward_simulation(nets.x0_fn("student", batch.cond), shape, batch.plan.n_sim, shift=cfg.p_D_shift,
-                                        generator=generator, device=dev, fixed_angles=backward_angles(cfg))
+        G_x0, _ = L.backward_simulation(
+            nets.x0_fn("student", batch.cond),
+            shape,
+            batch.plan.n_sim,
+            shift=cfg.p_D_shift,
+            generator=generator,
+            device=dev,
+            fixed_angles=backward_angles(cfg),
+        )
         t_D = sample_p_D(batch.B, cfg.p_D_shift, generator=generator, device=dev)
         eps_D = rng.randn(shape, dtype=F64, generator=generator, device=dev)
         x_t = trigflow_noise(G_x0.detach(), eps_D, t_D)
@@ -138,8 +160,12 @@ class DMDTerm(Term):
             x0_fake = nets.x0("fake", x_t, t_D, batch.cond)
             x0_teach = teacher_x0(nets, x_t, t_D, batch.cond, batch.uncond, cfg.guidance_scale)
         l_dmd, info = L.dmd_loss(G_x0, x0_fake, x0_teach)
-        return l_dmd, {"loss_dmd": float(l_dmd.detach().mean()), "nan_dmd": info["nan"], "dmd_w": info["w"],
-                       "n_sim": batch.plan.n_sim}
+        return l_dmd, {
+            "loss_dmd": float(l_dmd.detach().mean()),
+            "nan_dmd": info["nan"],
+            "dmd_w": info["w"],
+            "n_sim": batch.plan.n_sim,
+        }
 
 
 class SCMTerm(Term):
@@ -157,10 +183,22 @@ class SCMTerm(Term):
         # two experts: every student call of the term (t, and t - h for fd_type 1/2) stays on the expert owning t
         high = None if sw is None else sw.is_high(network_timestep(t_to_r(t), 1000.0, nets.time_input))
         with nullcontext() if sw is None else sw.pinned(high):
-            l_scm, info = L.scm_loss(nets.F_fn("student", batch.cond), x_t, t, F_T, step=batch.plan.student_eff,
-                                     tangent_warmup=cfg.tangent_warmup, fd_type=cfg.fd_type, h=cfg.fd_h)
-        logs = {"loss_scm": float(l_scm.detach().mean()), "nan_scm": info["nan"], "g_norm": info["g_norm"],
-                "warmup_r": info["r"]}
+            l_scm, info = L.scm_loss(
+                nets.F_fn("student", batch.cond),
+                x_t,
+                t,
+                F_T,
+                step=batch.plan.student_eff,
+                tangent_warmup=cfg.tangent_warmup,
+                fd_type=cfg.fd_type,
+                h=cfg.fd_h,
+            )
+        logs = {
+            "loss_scm": float(l_scm.detach().mean()),
+            "nan_scm": info["nan"],
+            "g_norm": info["g_norm"],
+            "warmup_r": info["r"],
+        }
         if high is not None:
             logs["scm_high"] = int(high.sum())
         return l_scm, logs
@@ -181,9 +219,16 @@ class DCMTerm(Term):
         total, skip = cfg.dcm_total_steps, cfg.dcm_skipping_interval_steps
         eps = rng.randn(x0.shape, dtype=F64, generator=generator, device=dev)
         u = rng.rand((batch.B,), dtype=F64, generator=generator, device=dev) * (1.0 - skip / total)
-        l_dcm, info = L.dcm_loss(nets.x0_fn("student", batch.cond),
-                                 lambda x, t: teacher_F(nets, x, t, batch.cond, batch.uncond, cfg.guidance_scale),
-                                 x0, eps, u, total_steps=total, skip=skip, shift=cfg.dcm_timestep_shift)
+        l_dcm, info = L.dcm_loss(
+            nets.x0_fn("student", batch.cond),
+            lambda x, t: teacher_F(nets, x, t, batch.cond, batch.uncond, cfg.guidance_scale),
+            x0,
+            eps,
+            u,
+            total_steps=total,
+            skip=skip,
+            shift=cfg.dcm_timestep_shift,
+        )
         return l_dcm, {"loss_dcm": float(l_dcm.detach().mean()), "nan_dcm": info["nan"], "dcm_t0": info["t0"]}
 
 
@@ -229,8 +274,19 @@ def run_student_terms(terms: list[Term], nets, batch: StudentBatch, generator, b
     return logs
 
 
-def student_step(nets, x0, cond, uncond, plan: StepPlan, cfg, generator, backward, noise_multiplier: float = 1.0,
-                 pairs=None, terms: list[Term] | None = None):
+def student_step(
+    nets,
+    x0,
+    cond,
+    uncond,
+    plan: StepPlan,
+    cfg,
+    generator,
+    backward,
+    noise_multiplier: float = 1.0,
+    pairs=None,
+    terms: list[Term] | None = None,
+):
     """``run_student_terms`` on one batch with ``terms`` (default ``student_terms(cfg)``); ``pairs`` = ``(noise, target,
     cond)`` of ODE pairs feeds the regression term."""
     batch = StudentBatch(x0, cond, uncond, plan, noise_multiplier, pairs)
@@ -244,8 +300,9 @@ def scm_times(switch, B: int, cfg, noise_multiplier: float, generator, device) -
     if switch is None or cfg.expert_sampling == "natural":
         return sample_p_G(B, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=device)
     high = rng.rand((B,), dtype=F64, generator=generator, device=device) < cfg.high_noise_share
-    return sample_p_G_experts(high, switch.boundary_ratio, cfg.P_mean, cfg.P_std, noise_multiplier,
-                              generator=generator, device=device)
+    return sample_p_G_experts(
+        high, switch.boundary_ratio, cfg.P_mean, cfg.P_std, noise_multiplier, generator=generator, device=device
+    )
 
 
 def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, device):
@@ -254,8 +311,15 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
     B = x0_shape[0]
     n = plan.fake_eff % cfg.max_simulation_steps + 1
     with torch.no_grad():
-        G_x0, _ = L.backward_simulation(nets.x0_fn("student", cond), x0_shape, n, shift=cfg.p_D_shift,
-                                        generator=generator, device=device, fixed_angles=backward_angles(cfg))
+        G_x0, _ = L.backward_simulation(
+            nets.x0_fn("student", cond),
+            x0_shape,
+            n,
+            shift=cfg.p_D_shift,
+            generator=generator,
+            device=device,
+            fixed_angles=backward_angles(cfg),
+        )
     t = sample_p_D(B, cfg.p_D_shift, generator=generator, device=device)
     eps = rng.randn(x0_shape, dtype=F64, generator=generator, device=device)
     loss, info = L.fake_score_loss(nets.F_fn("fake", cond), G_x0, t, eps)

@@ -87,8 +87,11 @@ def _gone() -> str | None:
 def _stop(why: str) -> None:
     rank = _state["rank"]
     try:
-        os.write(2, f"error: {why}; stopping {'rank ' + str(rank) if rank is not None else 'this process'} "
-                    f"(pid {os.getpid()}) without writing anything further\n".encode())
+        os.write(
+            2,
+            f"error: {why}; stopping {'rank ' + str(rank) if rank is not None else 'this process'} "
+            f"(pid {os.getpid()}) without writing anything further\n".encode(),
+        )
     except OSError:  # the launcher held the other end of stderr
         pass
     os._exit(1)
@@ -154,8 +157,9 @@ def watch_peers(accelerator) -> None:
     me = (os.environ.get("GROUP_RANK", ""), os.getpid(), _start_time(os.getpid()))
     everyone = gather_object([me])
     _state["rank"] = accelerator.process_index
-    _state["peers"] = {r: (pid, started) for r, (group, pid, started) in enumerate(everyone)
-                       if group == me[0] and pid != me[1]}
+    _state["peers"] = {
+        r: (pid, started) for r, (group, pid, started) in enumerate(everyone) if group == me[0] and pid != me[1]
+    }
 
 
 def stop_watching_peers() -> None:

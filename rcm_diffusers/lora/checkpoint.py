@@ -30,16 +30,38 @@ import torch
 
 from . import rcm_official, turbodiffusion
 
-__all__ = ["UnsafeCheckpointError", "CheckpointReader", "load_state_dict", "load_checkpoint", "unwrap_state_dict",
-           "open_safetensors", "describe", "SafetensorsFile"]
+__all__ = [
+    "UnsafeCheckpointError",
+    "CheckpointReader",
+    "load_state_dict",
+    "load_checkpoint",
+    "unwrap_state_dict",
+    "open_safetensors",
+    "describe",
+    "SafetensorsFile",
+]
 
 NESTED_KEYS = ("ema", "net_ema", "model_ema", "state_dict", "model", "net", "module", "transformer")
-_NESTED_ALIASES = {"ema": ("ema", "net_ema", "model_ema"), "net": ("net", "model", "state_dict"),
-                   "fake_score": ("net_fake_score", "fake_score")}
+_NESTED_ALIASES = {
+    "ema": ("ema", "net_ema", "model_ema"),
+    "net": ("net", "model", "state_dict"),
+    "fake_score": ("net_fake_score", "fake_score"),
+}
 PREFIXES = ("module.", "_orig_mod.", "net.", "model.diffusion_model.", "diffusion_model.", "model.", "transformer.")
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-              "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_ST_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class UnsafeCheckpointError(ValueError):
@@ -53,7 +75,9 @@ def open_safetensors(path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable safetensors file (empty, truncated or not safetensors?): {e}") from e
+        raise ValueError(
+            f"{path} is not a readable safetensors file (empty, truncated or not safetensors?): {e}"
+        ) from e
 
 
 class SafetensorsFile:
@@ -128,10 +152,14 @@ def _model_folder_files(folder: Path) -> list[Path]:
     if len(files) == 1:
         return files
     if not files:
-        raise FileNotFoundError(f"{folder} holds no .safetensors model (expected diffusion_pytorch_model*.safetensors "
-                                "or a transformer/ subfolder)")
-    raise ValueError(f"{folder} holds {len(files)} .safetensors files and no index.json: "
-                     f"{[f.name for f in files[:5]]}; pass one file")
+        raise FileNotFoundError(
+            f"{folder} holds no .safetensors model (expected diffusion_pytorch_model*.safetensors "
+            "or a transformer/ subfolder)"
+        )
+    raise ValueError(
+        f"{folder} holds {len(files)} .safetensors files and no index.json: "
+        f"{[f.name for f in files[:5]]}; pass one file"
+    )
 
 
 def _find_tensor_dict(obj, prefer: str | None) -> dict:
@@ -161,14 +189,14 @@ def _clean_names(raw_keys, prefer: str | None, info: dict) -> dict[str, str]:
     if present:
         info["networks"] = present
     if prefix is not None:
-        names = {k[len(prefix):]: r for k, r in names.items() if k.startswith(prefix)}
+        names = {k[len(prefix) :]: r for k, r in names.items() if k.startswith(prefix)}
         info["network"] = prefix.rstrip(".")
     changed = True
     while changed:
         changed = False
         for p in PREFIXES:
             if names and all(k.startswith(p) for k in names):
-                names = {k[len(p):]: r for k, r in names.items()}
+                names = {k[len(p) :]: r for k, r in names.items()}
                 changed = True
     return names
 
@@ -305,14 +333,17 @@ def in_layout_of(reader, like, arch: str):
     from .keys import detect_format, to_diffusers, to_original
 
     src_fmt, dst_fmt = detect_format(dict.fromkeys(reader.keys())), detect_format(dict.fromkeys(like.keys()))
-    convert = (lambda d: to_original(d, arch, prefix="", source=src_fmt)) if dst_fmt == "original" else (
-        lambda d: to_diffusers(d, arch, prefix="", source=src_fmt))
+    convert = (
+        (lambda d: to_original(d, arch, prefix="", source=src_fmt))
+        if dst_fmt == "original"
+        else (lambda d: to_diffusers(d, arch, prefix="", source=src_fmt))
+    )
     mapping, shapes = {}, {}
     if src_fmt != dst_fmt:
         try:
             for k in reader.keys():
                 out = convert({k: torch.empty(reader.shape(k), device="meta")})
-                (new, t), = out.items()
+                ((new, t),) = out.items()
                 mapping[new] = (k, None)
                 shapes[new] = tuple(t.shape)
         except (ValueError, RuntimeError):  # Flux fused layers: not one tensor at a time
@@ -321,8 +352,12 @@ def in_layout_of(reader, like, arch: str):
         mapping = {k: (k, None) for k in reader.keys()}
         shapes = {k: reader.shape(k) for k in reader.keys()}
     for new, (old, _) in list(mapping.items()):
-        if new in like and rcm_official.is_patch_embedding(new) and shapes[new] != like.shape(new) \
-                and math.prod(shapes[new]) == math.prod(like.shape(new)):
+        if (
+            new in like
+            and rcm_official.is_patch_embedding(new)
+            and shapes[new] != like.shape(new)
+            and math.prod(shapes[new]) == math.prod(like.shape(new))
+        ):
             target = like.shape(new)
             mapping[new] = (old, lambda t, target=target: t.reshape(target))
             shapes[new] = target
@@ -369,11 +404,19 @@ def describe(reader: CheckpointReader) -> dict:
     raw = reader.raw_keys()
     dtypes = Counter(str(reader._raw_dtype(k)).removeprefix("torch.") for k in raw)
     prefixes = Counter(k.split(".", 1)[0] + "." for k in raw if "." in k)
-    out = {"n_tensors": len(reader), "dtypes_stored": dict(dtypes),
-           "top_level_prefixes": dict(prefixes.most_common(6)), **reader.info}
+    out = {
+        "n_tensors": len(reader),
+        "dtypes_stored": dict(dtypes),
+        "top_level_prefixes": dict(prefixes.most_common(6)),
+        **reader.info,
+    }
     out["ema_present"] = "ema" in reader.info.get("networks", []) or any(
-        k.startswith(("net_ema.", "ema.", "model_ema.")) for k in raw)
+        k.startswith(("net_ema.", "ema.", "model_ema.")) for k in raw
+    )
     if "patch_embedding.weight" in reader:
-        out["patch_embedding"] = ("Linear [dim, C*kt*kh*kw] (official rCM / TurboDiffusion form)"
-                                  if len(reader.shape("patch_embedding.weight")) == 2 else "Conv3d")
+        out["patch_embedding"] = (
+            "Linear [dim, C*kt*kh*kw] (official rCM / TurboDiffusion form)"
+            if len(reader.shape("patch_embedding.weight")) == 2
+            else "Conv3d"
+        )
     return out

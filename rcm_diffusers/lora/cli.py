@@ -14,26 +14,40 @@ __all__ = ["main"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rcm-lora", description="LoRA and checkpoint tools for Wan / Flux (rCM).",
+        prog="rcm-lora",
+        description="LoRA and checkpoint tools for Wan / Flux (rCM).",
         epilog="Checkpoints: .safetensors, .pt/.pth (read with weights_only=True) or a diffusers model folder "
-               "(sharded or not). Official rCM dumps, TurboDiffusion int8 files, and LoRAs in diffusers, ComfyUI, "
-               "LightX2V, Kijai and kohya/musubi layouts are read; see docs/lora_formats.md.")
+        "(sharded or not). Official rCM dumps, TurboDiffusion int8 files, and LoRAs in diffusers, ComfyUI, "
+        "LightX2V, Kijai and kohya/musubi layouts are read; see docs/lora_formats.md.",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("convert", help="rewrite a LoRA, or a model checkpoint, in the diffusers or ComfyUI layout")
-    c.add_argument("input", help="LoRA file, a training/rcm.py output folder (two experts: both LoRAs), or model "
-                                 "checkpoint (.safetensors/.pt/.pth/diffusers folder)")
-    c.add_argument("output", help="a .safetensors file (two experts: NAME.safetensors -> NAME_high_noise / NAME_low_noise); "
-                                  "for a model in the diffusers layout, a folder")
-    c.add_argument("--format", choices=("diffusers", "comfyui", "rcm"), required=True,
-                   help="layout to write; rcm (models only): the official rCM .pt (net.*, Linear patch embedding)")
+    c.add_argument(
+        "input",
+        help="LoRA file, a training/rcm.py output folder (two experts: both LoRAs), or model "
+        "checkpoint (.safetensors/.pt/.pth/diffusers folder)",
+    )
+    c.add_argument(
+        "output",
+        help="a .safetensors file (two experts: NAME.safetensors -> NAME_high_noise / NAME_low_noise); "
+        "for a model in the diffusers layout, a folder",
+    )
+    c.add_argument(
+        "--format",
+        choices=("diffusers", "comfyui", "rcm"),
+        required=True,
+        help="layout to write; rcm (models only): the official rCM .pt (net.*, Linear patch embedding)",
+    )
     c.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
     c.add_argument("--config", help="config.json to copy into a diffusers model folder")
     _network(c)
     _overwrite(c)
 
     e = sub.add_parser("extract", help="LoRA from a fine-tuned checkpoint and its base (truncated SVD)")
-    e.add_argument("--finetuned", required=True, help="fine-tuned model: file (.safetensors/.pt/.pth) or diffusers folder")
+    e.add_argument(
+        "--finetuned", required=True, help="fine-tuned model: file (.safetensors/.pt/.pth) or diffusers folder"
+    )
     e.add_argument("--base", required=True, help="the model it was fine-tuned from (file or diffusers folder)")
     e.add_argument("--output", required=True, help="LoRA file to write (.safetensors)")
     g = e.add_mutually_exclusive_group(required=True)
@@ -41,8 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--energy", type=float, help="keep this fraction of sum S^2 per layer, e.g. 0.99")
     e.add_argument("--max-rank", type=int, help="cap on the energy-chosen rank (>= 1)")
     e.add_argument("--format", choices=("diffusers", "comfyui"), default="comfyui", help="layout of the LoRA file")
-    e.add_argument("--nonlinear", choices=("keep", "drop"), default="keep",
-                   help="non-2-D deltas (biases, norms, modulation): keep as full .diff/.diff_b, or drop")
+    e.add_argument(
+        "--nonlinear",
+        choices=("keep", "drop"),
+        default="keep",
+        help="non-2-D deltas (biases, norms, modulation): keep as full .diff/.diff_b, or drop",
+    )
     e.add_argument("--arch", choices=("wan", "flux"), help="architecture, when the key names do not tell")
     e.add_argument("--base-model", default=None, help="base model id stored in the metadata")
     e.add_argument("--report", help="write the per-layer report (JSON) here")
@@ -55,9 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--lora", required=True, help="LoRA file (any supported layout)")
     m.add_argument("--weight", type=float, default=1.0, help="LoRA strength w (finite)")
     m.add_argument("--output", required=True, help="a .safetensors file (comfyui) or a folder (diffusers)")
-    m.add_argument("--layout", choices=("diffusers", "comfyui", "rcm"), default="comfyui",
-                   help="comfyui: one .safetensors in original names; diffusers: a model folder; "
-                        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
+    m.add_argument(
+        "--layout",
+        choices=("diffusers", "comfyui", "rcm"),
+        default="comfyui",
+        help="comfyui: one .safetensors in original names; diffusers: a model folder; "
+        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)",
+    )
     m.add_argument("--config", help="config.json to copy into a diffusers folder")
     m.add_argument("--skip-missing", action="store_true", help="skip (and list) LoRA layers absent from the base")
     _network(m)
@@ -69,9 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--finetuned-base", required=True, help="the model it was fine-tuned from")
     t.add_argument("--weight", type=float, default=1.0, help="delta strength w (finite)")
     t.add_argument("--output", required=True, help="a .safetensors file (comfyui) or a folder (diffusers)")
-    t.add_argument("--layout", choices=("diffusers", "comfyui", "rcm"), default="comfyui",
-                   help="comfyui: one .safetensors in original names; diffusers: a model folder; "
-                        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)")
+    t.add_argument(
+        "--layout",
+        choices=("diffusers", "comfyui", "rcm"),
+        default="comfyui",
+        help="comfyui: one .safetensors in original names; diffusers: a model folder; "
+        "rcm: the official rCM .pt (net.*, Linear patch embedding; held in memory)",
+    )
     t.add_argument("--config", help="config.json to copy into a diffusers folder")
     _overwrite(t)
 
@@ -82,14 +108,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _network(p) -> None:
-    p.add_argument("--network", choices=("ema", "net", "fake_score"), default=None,
-                   help="which network of an official rCM training dump (net./net_ema./net_fake_score.) to take; "
-                        "default ema")
+    p.add_argument(
+        "--network",
+        choices=("ema", "net", "fake_score"),
+        default=None,
+        help="which network of an official rCM training dump (net./net_ema./net_fake_score.) to take; default ema",
+    )
 
 
 def _overwrite(p) -> None:
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing output (never one of the inputs: that is always refused)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output (never one of the inputs: that is always refused)",
+    )
 
 
 def _check_output(out, inputs, overwrite: bool) -> None:
@@ -101,7 +133,9 @@ def _check_output(out, inputs, overwrite: bool) -> None:
             continue
         pi = Path(i).resolve()
         if po == pi or po in pi.parents or (pi.is_dir() and pi in po.parents and po.exists()):
-            raise ValueError(f"{out} would write over the input {i}; choose another output (inputs are never overwritten)")
+            raise ValueError(
+                f"{out} would write over the input {i}; choose another output (inputs are never overwritten)"
+            )
     if po.exists() and not (po.is_dir() and not any(po.iterdir())) and not overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it, or choose another output")
 
@@ -113,14 +147,18 @@ def _cmd_convert(a) -> int:
     from .keys import detect_arch
     from .pipeline import WEIGHT_NAME, expert_lora_files
 
-    if Path(a.input).is_dir() and (Path(a.input) / WEIGHT_NAME).is_file():  # a training/rcm.py output folder (or its ema/)
+    if (
+        Path(a.input).is_dir() and (Path(a.input) / WEIGHT_NAME).is_file()
+    ):  # a training/rcm.py output folder (or its ema/)
         files = expert_lora_files(a.input)
         if len(files) == 1:
             a.input = files["transformer"]
         else:  # two experts: one file each, named as ComfyUI's Wan 2.2 files are (high_noise / low_noise)
             if not a.output.endswith(".safetensors"):
-                raise ValueError(f"{a.input} holds a LoRA per expert: give OUTPUT as NAME.safetensors; "
-                                 "NAME_high_noise.safetensors and NAME_low_noise.safetensors are written")
+                raise ValueError(
+                    f"{a.input} holds a LoRA per expert: give OUTPUT as NAME.safetensors; "
+                    "NAME_high_noise.safetensors and NAME_low_noise.safetensors are written"
+                )
             stem = a.output[: -len(".safetensors")]
             for tag in ("high_noise", "low_noise"):
                 _check_output(f"{stem}_{tag}.safetensors", [a.input], a.overwrite)
@@ -145,10 +183,17 @@ def _cmd_convert(a) -> int:
     # the check inspect warns about and merge refuses (rank >= 1, matching factors, finite values), plus the shapes
     # against the target architecture where it is known: a LoRA that fails it is not written
     check_lora(sd, f"{a.input} (nothing was written)", arch=a.arch or detect_arch(sd))
-    info = save_lora(a.output, sd, a.arch, format=a.format, metadata={k: v for k, v in meta.items()
-                                                                        if k in ("base_model", "made_by")})
-    print(f"wrote {a.output}: {info['n_lora_modules']} LoRA modules, {info['n_full_deltas']} full deltas "
-          f"({a.format}); not applied by the target loader: {len(info['not_applied'])}")
+    info = save_lora(
+        a.output,
+        sd,
+        a.arch,
+        format=a.format,
+        metadata={k: v for k, v in meta.items() if k in ("base_model", "made_by")},
+    )
+    print(
+        f"wrote {a.output}: {info['n_lora_modules']} LoRA modules, {info['n_full_deltas']} full deltas "
+        f"({a.format}); not applied by the target loader: {len(info['not_applied'])}"
+    )
     return 0
 
 
@@ -162,19 +207,31 @@ def _cmd_extract(a) -> int:
         _check_output(a.report, [a.finetuned, a.base], a.overwrite)
     _report_reader(a.finetuned, a.network or ("ema" if a.ema else None))
     t0 = time.perf_counter()
-    sd, report = extract_lora(a.finetuned, a.base, rank=a.rank, energy=a.energy, max_rank=a.max_rank,
-                              nonlinear=a.nonlinear, prefer=a.network or ("ema" if a.ema else None))
+    sd, report = extract_lora(
+        a.finetuned,
+        a.base,
+        rank=a.rank,
+        energy=a.energy,
+        max_rank=a.max_rank,
+        nonlinear=a.nonlinear,
+        prefer=a.network or ("ema" if a.ema else None),
+    )
     dt = time.perf_counter() - t0
-    how = {"made_by": f"rcm-lora extract rank={a.rank} energy={a.energy} max_rank={a.max_rank}",
-           "base_model": a.base_model or str(a.base), "finetuned": str(a.finetuned)}
+    how = {
+        "made_by": f"rcm-lora extract rank={a.rank} energy={a.energy} max_rank={a.max_rank}",
+        "base_model": a.base_model or str(a.base),
+        "finetuned": str(a.finetuned),
+    }
     info = save_lora(a.output, sd, a.arch, format=a.format, metadata=how)
     lora = [r for r in report if r.kind == "lora"]
     worst = max(lora, key=lambda r: r.rel_error) if lora else None
-    print(f"extracted {len(lora)} LoRA layers in {dt:.1f}s; "
-          + (f"worst relative error {worst.rel_error:.3g} ({worst.name}, rank {worst.rank}); " if worst else "")
-          + f"{sum(r.kind in ('diff', 'diff_b') for r in report)} full deltas, "
-          + f"{sum(r.kind == 'dropped' for r in report)} dropped, {sum(r.kind == 'zero' for r in report)} unchanged; "
-          + f"not applied by the target loader: {info['not_applied'][:5]}")
+    print(
+        f"extracted {len(lora)} LoRA layers in {dt:.1f}s; "
+        + (f"worst relative error {worst.rel_error:.3g} ({worst.name}, rank {worst.rank}); " if worst else "")
+        + f"{sum(r.kind in ('diff', 'diff_b') for r in report)} full deltas, "
+        + f"{sum(r.kind == 'dropped' for r in report)} dropped, {sum(r.kind == 'zero' for r in report)} unchanged; "
+        + f"not applied by the target loader: {info['not_applied'][:5]}"
+    )
     if a.report:
         Path(a.report).write_text(json.dumps(report_table(report), indent=1))
     _warn_stock_diffusers_drops(a.output, "lora_A.weight" in lora_modules(sd).get("patch_embedding", {}))
@@ -196,11 +253,17 @@ def _warn_stock_diffusers_drops(path, patch_embedding_pair: bool) -> None:
         return
     dropped = [k.removeprefix("diffusion_model.") for k in sorted(size, key=lambda k: (-size[k], k))]  # largest first
     shown = ", ".join(dropped[:5]) + (f" (+{len(dropped) - 5} more)" if len(dropped) > 5 else "")
-    keeps = "--format diffusers keeps the patch embedding's (as a LoRA pair), " if (
-        patch_embedding_pair and "patch_embedding.diff" in dropped) else ""
-    print(f"rcm-lora extract: warning: stock diffusers (pipe.load_lora_weights) drops {len(dropped)} full delta(s) of "
-          f"{path} with no more than an INFO log: {shown}; {keeps}rcm_diffusers.load_full_lora(pipe, \"{path}\") "
-          "applies every delta of the file", file=sys.stderr)
+    keeps = (
+        "--format diffusers keeps the patch embedding's (as a LoRA pair), "
+        if (patch_embedding_pair and "patch_embedding.diff" in dropped)
+        else ""
+    )
+    print(
+        f"rcm-lora extract: warning: stock diffusers (pipe.load_lora_weights) drops {len(dropped)} full delta(s) of "
+        f'{path} with no more than an INFO log: {shown}; {keeps}rcm_diffusers.load_full_lora(pipe, "{path}") '
+        "applies every delta of the file",
+        file=sys.stderr,
+    )
 
 
 def _load_config(path):
@@ -216,8 +279,10 @@ def _report_reader(path, prefer) -> None:
     if "network" in info:
         notes.append(f"took the {info['network']!r} network of {info['networks']}")
     if info.get("set_aside"):
-        notes.append(f"set aside {len(info['set_aside'])} sparse-linear-attention key(s) that a diffusers/ComfyUI "
-                     f"Wan has no layer for (e.g. {info['set_aside'][0]})")
+        notes.append(
+            f"set aside {len(info['set_aside'])} sparse-linear-attention key(s) that a diffusers/ComfyUI "
+            f"Wan has no layer for (e.g. {info['set_aside'][0]})"
+        )
     if info.get("dequantized_int8"):
         notes.append(f"dequantized {info['dequantized_int8']} int8 Linear(s)")
     if notes:
@@ -231,9 +296,16 @@ def _cmd_merge(a) -> int:
     _check_output(a.output, [a.base, a.lora], a.overwrite)
     _report_reader(a.base, a.network)
     lora, _ = load_lora(a.lora)
-    out, skipped = merge_lora_to(a.output, a.base, lora, a.weight, a.layout,
-                                 on_missing="skip" if a.skip_missing else "error", config=_load_config(a.config),
-                                 prefer=a.network)
+    out, skipped = merge_lora_to(
+        a.output,
+        a.base,
+        lora,
+        a.weight,
+        a.layout,
+        on_missing="skip" if a.skip_missing else "error",
+        config=_load_config(a.config),
+        prefer=a.network,
+    )
     print(f"wrote {out} ({a.layout}); skipped: {skipped}")
     return 0
 
@@ -244,8 +316,9 @@ def _cmd_transfer(a) -> int:
     _check_output(a.output, [a.base, a.finetuned, a.finetuned_base], a.overwrite)
     for p in (a.base, a.finetuned, a.finetuned_base):
         _report_reader(p, None)
-    out, untouched = merge_delta_to(a.output, a.base, a.finetuned, a.finetuned_base, a.weight, a.layout,
-                                    config=_load_config(a.config))
+    out, untouched = merge_delta_to(
+        a.output, a.base, a.finetuned, a.finetuned_base, a.weight, a.layout, config=_load_config(a.config)
+    )
     print(f"wrote {out} ({a.layout}); {len(untouched)} base parameters untouched: {untouched[:10]}")
     return 0
 
@@ -263,8 +336,13 @@ def _cmd_inspect(a) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run ``rcm-lora``; returns the exit status (2 with a one-line message on bad input)."""
     a = _parser().parse_args(argv)
-    cmd = {"convert": _cmd_convert, "extract": _cmd_extract, "merge": _cmd_merge, "transfer": _cmd_transfer,
-           "inspect": _cmd_inspect}[a.cmd]
+    cmd = {
+        "convert": _cmd_convert,
+        "extract": _cmd_extract,
+        "merge": _cmd_merge,
+        "transfer": _cmd_transfer,
+        "inspect": _cmd_inspect,
+    }[a.cmd]
     try:
         return cmd(a)
     except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:

@@ -28,7 +28,8 @@ def lora_layout(keys) -> str:
     if detect_format(dict.fromkeys(keys)) == "original":
         kijai = any(k.endswith(".modulation.diff") for k in keys)
         return "ComfyUI / original Wan-Flux names (diffusion_model.*)" + (
-            "; modulation deltas as .modulation.diff (Kijai-standardized)" if kijai else "")
+            "; modulation deltas as .modulation.diff (Kijai-standardized)" if kijai else ""
+        )
     return "diffusers/peft (transformer.*, lora_A/lora_B)"
 
 
@@ -65,9 +66,12 @@ def inspect_file(path, prefer: str | None = None) -> dict:
     if len(reader.info.get("networks", [])) >= 2:
         out["layout"] = "official rCM training dump (net./net_ema./net_fake_score.)"
     elif reader.info.get("dequantized_int8") or reader.info.get("set_aside"):
-        out["layout"] = "TurboDiffusion (original Wan names" + (", int8 block-quantized Linears" if
-                                                               reader.info.get("dequantized_int8") else "") + \
-                        (", SLA projections" if reader.info.get("set_aside") else "") + ")"
+        out["layout"] = (
+            "TurboDiffusion (original Wan names"
+            + (", int8 block-quantized Linears" if reader.info.get("dequantized_int8") else "")
+            + (", SLA projections" if reader.info.get("set_aside") else "")
+            + ")"
+        )
     elif fmt == "original" and "net" in reader.info.get("networks", []):
         out["layout"] = "official rCM (net.*, e.g. dcp_to_pth output)"
     else:

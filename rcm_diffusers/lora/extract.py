@@ -71,10 +71,20 @@ def _diff_key(name: str) -> tuple[str, str]:
     return name, "diff"
 
 
-def extract_lora(finetuned, base, rank: int | None = None, energy: float | None = None,
-                 max_rank: int | None = None, nonlinear: str = "keep", dtype: torch.dtype | None = None,
-                 device: str = "cpu", progress: bool = True, prefer: str | None = None,
-                 oversample: int = 8, niter: int = 2):
+def extract_lora(
+    finetuned,
+    base,
+    rank: int | None = None,
+    energy: float | None = None,
+    max_rank: int | None = None,
+    nonlinear: str = "keep",
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+    prefer: str | None = None,
+    oversample: int = 8,
+    niter: int = 2,
+):
     """LoRA (+ full diffs) of ``finetuned - base``; returns ``(state_dict, [LayerReport])``.
 
     Inputs are dicts or checkpoint paths in the same layout (either naming); the result uses

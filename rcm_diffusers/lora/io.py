@@ -10,13 +10,13 @@ header entry ``rcm_lora``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
 import os
 import re
-import contextlib
-import functools
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -27,9 +27,20 @@ from safetensors.torch import load_file, save_file
 
 from .keys import comfyui_file_forms, detect_arch, from_any, lora_modules, to_comfy_keys
 
-__all__ = ["FORMATS", "save_lora", "load_lora", "lora_problems", "architecture_problems", "check_lora", "read_metadata",
-           "diffusers_loadable", "dropped_by_stock_diffusers", "atomic_save_safetensors", "stream_safetensors",
-           "not_applied_by_comfyui"]
+__all__ = [
+    "FORMATS",
+    "save_lora",
+    "load_lora",
+    "lora_problems",
+    "architecture_problems",
+    "check_lora",
+    "read_metadata",
+    "diffusers_loadable",
+    "dropped_by_stock_diffusers",
+    "atomic_save_safetensors",
+    "stream_safetensors",
+    "not_applied_by_comfyui",
+]
 
 logger = logging.getLogger(__name__)
 FORMATS = ("diffusers", "comfyui")
@@ -69,12 +80,25 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path, metadata: di
     return path
 
 
-_ST_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_ST_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
-def stream_safetensors(path, specs: list[tuple[str, tuple, torch.dtype]], tensors, metadata: dict | None = None) -> Path:
+def stream_safetensors(
+    path, specs: list[tuple[str, tuple, torch.dtype]], tensors, metadata: dict | None = None
+) -> Path:
     """Write a safetensors file tensor by tensor: header from ``specs`` first, then each tensor's bytes.
 
     ``specs`` lists ``(name, shape, dtype)`` in file order; ``tensors`` yields ``(name, tensor)`` in
@@ -103,8 +127,10 @@ def stream_safetensors(path, specs: list[tuple[str, tuple, torch.dtype]], tensor
             for name, shape, dtype in specs:
                 got_name, t = next(it)
                 if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                    raise RuntimeError(f"stream_safetensors: expected {name} {tuple(shape)} {dtype}, "
-                                       f"got {got_name} {tuple(t.shape)} {t.dtype}")
+                    raise RuntimeError(
+                        f"stream_safetensors: expected {name} {tuple(shape)} {dtype}, "
+                        f"got {got_name} {tuple(t.shape)} {t.dtype}"
+                    )
                 f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return path
 
@@ -148,7 +174,9 @@ def dropped_by_stock_diffusers(keys) -> list[str]:
     converter drops them with an INFO (norms: DEBUG) log; ``rcm_diffusers.load_full_lora`` applies them."""
     keys = list(keys)
     paired = {k.rsplit(".", 2)[0] for k in keys if k.endswith((".lora_down.weight", ".lora_A.weight"))}
-    return sorted(k for k in keys if k.endswith(".diff") or (k.endswith(".diff_b") and k[: -len(".diff_b")] not in paired))
+    return sorted(
+        k for k in keys if k.endswith(".diff") or (k.endswith(".diff_b") and k[: -len(".diff_b")] not in paired)
+    )
 
 
 def diffusers_loadable(state_dict, arch: str | None = None):
@@ -195,8 +223,9 @@ def diffusers_loadable(state_dict, arch: str | None = None):
     return tensors, meta, sorted(not_applied)
 
 
-def save_lora(path, state_dict, arch: str | None = None, format: str = "diffusers",
-              metadata: dict | None = None) -> dict:
+def save_lora(
+    path, state_dict, arch: str | None = None, format: str = "diffusers", metadata: dict | None = None
+) -> dict:
     """Write a LoRA (any input layout) as ``format`` to ``path`` atomically; returns the header summary.
 
     ``metadata`` (e.g. ``{"base_model": ..., "made_by": ...}``) is stored in the ``rcm_lora``
@@ -215,13 +244,19 @@ def save_lora(path, state_dict, arch: str | None = None, format: str = "diffuser
     else:
         tensors, adapter_meta, not_applied = diffusers_loadable(state_dict, arch)
         if adapter_meta is not None:
-            header[DIFFUSERS_METADATA_KEY] = json.dumps({f"transformer.{k}": v for k, v in adapter_meta.items()},
-                                                        sort_keys=True)
+            header[DIFFUSERS_METADATA_KEY] = json.dumps(
+                {f"transformer.{k}": v for k, v in adapter_meta.items()}, sort_keys=True
+            )
         note = "dropped; peft/diffusers cannot load them (use format='comfyui' or merge)"
     if not_applied:
         logger.warning("%d delta(s) %s: %s", len(not_applied), note, ", ".join(not_applied[:10]))
-    summary = {"arch": arch, "format": format, **_summary(from_any(state_dict, arch)),
-               "not_applied": not_applied, **(metadata or {})}
+    summary = {
+        "arch": arch,
+        "format": format,
+        **_summary(from_any(state_dict, arch)),
+        "not_applied": not_applied,
+        **(metadata or {}),
+    }
     header[METADATA_KEY] = json.dumps(summary, sort_keys=True, default=str)
     atomic_save_safetensors(tensors, path, header)
     return summary
@@ -243,13 +278,17 @@ def lora_problems(state_dict, arch: str | None = None) -> list[str]:
             problems.append(f"{target}: lora_A without lora_B (or the reverse); the LoRA file is incomplete")
             continue
         if A.dim() < 2 or B.dim() < 2 or any(d != 1 for d in B.shape[2:]):
-            problems.append(f"{target}: wrong shapes, lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} must be "
-                            "matrices [rank, in] and [out, rank]")
+            problems.append(
+                f"{target}: wrong shapes, lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} must be "
+                "matrices [rank, in] and [out, rank]"
+            )
         elif A.shape[0] == 0 or B.shape[1] == 0:
             problems.append(f"{target}: rank 0 (lora_A {tuple(A.shape)}, lora_B {tuple(B.shape)}): the LoRA is empty")
         elif A.shape[0] != B.shape[1]:
-            problems.append(f"{target}: rank mismatch, lora_A {tuple(A.shape)} has rank {A.shape[0]} but "
-                            f"lora_B {tuple(B.shape)} has {B.shape[1]}")
+            problems.append(
+                f"{target}: rank mismatch, lora_A {tuple(A.shape)} has rank {A.shape[0]} but "
+                f"lora_B {tuple(B.shape)} has {B.shape[1]}"
+            )
         if "alpha" in g and (g["alpha"].numel() != 1 or not math.isfinite(float(g["alpha"].reshape(-1)[0]))):
             problems.append(f"{target}: alpha {tuple(g['alpha'].shape)} is not one finite number")
     if arch is not None and not problems:
@@ -305,7 +344,9 @@ def architecture_problems(state_dict, arch: str) -> list[str]:
         except (AttributeError, TypeError, ValueError):  # a diffusers without this class or these config keys
             continue
         weights = [shapes.get(f"{t}.weight", shapes.get(f"{t}.scale", shapes.get(t))) for t in groups]
-        if any(w is None for w in weights) or not all(_fits_in_one_dimension(g, w) for g, w in zip(groups.values(), weights)):
+        if any(w is None for w in weights) or not all(
+            _fits_in_one_dimension(g, w) for g, w in zip(groups.values(), weights)
+        ):
             continue
         problems = model_mismatches(state_dict, shapes)
         if not problems:

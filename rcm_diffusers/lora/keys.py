@@ -117,7 +117,7 @@ def _strip_prefix(key: str) -> str:
     key = _outside_names(key)
     for p in _PREFIXES:
         if key.startswith(p):
-            return key[len(p):]
+            return key[len(p) :]
     return key
 
 
@@ -129,23 +129,57 @@ def _split(key: str) -> tuple[str, str]:
     return key, ""
 
 
-_FLUX_MARKERS = ("double_blocks.", "single_blocks.", "transformer_blocks.", "single_transformer_blocks.",
-                 "final_layer.", "img_in.", "x_embedder.")
-_ORIGINAL_MARKERS = ("self_attn.", "cross_attn.", "double_blocks.", "single_blocks.", "head.head", "ffn.0.",
-                     "ffn.2.", "final_layer.", "img_in.", "txt_in.", "time_embedding.", "text_embedding.",
-                     ".modulation", "time_projection.", "img_emb.", ".norm3.")
-_DIFFUSERS_MARKERS = ("attn1.", "attn2.", "transformer_blocks.", "single_transformer_blocks.", "ffn.net.",
-                      "condition_embedder.", "proj_out.", "scale_shift_table", "x_embedder.", "time_text_embed.",
-                      "context_embedder.", "norm_out.")
+_FLUX_MARKERS = (
+    "double_blocks.",
+    "single_blocks.",
+    "transformer_blocks.",
+    "single_transformer_blocks.",
+    "final_layer.",
+    "img_in.",
+    "x_embedder.",
+)
+_ORIGINAL_MARKERS = (
+    "self_attn.",
+    "cross_attn.",
+    "double_blocks.",
+    "single_blocks.",
+    "head.head",
+    "ffn.0.",
+    "ffn.2.",
+    "final_layer.",
+    "img_in.",
+    "txt_in.",
+    "time_embedding.",
+    "text_embedding.",
+    ".modulation",
+    "time_projection.",
+    "img_emb.",
+    ".norm3.",
+)
+_DIFFUSERS_MARKERS = (
+    "attn1.",
+    "attn2.",
+    "transformer_blocks.",
+    "single_transformer_blocks.",
+    "ffn.net.",
+    "condition_embedder.",
+    "proj_out.",
+    "scale_shift_table",
+    "x_embedder.",
+    "time_text_embed.",
+    "context_embedder.",
+    "norm_out.",
+)
 
 
 def detect_arch(state_dict) -> str:
-    """"flux" or "wan" from the key names (any supported layout); ValueError if neither."""
+    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither."""
     keys = [_strip_prefix(k) for k in state_dict]
     if any(k.startswith(_FLUX_MARKERS) for k in keys):
         return "flux"
-    if any(k.startswith(("blocks.", "head.", "patch_embedding", "condition_embedder.", "scale_shift_table"))
-           for k in keys):
+    if any(
+        k.startswith(("blocks.", "head.", "patch_embedding", "condition_embedder.", "scale_shift_table")) for k in keys
+    ):
         return "wan"
     raise ValueError(
         "cannot tell the architecture (Wan or Flux) from these keys: "
@@ -154,7 +188,7 @@ def detect_arch(state_dict) -> str:
 
 
 def detect_format(state_dict) -> str:
-    """"diffusers" or "original" (= ComfyUI) naming, from prefixes and layer names."""
+    """ "diffusers" or "original" (= ComfyUI) naming, from prefixes and layer names."""
     keys = [_outside_names(k) for k in state_dict]
     if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
         return "original"
@@ -251,14 +285,13 @@ def _fuse(members: list[str], groups: dict, fused_name: str, hidden: int) -> dic
             n = sizes[members.index(m)]
             if Bm.shape[0] != n:
                 raise ValueError(f"{m}.lora_B.weight has {Bm.shape[0]} rows; the fused {fused_name} slice has {n}")
-            B[row[m]: row[m] + n, col: col + r] = Bm if same else Bm * s
+            B[row[m] : row[m] + n, col : col + r] = Bm if same else Bm * s
             col += r
         out["lora_A.weight"] = A
         out["lora_B.weight"] = B
         if has_alpha or not same:
             out["alpha"] = _alpha_like(groups[lora_members[0]].get("alpha"), (scales[0] if same else 1.0) * rank)
     return out
-
 
 
 def _map_group(target: str, group: dict, arch: str, direction: str):
@@ -279,8 +312,14 @@ def _map_group(target: str, group: dict, arch: str, direction: str):
         g = {(new if k == old else k): v for k, v in g.items()}
     return new_t, g
 
-def to_original(state_dict, arch: str | None = None, prefix: str = "diffusion_model.",
-                lora_names: tuple[str, str] = ("lora_down", "lora_up"), source: str | None = None) -> dict[str, torch.Tensor]:
+
+def to_original(
+    state_dict,
+    arch: str | None = None,
+    prefix: str = "diffusion_model.",
+    lora_names: tuple[str, str] = ("lora_down", "lora_up"),
+    source: str | None = None,
+) -> dict[str, torch.Tensor]:
     """Any-layout dict -> original/ComfyUI names (``prefix`` + target + suffix); exact and lossless.
 
     ``source`` ("diffusers"/"original") skips the naming detection (for parts of a model).
@@ -348,7 +387,7 @@ def _split_fused_lora(group: dict, sizes: list[int]) -> list[dict | None]:
     s = _scale(group)
     has_alpha = "alpha" in group
     starts = [sum(sizes[:j]) for j in range(len(sizes))]
-    blocks = [B[st: st + n] for st, n in zip(starts, sizes)]
+    blocks = [B[st : st + n] for st, n in zip(starts, sizes)]
     cols = [torch.nonzero(b.abs().sum(0)).flatten() for b in blocks]
     sets = [set(c.tolist()) for c in cols]
     disjoint = all(not (sets[a] & sets[b]) for a in range(len(sets)) for b in range(a + 1, len(sets)))
@@ -369,8 +408,9 @@ def _split_fused_lora(group: dict, sizes: list[int]) -> list[dict | None]:
     return out
 
 
-def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer.",
-                 source: str | None = None) -> dict[str, torch.Tensor]:
+def to_diffusers(
+    state_dict, arch: str | None = None, prefix: str = "transformer.", source: str | None = None
+) -> dict[str, torch.Tensor]:
     """Any-layout dict -> diffusers names (``prefix`` + target + suffix, lora_A/lora_B); exact.
 
     ``source`` ("diffusers"/"original") skips the naming detection (for parts of a model).
@@ -400,7 +440,9 @@ def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer
                 if k in group and group[k].dim() == 2:
                     hidden = group[k].shape[1]
                     break
-            rows = next(v.shape[0] for k, v in group.items() if k in ("lora_B.weight", "weight", "diff", "bias", "diff_b"))
+            rows = next(
+                v.shape[0] for k, v in group.items() if k in ("lora_B.weight", "weight", "diff", "bias", "diff_b")
+            )
             if hidden is None:
                 hidden = int(rows // (3 + FLUX_MLP_RATIO)) if len(fused) == 4 else rows // 3
             sizes = [hidden] * 3 + ([rows - 3 * hidden] if len(fused) == 4 else [])
@@ -410,7 +452,7 @@ def to_diffusers(state_dict, arch: str | None = None, prefix: str = "transformer
             for k, v in group.items():
                 if k in ("weight", "bias", "diff", "diff_b"):
                     for mt, st, n in zip(fused, starts, sizes):
-                        out_groups[mt][k] = v[st: st + n].clone()
+                        out_groups[mt][k] = v[st : st + n].clone()
                 elif k not in ("lora_A.weight", "lora_B.weight", "alpha"):
                     unmatched.append(f"{target}.{k}")
             if "lora_A.weight" in group:
@@ -585,7 +627,7 @@ def model_mismatches(state_dict, model_state_dict, prefix: str = "") -> list[str
     shapes = {}
     for k, v in model_state_dict.items():
         if k.startswith(prefix):
-            k = k[len(prefix):]
+            k = k[len(prefix) :]
         shapes[_strip_prefix(k)] = tuple(v.shape) if hasattr(v, "shape") else tuple(v)
     problems = []
     for target, g in _group(state_dict).items():

@@ -54,7 +54,7 @@ def kohya_to_original(key: str) -> str:
     """
     if not is_kohya_key(key):
         return key
-    body = key[len(PREFIX):].lstrip("_")  # Wan-Fun: lora_unet__blocks_...
+    body = key[len(PREFIX) :].lstrip("_")  # Wan-Fun: lora_unet__blocks_...
     name, dot, rest = body.partition(".")
     module = _module(name)
     if module is None:

@@ -24,8 +24,17 @@ from .io import atomic_target, check_lora, stream_safetensors
 from .keys import _FUSED_FROM, _split, detect_arch, detect_format, lora_modules, to_diffusers, to_original
 from .rcm_official import is_patch_embedding
 
-__all__ = ["merge_lora", "merge_delta", "merge_experts", "save_model", "merge_lora_to", "merge_delta_to",
-           "LoraDelta", "DeltaTransfer", "convert_checkpoint"]
+__all__ = [
+    "merge_lora",
+    "merge_delta",
+    "merge_experts",
+    "save_model",
+    "merge_lora_to",
+    "merge_delta_to",
+    "LoraDelta",
+    "DeltaTransfer",
+    "convert_checkpoint",
+]
 
 DEFAULT_MAX_SHARD = 10 * 2**30  # diffusers' default max_shard_size, "10GB"
 
@@ -60,7 +69,9 @@ class LoraDelta:
     shape; ``skipped`` lists those skipped with ``on_missing="skip"``.
     """
 
-    def __init__(self, lora: dict, shapes: dict, weight: float = 1.0, arch: str | None = None, on_missing: str = "error"):
+    def __init__(
+        self, lora: dict, shapes: dict, weight: float = 1.0, arch: str | None = None, on_missing: str = "error"
+    ):
         self.weight = _check_weight(weight)
         arch = arch or detect_arch(dict.fromkeys(shapes))
         if detect_arch(lora) != arch:
@@ -76,7 +87,9 @@ class LoraDelta:
                 if key not in shapes:
                     problems.append(f"{target}: not in the base model")
                 elif (B.shape[0], math.prod(A.shape[1:])) != (shapes[key][0], math.prod(shapes[key][1:])):
-                    problems.append(f"{target}: LoRA {(B.shape[0], math.prod(A.shape[1:]))} vs weight {tuple(shapes[key])}")
+                    problems.append(
+                        f"{target}: LoRA {(B.shape[0], math.prod(A.shape[1:]))} vs weight {tuple(shapes[key])}"
+                    )
                 else:
                     scale = float(g["alpha"]) / A.shape[0] if "alpha" in g else 1.0
                     self.by_key.setdefault(key, []).append(("lora", scale, A, B))
@@ -143,8 +156,9 @@ class DeltaTransfer:
         return w
 
 
-def merge_lora(base: dict, lora: dict, weight: float = 1.0, arch: str | None = None,
-               on_missing: str = "error") -> tuple[dict, list[str]]:
+def merge_lora(
+    base: dict, lora: dict, weight: float = 1.0, arch: str | None = None, on_missing: str = "error"
+) -> tuple[dict, list[str]]:
     """``base`` + ``weight`` * (LoRA ``alpha/r B A``, ``diff``, ``diff_b``) as a new dict; base dtype kept.
 
     ``lora`` may use either naming; it is renamed to the base's. ``on_missing="error"`` raises
@@ -173,13 +187,16 @@ def _transfer(b, finetuned, finetuned_base, weight) -> DeltaTransfer:
     ft = in_layout_of(CheckpointReader(finetuned), b, arch)
     fb = in_layout_of(CheckpointReader(finetuned_base), b, arch)
     if not set(ft.keys()) & set(b.keys()):
-        raise ValueError("no parameter names in common between the base and the fine-tuned checkpoint "
-                         f"(e.g. {list(ft.keys())[:3]} vs {list(b.keys())[:3]})")
+        raise ValueError(
+            "no parameter names in common between the base and the fine-tuned checkpoint "
+            f"(e.g. {list(ft.keys())[:3]} vs {list(b.keys())[:3]})"
+        )
     return DeltaTransfer(ft, fb, weight)
 
 
-def merge_experts(bases: dict[str, dict], deltas: dict[str, dict], weight: float = 1.0,
-                  arch: str = "wan") -> dict[str, dict]:
+def merge_experts(
+    bases: dict[str, dict], deltas: dict[str, dict], weight: float = 1.0, arch: str = "wan"
+) -> dict[str, dict]:
     """Wan 2.2 A14B: merge one LoRA per expert (``{"transformer": ..., "transformer_2": ...}``).
 
     A single LoRA dict holding ``transformer.`` and ``transformer_2.`` keys may be passed under
@@ -190,7 +207,7 @@ def merge_experts(bases: dict[str, dict], deltas: dict[str, dict], weight: float
         d = deltas.get(name)
         if d is None:
             raise ValueError(f"no delta for expert {name!r}; got {sorted(deltas)}")
-        own = {k[len(name) + 1:]: v for k, v in d.items() if k.startswith(name + ".")}
+        own = {k[len(name) + 1 :]: v for k, v in d.items() if k.startswith(name + ".")}
         out[name] = merge_lora(base, own or d, weight, arch)[0]
     return out
 
@@ -222,8 +239,9 @@ def _convert(sd: dict, arch: str, layout: str, source: str) -> dict:
     return to_diffusers(sd, arch, prefix="", source=source)
 
 
-def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None, max_shard_size: int,
-                    progress: bool) -> Path:
+def _write_streamed(
+    reader, fn, out, layout: str, arch: str, config: dict | None, max_shard_size: int, progress: bool
+) -> Path:
     """Apply ``fn(key, tensor)`` to every tensor of ``reader`` and write ``layout`` output, one unit at a time."""
     if layout not in ("diffusers", "comfyui", "rcm"):
         raise ValueError(f"layout must be 'diffusers', 'comfyui' or 'rcm', got {layout!r}")
@@ -235,8 +253,12 @@ def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None
     units = _units(keys, arch, src_format, layout)
     specs = []
     for unit in units:  # output names/shapes from a conversion of meta tensors
-        meta = _convert({k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in unit},
-                        arch, layout, src_format)
+        meta = _convert(
+            {k: torch.empty(reader.shape(k), dtype=reader.dtype(k), device="meta") for k in unit},
+            arch,
+            layout,
+            src_format,
+        )
         specs += [(n, tuple(t.shape), t.dtype) for n, t in meta.items()]
 
     def tensors():
@@ -245,7 +267,9 @@ def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None
 
     if layout == "comfyui":
         if out.suffix != ".safetensors":
-            raise ValueError(f"a ComfyUI model is one .safetensors file; got {out} (use --layout diffusers for a folder)")
+            raise ValueError(
+                f"a ComfyUI model is one .safetensors file; got {out} (use --layout diffusers for a folder)"
+            )
         return stream_safetensors(out, specs, tensors(), {"format": "pt"})
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; a diffusers model is a folder (use --layout comfyui for one file)")
@@ -269,8 +293,10 @@ def _write_streamed(reader, fn, out, layout: str, arch: str, config: dict | None
             stream_safetensors(out / name, shard, it, {"format": "pt"})
             weight_map.update({s[0]: name for s in shard})
         total = sum(math.prod(s[1]) * torch.empty((), dtype=s[2]).element_size() for s in specs)
-        _atomic_text(out / f"{base}.safetensors.index.json",
-                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        _atomic_text(
+            out / f"{base}.safetensors.index.json",
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
+        )
     if config is not None:
         _atomic_text(out / "config.json", json.dumps(dict(config), indent=2, sort_keys=True, default=str))
     return out
@@ -288,8 +314,9 @@ def _write_rcm(reader, fn, out: Path, arch: str, src_format: str, progress: bool
     if out.is_dir():
         raise ValueError(f"{out} is a folder; give a file name such as {out / 'model.pt'}")
     sd = {}
-    for unit in tqdm(_units(reader.keys(), arch, src_format, "comfyui"), desc="merge", disable=not progress,
-                     unit="layer"):
+    for unit in tqdm(
+        _units(reader.keys(), arch, src_format, "comfyui"), desc="merge", disable=not progress, unit="layer"
+    ):
         for k, v in _convert({k: fn(k, reader[k]) for k in unit}, arch, "comfyui", src_format).items():
             sd["net." + k] = patch_embedding_to_linear(v) if k == "patch_embedding.weight" else v
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,9 +330,18 @@ def _atomic_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def merge_lora_to(out, base, lora: dict, weight: float = 1.0, layout: str = "comfyui", on_missing: str = "error",
-                  config: dict | None = None, prefer: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
-                  progress: bool = True) -> tuple[Path, list[str]]:
+def merge_lora_to(
+    out,
+    base,
+    lora: dict,
+    weight: float = 1.0,
+    layout: str = "comfyui",
+    on_missing: str = "error",
+    config: dict | None = None,
+    prefer: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    progress: bool = True,
+) -> tuple[Path, list[str]]:
     """Stream ``base`` (file, folder or dict) + ``weight`` * LoRA to ``out``; returns ``(path, skipped)``."""
     reader = CheckpointReader(base, prefer)
     arch = detect_arch(dict.fromkeys(reader.keys()))
@@ -313,9 +349,18 @@ def merge_lora_to(out, base, lora: dict, weight: float = 1.0, layout: str = "com
     return _write_streamed(reader, delta, out, layout, arch, config, max_shard_size, progress), delta.skipped
 
 
-def merge_delta_to(out, base, finetuned, finetuned_base, weight: float = 1.0, layout: str = "comfyui",
-                   config: dict | None = None, prefer: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
-                   progress: bool = True) -> tuple[Path, list[str]]:
+def merge_delta_to(
+    out,
+    base,
+    finetuned,
+    finetuned_base,
+    weight: float = 1.0,
+    layout: str = "comfyui",
+    config: dict | None = None,
+    prefer: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    progress: bool = True,
+) -> tuple[Path, list[str]]:
     """Stream ``base + weight * (finetuned - finetuned_base)`` to ``out``; returns ``(path, untouched)``."""
     reader = CheckpointReader(base, prefer)
     arch = detect_arch(dict.fromkeys(reader.keys()))
@@ -324,18 +369,28 @@ def merge_delta_to(out, base, finetuned, finetuned_base, weight: float = 1.0, la
     return path, transfer.untouched
 
 
-def convert_checkpoint(src, out, layout: str = "diffusers", config: dict | None = None, arch: str | None = None,
-                       prefer: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD, progress: bool = True) -> Path:
+def convert_checkpoint(
+    src,
+    out,
+    layout: str = "diffusers",
+    config: dict | None = None,
+    arch: str | None = None,
+    prefer: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    progress: bool = True,
+) -> Path:
     """A model checkpoint (any readable layout) rewritten as a diffusers folder or a ComfyUI file, streamed."""
     reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, prefer)
     arch = arch or detect_arch(dict.fromkeys(reader.keys()))
     return _write_streamed(reader, lambda k, v: v, out, layout, arch, config, max_shard_size, progress)
 
 
-def save_model(state_dict: dict, out, layout: str = "diffusers", arch: str | None = None,
-               config: dict | None = None) -> Path:
+def save_model(
+    state_dict: dict, out, layout: str = "diffusers", arch: str | None = None, config: dict | None = None
+) -> Path:
     """Write a diffusers model folder (``diffusion_pytorch_model.safetensors`` + ``config.json``)
     or a ComfyUI single file (original names); atomic. ``state_dict`` may use either naming."""
     arch = arch or detect_arch(state_dict)
-    return _write_streamed(CheckpointReader(state_dict), lambda k, v: v, out, layout, arch, config,
-                           DEFAULT_MAX_SHARD, progress=False)
+    return _write_streamed(
+        CheckpointReader(state_dict), lambda k, v: v, out, layout, arch, config, DEFAULT_MAX_SHARD, progress=False
+    )

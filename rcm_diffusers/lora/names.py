@@ -81,12 +81,26 @@ FLUX_SCALE_NORMS = {d for d, o in FLUX_PAIRS if o.endswith(("query_norm", "key_n
 FLUX_SWAP_ROWS = {"norm_out.linear"}
 # fused original module <- diffusers members, in row order; None size = hidden (in_features)
 FLUX_FUSED = [
-    ("double_blocks.{i}.img_attn.qkv", ["transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k",
-                                        "transformer_blocks.{i}.attn.to_v"]),
-    ("double_blocks.{i}.txt_attn.qkv", ["transformer_blocks.{i}.attn.add_q_proj",
-                                        "transformer_blocks.{i}.attn.add_k_proj",
-                                        "transformer_blocks.{i}.attn.add_v_proj"]),
-    ("single_blocks.{i}.linear1", ["single_transformer_blocks.{i}.attn.to_q", "single_transformer_blocks.{i}.attn.to_k",
-                                   "single_transformer_blocks.{i}.attn.to_v", "single_transformer_blocks.{i}.proj_mlp"]),
+    (
+        "double_blocks.{i}.img_attn.qkv",
+        ["transformer_blocks.{i}.attn.to_q", "transformer_blocks.{i}.attn.to_k", "transformer_blocks.{i}.attn.to_v"],
+    ),
+    (
+        "double_blocks.{i}.txt_attn.qkv",
+        [
+            "transformer_blocks.{i}.attn.add_q_proj",
+            "transformer_blocks.{i}.attn.add_k_proj",
+            "transformer_blocks.{i}.attn.add_v_proj",
+        ],
+    ),
+    (
+        "single_blocks.{i}.linear1",
+        [
+            "single_transformer_blocks.{i}.attn.to_q",
+            "single_transformer_blocks.{i}.attn.to_k",
+            "single_transformer_blocks.{i}.attn.to_v",
+            "single_transformer_blocks.{i}.proj_mlp",
+        ],
+    ),
 ]
 FLUX_MLP_RATIO = 4.0

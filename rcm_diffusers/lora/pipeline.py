@@ -39,8 +39,14 @@ def expert_lora_files(path: str) -> dict[str, str]:
     return {"transformer": high, **({"transformer_2": low} if os.path.isfile(low) else {})}
 
 
-def load_rcm_lora(pipe, path: str, adapter_name: str = "rcm", weight: float = 1.0, reuse_for_both: bool = False,
-                  scheduler: bool = True) -> dict[str, str]:
+def load_rcm_lora(
+    pipe,
+    path: str,
+    adapter_name: str = "rcm",
+    weight: float = 1.0,
+    reuse_for_both: bool = False,
+    scheduler: bool = True,
+) -> dict[str, str]:
     """Load the student LoRA of ``path`` (see :func:`expert_lora_files`) into ``pipe`` under ``adapter_name`` at
     strength ``weight``: a two-expert pair goes to ``transformer`` and ``transformer_2``; a one-network LoRA goes
     to ``transformer``, and on a two-expert pipeline only with ``reuse_for_both=True`` (then into both experts,
@@ -51,17 +57,25 @@ def load_rcm_lora(pipe, path: str, adapter_name: str = "rcm", weight: float = 1.
     files = expert_lora_files(path)
     two_expert_pipe = getattr(pipe, "transformer_2", None) is not None
     if "transformer_2" in files and not two_expert_pipe:
-        raise ValueError(f"{path} holds a LoRA per Wan 2.2 expert, but {type(pipe).__name__} has no transformer_2: "
-                         "load it into a two-expert pipeline (or load one expert's file with load_lora_weights)")
+        raise ValueError(
+            f"{path} holds a LoRA per Wan 2.2 expert, but {type(pipe).__name__} has no transformer_2: "
+            "load it into a two-expert pipeline (or load one expert's file with load_lora_weights)"
+        )
     if "transformer_2" not in files and two_expert_pipe:
         if not reuse_for_both:
-            raise ValueError(f"{path} holds one network's LoRA and {type(pipe).__name__} has two experts: pass "
-                             "reuse_for_both=True to apply it to both, or train both experts (training/rcm.py --experts both)")
+            raise ValueError(
+                f"{path} holds one network's LoRA and {type(pipe).__name__} has two experts: pass "
+                "reuse_for_both=True to apply it to both, or train both experts (training/rcm.py --experts both)"
+            )
         files = {"transformer": files["transformer"], "transformer_2": files["transformer"]}
     for component, f in files.items():
         d, name = os.path.split(f)
-        pipe.load_lora_weights(d or ".", weight_name=name, adapter_name=adapter_name,
-                               **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
+        pipe.load_lora_weights(
+            d or ".",
+            weight_name=name,
+            adapter_name=adapter_name,
+            **({"load_into_transformer_2": True} if component == "transformer_2" else {}),
+        )
     if weight != 1.0:
         pipe.set_adapters([adapter_name], [weight])
     if scheduler:
@@ -94,8 +108,10 @@ def _lora_pairs_for_peft(groups: dict) -> tuple[dict, list[tuple[str, str, torch
             elif kind in ("diff", "diff_b"):
                 full.append((target, kind, v))
             elif kind not in ("lora_A.weight", "lora_B.weight", "alpha"):
-                raise ValueError(f"{target}.{kind}: not a LoRA or delta tensor (a model checkpoint?); "
-                                 "load_full_lora takes LoRA files")
+                raise ValueError(
+                    f"{target}.{kind}: not a LoRA or delta tensor (a model checkpoint?); "
+                    "load_full_lora takes LoRA files"
+                )
     if any(k.endswith(".lora_B.bias") for k in tensors):
         _zero_lora_biases(tensors)
     return tensors, full
@@ -169,8 +185,9 @@ class FullLora:
         self.loaded = False
 
 
-def load_full_lora(pipe, lora, adapter_name: str = "full_lora", weight: float = 1.0,
-                   component: str = "transformer") -> FullLora:
+def load_full_lora(
+    pipe, lora, adapter_name: str = "full_lora", weight: float = 1.0, component: str = "transformer"
+) -> FullLora:
     """Apply every delta of a LoRA file (or dict, any layout: diffusers, ComfyUI, LightX2V ``.diff_m``, Kijai,
     kohya) to ``pipe.<component>`` at strength ``weight``; returns a :class:`FullLora` (``set_weight``, ``unload``).
 
@@ -199,8 +216,11 @@ def load_full_lora(pipe, lora, adapter_name: str = "full_lora", weight: float = 
             raise ValueError(f"{target}.{kind}: delta {tuple(d.shape)} vs parameter {name} {tuple(p.shape)}")
         originals.append(p.detach().clone())
     if tensors:
-        pipe.load_lora_weights(tensors, adapter_name=adapter_name,
-                               **({"load_into_transformer_2": True} if component == "transformer_2" else {}))
+        pipe.load_lora_weights(
+            tensors,
+            adapter_name=adapter_name,
+            **({"load_into_transformer_2": True} if component == "transformer_2" else {}),
+        )
     else:
         adapter_name = None
     params = dict(model.named_parameters())  # peft wrapped the LoRA'd modules: their weights are now base_layer.*

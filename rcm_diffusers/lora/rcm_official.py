@@ -20,8 +20,14 @@ import math
 
 import torch
 
-__all__ = ["NETWORKS", "WAN_PATCH_SIZE", "select_network", "patch_embedding_to_conv", "patch_embedding_to_linear",
-           "is_patch_embedding"]
+__all__ = [
+    "NETWORKS",
+    "WAN_PATCH_SIZE",
+    "select_network",
+    "patch_embedding_to_conv",
+    "patch_embedding_to_linear",
+    "is_patch_embedding",
+]
 
 #: networks of a training dump: name given by the user -> key prefix
 NETWORKS = {"ema": "net_ema.", "net": "net.", "fake_score": "net_fake_score."}

@@ -34,11 +34,16 @@ def is_sla_key(name: str) -> bool:
 def int8_linears(keys) -> list[str]:
     """Module names ``X`` with both ``X.int8_weight`` and ``X.scale`` among ``keys``."""
     ks = set(keys)
-    return sorted(k[: -len(".int8_weight")] for k in ks
-                  if k.endswith(".int8_weight") and k[: -len(".int8_weight")] + ".scale" in ks)
+    return sorted(
+        k[: -len(".int8_weight")]
+        for k in ks
+        if k.endswith(".int8_weight") and k[: -len(".int8_weight")] + ".scale" in ks
+    )
 
 
-def dequantize_int8(int8_weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_int8(
+    int8_weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """``W = int8_weight * scale`` per 128x128 block, one float32 product (correctly rounded), cast to ``dtype``.
 
     float32 is the precision TurboDiffusion's int8 GEMM applies its block scales in.
@@ -48,7 +53,9 @@ def dequantize_int8(int8_weight: torch.Tensor, scale: torch.Tensor, dtype: torch
     out_f, in_f = int8_weight.shape
     want = (-(-out_f // BLOCK), -(-in_f // BLOCK))
     if tuple(scale.shape) != want:
-        raise ValueError(f"int8 scale of shape {tuple(scale.shape)} does not match weight {(out_f, in_f)}: "
-                         f"expected one scale per {BLOCK}x{BLOCK} block, {want}")
+        raise ValueError(
+            f"int8 scale of shape {tuple(scale.shape)} does not match weight {(out_f, in_f)}: "
+            f"expected one scale per {BLOCK}x{BLOCK} block, {want}"
+        )
     s = scale.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:out_f, :in_f]
     return (int8_weight.float() * s).to(dtype)

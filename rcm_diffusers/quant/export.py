@@ -29,9 +29,20 @@ from ..lora.io import atomic_save_safetensors
 from .formats import E2M1_VALUES, QTensor, comfy_act_quant, dequantize
 from .modules import quant_layers
 
-__all__ = ["COMFY_FORMAT", "HI_FIRST", "to_blocked", "from_blocked", "pack_e2m1", "unpack_e2m1",
-           "comfy_mismatch", "export_quantized", "load_quantized", "dequantized_copy", "ComfyRuntimeLinear",
-           "comfy_runtime_copy"]
+__all__ = [
+    "COMFY_FORMAT",
+    "HI_FIRST",
+    "to_blocked",
+    "from_blocked",
+    "pack_e2m1",
+    "unpack_e2m1",
+    "comfy_mismatch",
+    "export_quantized",
+    "load_quantized",
+    "dequantized_copy",
+    "ComfyRuntimeLinear",
+    "comfy_runtime_copy",
+]
 
 COMFY_FORMAT = {"nvfp4": "nvfp4", "fp8_e4m3": "float8_e4m3fn", "int8": "int8_tensorwise"}
 HI_FIRST = True  # ComfyUI / comfy-kitchen packing: element 2j in bits 7..4, element 2j+1 in bits 3..0
@@ -102,27 +113,45 @@ def comfy_mismatch(layer) -> tuple[str, str] | None:
         return None
     if layer.fmt == "nvfp4":
         if layer.act_fmt is None:
-            return ("warn", "trained weight-only, but ComfyUI on GPUs with NVFP4 kernels (SM >= 10.0) also quantizes "
-                            "the activations to NVFP4 per call (amax / (6 * 448)); train with target comfyui")
+            return (
+                "warn",
+                "trained weight-only, but ComfyUI on GPUs with NVFP4 kernels (SM >= 10.0) also quantizes "
+                "the activations to NVFP4 per call (amax / (6 * 448)); train with target comfyui",
+            )
         if layer.act_fmt != "nvfp4":
-            return ("refuse", f"activations trained as {layer.act_fmt}, but ComfyUI quantizes an nvfp4 layer's input "
-                              "as NVFP4 (and would read input_scale as an NVFP4 tensor scale)")
+            return (
+                "refuse",
+                f"activations trained as {layer.act_fmt}, but ComfyUI quantizes an nvfp4 layer's input "
+                "as NVFP4 (and would read input_scale as an NVFP4 tensor scale)",
+            )
         if not layer.static_act:
             return None  # dynamic per call: exported without input_scale, as ComfyUI then runs it
     elif layer.fmt == "fp8_e4m3":
         if layer.act_fmt is None:
-            return ("warn", "trained weight-only, but ComfyUI on GPUs with FP8 kernels (SM >= 8.9) casts the activations "
-                            "to float8_e4m3fn at scale 1.0 when the file has no input_scale (|x| > 448 saturates, small "
-                            "values lose precision); train with target comfyui (calibrated input_scale)")
+            return (
+                "warn",
+                "trained weight-only, but ComfyUI on GPUs with FP8 kernels (SM >= 8.9) casts the activations "
+                "to float8_e4m3fn at scale 1.0 when the file has no input_scale (|x| > 448 saturates, small "
+                "values lose precision); train with target comfyui (calibrated input_scale)",
+            )
         if layer.act_fmt != "fp8_e4m3" or not layer.static_act:
-            return ("refuse", f"activations trained as {layer.act_fmt} ({layer.act_scale}), but ComfyUI quantizes an fp8 "
-                              "layer's input as float8_e4m3fn with the exported input_scale (or 1.0 without one)")
+            return (
+                "refuse",
+                f"activations trained as {layer.act_fmt} ({layer.act_scale}), but ComfyUI quantizes an fp8 "
+                "layer's input as float8_e4m3fn with the exported input_scale (or 1.0 without one)",
+            )
     elif layer.fmt == "int8":
         if layer.act_fmt is None:
-            return ("warn", "trained weight-only, but ComfyUI runs int8_tensorwise as W8A8 with dynamic per-row INT8 "
-                            "activations on every device (CPU included); train with target comfyui")
-        return ("refuse", f"activations trained as {layer.act_fmt} ({layer.act_scale} per tensor), but ComfyUI's "
-                          "int8_tensorwise has no input_scale: it quantizes activations per row dynamically")
+            return (
+                "warn",
+                "trained weight-only, but ComfyUI runs int8_tensorwise as W8A8 with dynamic per-row INT8 "
+                "activations on every device (CPU included); train with target comfyui",
+            )
+        return (
+            "refuse",
+            f"activations trained as {layer.act_fmt} ({layer.act_scale} per tensor), but ComfyUI's "
+            "int8_tensorwise has no input_scale: it quantizes activations per row dynamically",
+        )
     return None
 
 
@@ -131,7 +160,9 @@ def _layer_tensors(name: str, layer) -> tuple[dict, dict]:
     N, K = layer.weight.shape
     fmt = COMFY_FORMAT.get(layer.fmt)
     if fmt is None:
-        raise ValueError(f"{name}: format {layer.fmt!r} has no ComfyUI checkpoint layout (export nvfp4, fp8_e4m3 or int8)")
+        raise ValueError(
+            f"{name}: format {layer.fmt!r} has no ComfyUI checkpoint layout (export nvfp4, fp8_e4m3 or int8)"
+        )
     t = {}
     if layer.static_act and torch.isnan(layer.input_amax):
         raise ValueError(f"{name}: activation format {layer.act_fmt} but input_amax is not calibrated")
@@ -176,8 +207,15 @@ def _rename_wan(keys: list[str]) -> dict[str, str]:
     return out
 
 
-def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", arch: str = "wan",
-                     prefix: str = "", check_comfyui: bool = True) -> dict:
+def export_quantized(
+    model: torch.nn.Module,
+    path,
+    *,
+    layout: str = "comfyui",
+    arch: str = "wan",
+    prefix: str = "",
+    check_comfyui: bool = True,
+) -> dict:
     """Write ``model``'s quantized layers as real low-bit tensors + scales and the rest unchanged (docs/math.md §7).
 
     ``check_comfyui``: refuse (``ValueError``) or warn (``UserWarning``) with the reason when ComfyUI
@@ -188,7 +226,9 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
     if layout not in ("comfyui", "diffusers"):
         raise ValueError(f"layout {layout!r}: use 'comfyui' or 'diffusers'")
     if layout == "comfyui" and arch != "wan":
-        raise NotImplementedError(f"comfyui layout for {arch!r}: fused q/k/v needs a shared tensor scale; use layout='diffusers'")
+        raise NotImplementedError(
+            f"comfyui layout for {arch!r}: fused q/k/v needs a shared tensor scale; use layout='diffusers'"
+        )
     layers = quant_layers(model)
     if not layers:
         raise ValueError("model has no QuantLinear layers (run quantize_transformer first)")
@@ -197,13 +237,18 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
         refused = {n: r for n, (kind, r) in found.items() if kind == "refuse"}
         if refused:
             n, r = next(iter(refused.items()))
-            raise ValueError(f"{len(refused)} layer(s) would run differently in ComfyUI, e.g. {n}: {r} "
-                             "(export_quantized(..., check_comfyui=False) writes it anyway)")
+            raise ValueError(
+                f"{len(refused)} layer(s) would run differently in ComfyUI, e.g. {n}: {r} "
+                "(export_quantized(..., check_comfyui=False) writes it anyway)"
+            )
         warned = {n: r for n, (kind, r) in found.items()}
         for reason in dict.fromkeys(warned.values()):
             names = [n for n, r in warned.items() if r == reason]
-            warnings.warn(f"{len(names)} layer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): {reason}",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"{len(names)} layer(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): {reason}",
+                UserWarning,
+                stacklevel=2,
+            )
     sd = {}
     for k, v in model.state_dict().items():
         if "lora_" in k or k.endswith("input_amax"):
@@ -227,15 +272,24 @@ def export_quantized(model: torch.nn.Module, path, *, layout: str = "comfyui", a
         plain = [k for k in sd if k.rpartition(".")[0] not in layers]
         ren = _rename_wan(plain + [f"{n}.weight" for n in layers])
         lay_ren = {n: ren[f"{n}.weight"][: -len(".weight")] for n in layers}
-        sd = {(ren[k] if k in ren else lay_ren[k.rpartition(".")[0]] + "." + k.rpartition(".")[2]): v for k, v in sd.items()}
+        sd = {
+            (ren[k] if k in ren else lay_ren[k.rpartition(".")[0]] + "." + k.rpartition(".")[2]): v
+            for k, v in sd.items()
+        }
         qlayers = {lay_ren[n]: c for n, c in qlayers.items()}
         shapes = {lay_ren[n]: s for n, s in shapes.items()}
     sd = {prefix + k: v for k, v in sd.items()}
     meta = {"format_version": "1.0", "layers": {prefix + k: v for k, v in qlayers.items()}}
     targets = sorted({m.target for m in layers.values()})
-    atomic_save_safetensors(sd, path, metadata={"_quantization_metadata": json.dumps(meta),
-                                                "rcm_quant_shapes": json.dumps({prefix + k: v for k, v in shapes.items()}),
-                                                "rcm_quant_target": ",".join(targets)})
+    atomic_save_safetensors(
+        sd,
+        path,
+        metadata={
+            "_quantization_metadata": json.dumps(meta),
+            "rcm_quant_shapes": json.dumps({prefix + k: v for k, v in shapes.items()}),
+            "rcm_quant_target": ",".join(targets),
+        },
+    )
     return meta
 
 
@@ -307,7 +361,9 @@ class ComfyRuntimeLinear(torch.nn.Linear):
     def forward(self, x):
         if self.native or self.fmt == "int8":
             x = comfy_act_quant(x, self.fmt, self.input_scale)
-        return torch.nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return torch.nn.functional.linear(
+            x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        )
 
 
 def comfy_runtime_copy(model: torch.nn.Module, path, *, native: bool = True) -> torch.nn.Module:
@@ -323,14 +379,21 @@ def comfy_runtime_copy(model: torch.nn.Module, path, *, native: bool = True) -> 
     layers = json.loads(meta["_quantization_metadata"])["layers"]
     fmt_of = {"nvfp4": "nvfp4", "float8_e4m3fn": "fp8_e4m3", "int8_tensorwise": "int8"}
     if detect_format({f"{n}.weight": torch.zeros(1) for n in layers}) == "original":
-        names = {next(iter(to_diffusers({f"{n}.weight": torch.zeros(1)}, arch="wan", prefix=""))).removesuffix(".weight"): n
-                 for n in layers}
+        names = {
+            next(iter(to_diffusers({f"{n}.weight": torch.zeros(1)}, arch="wan", prefix=""))).removesuffix(".weight"): n
+            for n in layers
+        }
     else:
         names = {n: n for n in layers}
     for dn, fn in names.items():
         lin = m.get_submodule(dn)
         parent, _, leaf = dn.rpartition(".")
-        new = ComfyRuntimeLinear(lin.weight.detach(), None if lin.bias is None else lin.bias.detach(),
-                                 fmt_of[layers[fn]["format"]], scales.get(fn), native)
+        new = ComfyRuntimeLinear(
+            lin.weight.detach(),
+            None if lin.bias is None else lin.bias.detach(),
+            fmt_of[layers[fn]["format"]],
+            scales.get(fn),
+            native,
+        )
         setattr(m.get_submodule(parent) if parent else m, leaf, new)
     return m.eval()

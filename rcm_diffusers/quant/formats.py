@@ -53,9 +53,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "E2M1_VALUES", "E4M3_MAX", "QTensor", "check_format", "round_e2m1", "round_e4m3",
-           "quantize", "dequantize", "fake_quant", "COMFY_ACT", "input_scale_of", "comfy_act_quant",
-           "comfy_act_fake_quant"]
+__all__ = [
+    "FORMATS",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "QTensor",
+    "check_format",
+    "round_e2m1",
+    "round_e4m3",
+    "quantize",
+    "dequantize",
+    "fake_quant",
+    "COMFY_ACT",
+    "input_scale_of",
+    "comfy_act_quant",
+    "comfy_act_fake_quant",
+]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -107,8 +120,10 @@ def _blocks(x: torch.Tensor, block: int, pad: bool) -> torch.Tensor:
     k = x.shape[-1]
     if k % block:
         if not pad:
-            raise ValueError(f"block size {block} does not divide the reduction dimension {k} "
-                             f"(shape {tuple(x.shape)}); use pad=True to zero-pad the tail block")
+            raise ValueError(
+                f"block size {block} does not divide the reduction dimension {k} "
+                f"(shape {tuple(x.shape)}); use pad=True to zero-pad the tail block"
+            )
         x = torch.nn.functional.pad(x, (0, block - k % block))
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
@@ -117,8 +132,9 @@ def _safe(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s == 0, torch.ones_like(s), s)
 
 
-def quantize(x: torch.Tensor, fmt: str, *, amax: torch.Tensor | float | None = None, per_channel: bool = False,
-             pad: bool = True) -> QTensor:
+def quantize(
+    x: torch.Tensor, fmt: str, *, amax: torch.Tensor | float | None = None, per_channel: bool = False, pad: bool = True
+) -> QTensor:
     """Quantize ``x`` along its last dimension (docs/math.md §7 formats and scale rules, see the module docstring).
 
     ``amax``: a static range (calibrated activations); ``x`` is clipped to ``+-amax`` first and the
@@ -200,7 +216,6 @@ def fake_quant(x: torch.Tensor, fmt: str, *, amax=None, per_channel: bool = Fals
     return _FakeQuant.apply(x, fmt, amax, per_channel, pad)
 
 
-
 #: weight format -> how ComfyUI quantizes that layer's input: "static_or_dynamic" (nvfp4: ``input_scale``
 #: if the file has one, else per call), "static" (fp8: ``input_scale``, else scale 1.0), "dynamic_row" (int8)
 COMFY_ACT = {"nvfp4": "static_or_dynamic", "fp8_e4m3": "static", "int8": "dynamic_row"}
@@ -223,8 +238,11 @@ def _comfy_act(x: torch.Tensor, fmt: str, input_scale):
     K = x.shape[-1]
     x2 = x.detach().reshape(-1, K)
     if fmt == "nvfp4":
-        s2 = (torch.amax(x2.abs()) / (E4M3_MAX * E2M1_MAX)).to(torch.float32) if input_scale is None \
+        s2 = (
+            (torch.amax(x2.abs()) / (E4M3_MAX * E2M1_MAX)).to(torch.float32)
+            if input_scale is None
             else torch.as_tensor(input_scale, dtype=torch.float32, device=x.device)
+        )
         xb = _blocks(x2, 16, True)
         s_b = round_e4m3(torch.clamp(torch.amax(xb.abs(), -1).to(torch.float32) / E2M1_MAX / s2, max=E4M3_MAX))
         total = s2 * s_b
@@ -235,8 +253,11 @@ def _comfy_act(x: torch.Tensor, fmt: str, input_scale):
         y = (q * total[..., None]).flatten(-2)[:, :K]
         inside = x2.abs().float() <= E2M1_MAX * E4M3_MAX * s2
     elif fmt == "fp8_e4m3":
-        s = torch.ones((), dtype=torch.float32, device=x.device) if input_scale is None \
+        s = (
+            torch.ones((), dtype=torch.float32, device=x.device)
+            if input_scale is None
             else torch.as_tensor(input_scale, dtype=torch.float32, device=x.device)
+        )
         t = x2 * (1.0 / s).to(x2.dtype)
         inside = t.abs() <= E4M3_MAX
         q = t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

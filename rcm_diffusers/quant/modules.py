@@ -50,8 +50,20 @@ class QuantLinear(torch.nn.Linear):
     The fake-quantized weight is cached while the weight is frozen (LoRA scope).
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, fmt="nvfp4", act_fmt=None, per_channel=None,
-                 target="fake", act_scale="static", device=None, dtype=None):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        *,
+        fmt="nvfp4",
+        act_fmt=None,
+        per_channel=None,
+        target="fake",
+        act_scale="static",
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.fmt = check_format(fmt)
         self.per_channel = (fmt == "int8") if per_channel is None else bool(per_channel)
@@ -67,8 +79,10 @@ class QuantLinear(torch.nn.Linear):
             if act_fmt not in (None, fmt):
                 raise ValueError(f"target comfyui: ComfyUI quantizes a {fmt} layer's input as {fmt}, not {act_fmt}")
             if fmt == "fp8_e4m3" and act_scale == "dynamic":
-                raise ValueError("target comfyui, fp8_e4m3: without input_scale ComfyUI casts activations to e4m3 at "
-                                 "scale 1.0 (saturating at +-448); use act_scale 'static' (calibrated, exported)")
+                raise ValueError(
+                    "target comfyui, fp8_e4m3: without input_scale ComfyUI casts activations to e4m3 at "
+                    "scale 1.0 (saturating at +-448); use act_scale 'static' (calibrated, exported)"
+                )
             if fmt == "fp8_e4m3" and self.per_channel:
                 raise ValueError("target comfyui, fp8_e4m3: per-channel weight scales have no ComfyUI field")
             act_fmt = fmt
@@ -82,8 +96,14 @@ class QuantLinear(torch.nn.Linear):
     @classmethod
     def from_linear(cls, lin: torch.nn.Linear, **kw) -> "QuantLinear":
         """Wrap ``lin``'s own parameters (no copy) in a ``QuantLinear``."""
-        q = cls(lin.in_features, lin.out_features, lin.bias is not None, device=lin.weight.device,
-                dtype=lin.weight.dtype, **kw)
+        q = cls(
+            lin.in_features,
+            lin.out_features,
+            lin.bias is not None,
+            device=lin.weight.device,
+            dtype=lin.weight.dtype,
+            **kw,
+        )
         q.weight, q.bias = lin.weight, lin.bias
         q.input_amax = q.input_amax.to(lin.weight.device)
         return q
@@ -118,8 +138,10 @@ class QuantLinear(torch.nn.Linear):
                 self._record(x)
             else:
                 if self.static_act and torch.isnan(self.input_amax):
-                    raise RuntimeError(f"{self._qname}: target comfyui ({self.fmt}, static input_scale) needs a calibrated "
-                                       "input_amax; run a few batches under rcm_diffusers.quant.modules.calibration(model)")
+                    raise RuntimeError(
+                        f"{self._qname}: target comfyui ({self.fmt}, static input_scale) needs a calibrated "
+                        "input_amax; run a few batches under rcm_diffusers.quant.modules.calibration(model)"
+                    )
                 x = comfy_act_fake_quant(x, self.fmt, self.input_scale())
             return F.linear(x, self.quantized_weight(), self.bias)
         if self.act_fmt is not None and not self.static_act:
@@ -129,8 +151,10 @@ class QuantLinear(torch.nn.Linear):
                 self._record(x)
             else:
                 if torch.isnan(self.input_amax):
-                    raise RuntimeError(f"{self._qname}: activation quantization ({self.act_fmt}) needs a calibrated "
-                                       "input_amax; run a few batches under rcm_diffusers.quant.modules.calibration(model)")
+                    raise RuntimeError(
+                        f"{self._qname}: activation quantization ({self.act_fmt}) needs a calibrated "
+                        "input_amax; run a few batches under rcm_diffusers.quant.modules.calibration(model)"
+                    )
                 x = fake_quant(x, self.act_fmt, amax=self.input_amax.to(x.dtype))
         return F.linear(x, self.quantized_weight(), self.bias)
 
@@ -143,18 +167,28 @@ class QuantLinear(torch.nn.Linear):
     _qname = "QuantLinear"
 
     def extra_repr(self):
-        return (f"{super().extra_repr()}, fmt={self.fmt}, act_fmt={self.act_fmt}, act_scale={self.act_scale}, "
-                f"per_channel={self.per_channel}, target={self.target}")
+        return (
+            f"{super().extra_repr()}, fmt={self.fmt}, act_fmt={self.act_fmt}, act_scale={self.act_scale}, "
+            f"per_channel={self.per_channel}, target={self.target}"
+        )
 
 
 def _match(name: str, patterns) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
 
 
-def quantize_transformer(model: torch.nn.Module, fmt: str = "nvfp4", *, act_fmt: str | None = None,
-                         per_channel: bool | None = None, exclude=DEFAULT_EXCLUDE, extra_exclude=(),
-                         overrides: dict | None = None, target: str = "fake",
-                         act_scale: str = "static") -> dict[str, QuantLinear]:
+def quantize_transformer(
+    model: torch.nn.Module,
+    fmt: str = "nvfp4",
+    *,
+    act_fmt: str | None = None,
+    per_channel: bool | None = None,
+    exclude=DEFAULT_EXCLUDE,
+    extra_exclude=(),
+    overrides: dict | None = None,
+    target: str = "fake",
+    act_scale: str = "static",
+) -> dict[str, QuantLinear]:
     """Swap ``model``'s Linear layers for ``QuantLinear`` in place; return ``{name: QuantLinear}`` (docs/math.md §7).
 
     A layer is skipped when its name matches ``exclude`` or ``extra_exclude``, unless an
@@ -169,12 +203,15 @@ def quantize_transformer(model: torch.nn.Module, fmt: str = "nvfp4", *, act_fmt:
     for f in overrides.values():
         if f is not None:
             check_format(f)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)}
+    linears = {
+        n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, QuantLinear)
+    }
     user = list(extra_exclude) + list(overrides) + ([] if exclude is DEFAULT_EXCLUDE else list(exclude))
     unmatched = [p for p in user if not any(fnmatch.fnmatchcase(n, p) for n in linears)]
     if unmatched:
-        raise ValueError(f"quantization patterns match no Linear layer: {unmatched} "
-                         f"(layers look like {sorted(linears)[:4]}...)")
+        raise ValueError(
+            f"quantization patterns match no Linear layer: {unmatched} (layers look like {sorted(linears)[:4]}...)"
+        )
     swapped = {}
     for name, lin in linears.items():
         hit = _match(name, overrides)
@@ -186,8 +223,14 @@ def quantize_transformer(model: torch.nn.Module, fmt: str = "nvfp4", *, act_fmt:
             f = fmt
         if f is None:
             continue
-        q = QuantLinear.from_linear(lin, fmt=f, act_fmt=None if target == "comfyui" else act_fmt,
-                                    per_channel=per_channel if f == fmt else None, target=target, act_scale=act_scale)
+        q = QuantLinear.from_linear(
+            lin,
+            fmt=f,
+            act_fmt=None if target == "comfyui" else act_fmt,
+            per_channel=per_channel if f == fmt else None,
+            target=target,
+            act_scale=act_scale,
+        )
         q._qname = name
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, q)
@@ -223,5 +266,3 @@ def calibration(model: torch.nn.Module, reset: bool = True):
     missing = [n for n, m in layers.items() if torch.isnan(m.input_amax)]
     if missing:
         raise RuntimeError(f"calibration: layers never called: {missing}")
-
-

@@ -29,8 +29,12 @@ def server_python(comfy_path: str) -> str:
     if comfy_path in COMFYUI_PATHS and COMFYUI_PATHS.index(comfy_path) < len(COMFYUI_PYTHONS):
         return COMFYUI_PYTHONS[COMFYUI_PATHS.index(comfy_path)]
     return sys.executable
-SKIP_REASON = ("set COMFYUI_PATH to a ComfyUI checkout (several separated by os.pathsep) and run with a Python "
-               "that has its requirements to run the ComfyUI tests; ComfyUI is not on PyPI, so CI skips them")
+
+
+SKIP_REASON = (
+    "set COMFYUI_PATH to a ComfyUI checkout (several separated by os.pathsep) and run with a Python "
+    "that has its requirements to run the ComfyUI tests; ComfyUI is not on PyPI, so CI skips them"
+)
 
 
 def have_comfyui() -> bool:
@@ -45,7 +49,7 @@ def renoise_seed_offset(comfy_path: str) -> int:
     """1 where ComfyUI's ``default_noise_sampler`` seeds its CPU generator with ``seed + 1`` (2026), else 0 (2025)."""
     with open(os.path.join(comfy_path, "comfy", "k_diffusion", "sampling.py")) as f:
         src = f.read()
-    body = src[src.index("def default_noise_sampler"):]
+    body = src[src.index("def default_noise_sampler") :]
     body = body[: body.index("\ndef ", 1)]
     return 1 if "seed += 1" in body else 0
 
@@ -125,8 +129,19 @@ class ComfyServer:
         self.log_path = os.path.join(base, "server.log")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
         env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        cmd = [server_python(comfy_path), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
-               "--base-directory", base, "--disable-auto-launch", "--disable-api-nodes"]
+        cmd = [
+            server_python(comfy_path),
+            "main.py",
+            "--cpu",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--base-directory",
+            base,
+            "--disable-auto-launch",
+            "--disable-api-nodes",
+        ]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=comfy_path, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
@@ -151,8 +166,9 @@ class ComfyServer:
             return json.loads(r.read())
 
     def post(self, path: str, payload: dict, timeout: float = 30) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -216,8 +232,17 @@ def tiny_wan_state_dict(seed: int = 0, in_dim: int = 16) -> dict:
     import comfy.ops
     from comfy.ldm.wan.model import WanModel
 
-    meta = WanModel(dim=DIM, ffn_dim=FFN, num_heads=DIM // 128, num_layers=LAYERS, text_dim=TEXT_DIM, in_dim=in_dim,
-                    out_dim=16, device="meta", operations=comfy.ops.disable_weight_init)
+    meta = WanModel(
+        dim=DIM,
+        ffn_dim=FFN,
+        num_heads=DIM // 128,
+        num_layers=LAYERS,
+        text_dim=TEXT_DIM,
+        in_dim=in_dim,
+        out_dim=16,
+        device="meta",
+        operations=comfy.ops.disable_weight_init,
+    )
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for k, v in meta.state_dict().items():
@@ -234,9 +259,20 @@ def diffusers_wan_from_comfy(state_dict):
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     in_dim = next(v.shape[1] for k, v in state_dict.items() if k.endswith("patch_embedding.weight"))
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=DIM // 128, attention_head_dim=128,
-                                  in_channels=in_dim, out_channels=16, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=FFN,
-                                  num_layers=LAYERS, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=DIM // 128,
+        attention_head_dim=128,
+        in_channels=in_dim,
+        out_channels=16,
+        text_dim=TEXT_DIM,
+        freq_dim=256,
+        ffn_dim=FFN,
+        num_layers=LAYERS,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    )
     converted = convert_wan_transformer_to_diffusers(dict(state_dict))
     model.load_state_dict(converted, strict=True)
     return model.eval()

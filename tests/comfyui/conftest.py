@@ -4,12 +4,14 @@ import os
 import shutil
 
 import pytest
-
 from comfyui_harness import COMFYUI_PATHS, SKIP_REASON, ComfyServer, have_comfyui
 
 
-@pytest.fixture(scope="module", params=COMFYUI_PATHS or [None],
-                ids=lambda p: "no-comfyui" if p is None else os.path.basename(os.path.normpath(p)))
+@pytest.fixture(
+    scope="module",
+    params=COMFYUI_PATHS or [None],
+    ids=lambda p: "no-comfyui" if p is None else os.path.basename(os.path.normpath(p)),
+)
 def comfy_server(request, tmp_path_factory):
     if request.param is None or not have_comfyui():
         pytest.skip(SKIP_REASON)

@@ -13,7 +13,6 @@ import json
 import os
 
 import pytest
-
 from workflow_format import FILE_INPUTS, check_ui_workflow, object_info_of_pack, ui_to_api
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,8 +30,12 @@ TWO_EXPERTS = "2. Wan 2.2 I2V A14B, two experts, 4 rCM steps.json"
 
 
 def test_the_four_example_workflows_are_there():
-    assert NAMES == ["1. Wan 2.1 T2V in 4 rCM steps.json", TWO_EXPERTS, "3. FLUX.1 dev in 4 rCM steps.json",
-                     "4. Wan 2.1 T2V teacher (50 steps) vs rCM student (4 steps).json"]
+    assert NAMES == [
+        "1. Wan 2.1 T2V in 4 rCM steps.json",
+        TWO_EXPERTS,
+        "3. FLUX.1 dev in 4 rCM steps.json",
+        "4. Wan 2.1 T2V teacher (50 steps) vs rCM student (4 steps).json",
+    ]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,7 +48,7 @@ def test_template_browser_shows_a_title_an_order_and_a_thumbnail(name):
 
     from PIL import Image
 
-    stem = name[:-len(".json")]
+    stem = name[: -len(".json")]
     m = re.fullmatch(r"(\d)\. (\S.*)", stem)
     assert m and int(m[1]) == NAMES.index(name) + 1, stem  # 1., 2., ... in the order of the docs
     title = m[2]
@@ -58,7 +61,8 @@ def test_template_browser_shows_a_title_an_order_and_a_thumbnail(name):
         assert max(px.crop((0, 120, 512, 512)).getextrema()) > 200 and px.crop((0, 120, 512, 512)).getextrema()[0] < 40
     # nothing else in the folder: ComfyUI lists every *.json there as a template
     assert sorted(os.listdir(os.path.join(REPO, "example_workflows"))) == sorted(
-        n[:-5] + ext for n in NAMES for ext in (".json", ".jpg"))
+        n[:-5] + ext for n in NAMES for ext in (".json", ".jpg")
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -130,8 +134,10 @@ def test_example_workflows_against_the_server(comfy_server):
         base = comfy_server.url + "/api/workflow_templates/rcm-diffusers/" + urllib.parse.quote(name[:-5])
         with urllib.request.urlopen(base + ".json", timeout=30) as r:
             assert json.loads(r.read()) == load(name)
-        with urllib.request.urlopen(base + ".jpg", timeout=30) as r, \
-                open(os.path.join(REPO, "example_workflows", name[:-5] + ".jpg"), "rb") as f:
+        with (
+            urllib.request.urlopen(base + ".jpg", timeout=30) as r,
+            open(os.path.join(REPO, "example_workflows", name[:-5] + ".jpg"), "rb") as f,
+        ):
             assert r.read() == f.read()
     if not has_comfy_api_latest(comfy_server.comfy_path):
         # the workflows are saved from a current ComfyUI (e.g. CreateVideo's bit_depth widget is newer);
@@ -148,5 +154,8 @@ def test_example_workflows_against_the_server(comfy_server):
         for node_id, errs in body["node_errors"].items():
             for err in errs["errors"]:
                 field = err.get("extra_info", {}).get("input_name")
-                assert field in FILE_INPUTS and err["type"] in ("value_not_in_list", "custom_validation_failed"), \
-                    (name, node_id, err)
+                assert field in FILE_INPUTS and err["type"] in ("value_not_in_list", "custom_validation_failed"), (
+                    name,
+                    node_id,
+                    err,
+                )

@@ -12,9 +12,18 @@ import os
 
 import pytest
 import torch
-
-from comfyui_harness import COMFYUI_PATHS, DIM, FFN, LAYERS, REPO, SKIP_REASON, TEXT_DIM, have_comfyui, import_comfy
-from comfyui_harness import tiny_wan_state_dict
+from comfyui_harness import (
+    COMFYUI_PATHS,
+    DIM,
+    FFN,
+    LAYERS,
+    REPO,
+    SKIP_REASON,
+    TEXT_DIM,
+    have_comfyui,
+    import_comfy,
+    tiny_wan_state_dict,
+)
 
 pytestmark = pytest.mark.skipif(not have_comfyui(), reason=SKIP_REASON)
 SEED = 1234
@@ -51,11 +60,22 @@ def make_peft_lora(model_sd, rank=4):
     from comfy.ldm.wan.model import WanModel
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    net = WanModel(dim=DIM, ffn_dim=FFN, num_heads=DIM // 128, num_layers=LAYERS, text_dim=TEXT_DIM, in_dim=16,
-                   out_dim=16, operations=comfy.ops.disable_weight_init)
+    net = WanModel(
+        dim=DIM,
+        ffn_dim=FFN,
+        num_heads=DIM // 128,
+        num_layers=LAYERS,
+        text_dim=TEXT_DIM,
+        in_dim=16,
+        out_dim=16,
+        operations=comfy.ops.disable_weight_init,
+    )
     net.load_state_dict({k.removeprefix("model.diffusion_model."): v for k, v in model_sd.items()})
-    cfg = LoraConfig(r=rank, lora_alpha=rank,
-                     target_modules=r"blocks\.\d+\.(self_attn|cross_attn)\.(q|k|v|o)|blocks\.\d+\.ffn\.(0|2)")
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        target_modules=r"blocks\.\d+\.(self_attn|cross_attn)\.(q|k|v|o)|blocks\.\d+\.ffn\.(0|2)",
+    )
     peft_net = get_peft_model(net, cfg)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -119,12 +139,20 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
 
     # bad input: a name ComfyUI does not list (a missing file, a path out of models/loras), a LoRA of another
     # architecture
-    for name in ("missing.safetensors", "../loras/rcm_comfy.safetensors", str(root / "loras" / "rcm_comfy.safetensors")):
+    for name in (
+        "missing.safetensors",
+        "../loras/rcm_comfy.safetensors",
+        str(root / "loras" / "rcm_comfy.safetensors"),
+    ):
         with pytest.raises(ValueError, match=r"is not in ComfyUI's loras list .* pick it from the list\.$"):
             call(nodes, "RCMLoraLoader", model=model, lora_name=name, strength_model=1.0)
-    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 128),
-               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(128, 4)},
-              root / "loras" / "flux.safetensors")
+    save_file(
+        {
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 128),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(128, 4),
+        },
+        root / "loras" / "flux.safetensors",
+    )
     with pytest.raises(ValueError, match="for Flux but the model is Wan"):
         call(nodes, "RCMLoraLoader", model=model, lora_name="flux.safetensors", strength_model=1.0)
 
@@ -137,7 +165,9 @@ def test_pack_loads_and_samples_like_lcm(comfy_env):
     latent = {"samples": torch.zeros(1, 16, 2, 8, 8)}
 
     def run(sampler, sig=sigmas, lat=latent, nz=noise, gd=guider):
-        out, _ = call(nodes, "SamplerCustomAdvanced", noise=nz, guider=gd, sampler=sampler, sigmas=sig, latent_image=lat)
+        out, _ = call(
+            nodes, "SamplerCustomAdvanced", noise=nz, guider=gd, sampler=sampler, sigmas=sig, latent_image=lat
+        )
         return out
 
     # time_input float: the model at the exact sigmas, as lcm calls it

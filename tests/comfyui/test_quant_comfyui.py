@@ -44,14 +44,14 @@ pytestmark = [
     pytest.mark.skipif(
         not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH or "", "nodes.py")),
         reason="set COMFYUI_PATH to a ComfyUI checkout (and run with a Python that has its requirements and "
-               "comfy-kitchen) to run the ComfyUI quantization tests",
+        "comfy-kitchen) to run the ComfyUI quantization tests",
     ),
     # ComfyUI's quantized layers (comfy/quant_ops.py) run on comfy-kitchen; without it they fail inside ComfyUI
     # instead of telling what is missing
     pytest.mark.skipif(
         importlib.util.find_spec("comfy_kitchen") is None,
         reason="comfy-kitchen is not installed in this Python (pip install comfy-kitchen, the version ComfyUI's "
-               "requirements.txt pins): ComfyUI's quantized layers need it",
+        "requirements.txt pins): ComfyUI's quantized layers need it",
     ),
 ]
 
@@ -126,8 +126,10 @@ def comfy(tmp_path_factory):
         asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
     from importlib.metadata import version
 
-    print(f"\nComfyUI {comfyui_version.__version__}, comfy-kitchen {version('comfy-kitchen')}, torch {torch.__version__}, "
-          f"stand-ins: {missing or 'none'}")
+    print(
+        f"\nComfyUI {comfyui_version.__version__}, comfy-kitchen {version('comfy-kitchen')}, torch {torch.__version__}, "
+        f"stand-ins: {missing or 'none'}"
+    )
     yield root, nodes, mm
     if finder:
         sys.meta_path.remove(finder)
@@ -138,9 +140,20 @@ def tiny_wan():
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=1, attention_head_dim=128, in_channels=16,
-                                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=256, num_layers=2,
-                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6).eval()
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=1,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=256,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    ).eval()
 
 
 def inputs(seed):
@@ -191,7 +204,10 @@ def export_and_load(comfy, monkeypatch, fmt, act_scale, native):
     name = f"q_{fmt}_{act_scale}.safetensors"
     export_quantized(ours, root / "diffusion_models" / name, layout="comfyui")
     dm, calls = load_in_comfy(comfy, monkeypatch, name, native)
-    ren = {v.removesuffix(".weight"): k.removesuffix(".weight") for k, v in _rename_wan([f"{n}.weight" for n in layers]).items()}
+    ren = {
+        v.removesuffix(".weight"): k.removesuffix(".weight")
+        for k, v in _rename_wan([f"{n}.weight" for n in layers]).items()
+    }
     return ours, layers, dm, calls, ren
 
 
@@ -202,6 +218,7 @@ def record_layers(modules):
     def keep(key):
         def hook(mod, args, y):
             seen.setdefault(key, (args[0].clone(), y.clone()))  # returns None: the output stays as it is
+
         return hook
 
     return seen, [m.register_forward_hook(keep(k)) for k, m in modules.items()]
@@ -214,8 +231,9 @@ def weight_only_output(ours, layers, x, t, ctx):
         return ours(x, t, ctx, return_dict=False)[0]
 
 
-@pytest.mark.parametrize("fmt,act_scale,native", [("nvfp4", "static", True), ("nvfp4", "dynamic", True),
-                                                  ("fp8_e4m3", "static", True)])
+@pytest.mark.parametrize(
+    "fmt,act_scale,native", [("nvfp4", "static", True), ("nvfp4", "dynamic", True), ("fp8_e4m3", "static", True)]
+)
 def test_export_runs_in_comfyui_as_trained(comfy, monkeypatch, fmt, act_scale, native):
     ours, layers, dm, calls, ren = export_and_load(comfy, monkeypatch, fmt, act_scale, native)
     x, t, ctx = inputs(2)
@@ -230,13 +248,17 @@ def test_export_runs_in_comfyui_as_trained(comfy, monkeypatch, fmt, act_scale, n
     assert len(seen) == len(layers)
     y_wo = weight_only_output(ours, layers, x, t, ctx)
     err, gap = rel(y_comfy, y_ours), rel(y_comfy, y_wo)
-    print(f"\n{fmt} ({act_scale}{', GPU path' if native else ''}): ComfyUI vs target comfyui {err:.2e} "
-          f"(worst layer on identical inputs {layer_err:.2e}); vs weight-only {gap:.2e}")
+    print(
+        f"\n{fmt} ({act_scale}{', GPU path' if native else ''}): ComfyUI vs target comfyui {err:.2e} "
+        f"(worst layer on identical inputs {layer_err:.2e}); vs weight-only {gap:.2e}"
+    )
     assert layer_err <= LAYER_TOL
     assert err <= TOL
     assert gap > 10 * err  # the comparison resolves the activation arithmetic
     if native:  # ComfyUI's own activation quantizer ran in every quantized layer
-        assert len(calls) == len(layers) and set(calls) == {"TensorCoreNVFP4Layout" if fmt == "nvfp4" else "TensorCoreFP8E4M3Layout"}
+        assert len(calls) == len(layers) and set(calls) == {
+            "TensorCoreNVFP4Layout" if fmt == "nvfp4" else "TensorCoreFP8E4M3Layout"
+        }
 
 
 def test_int8_export_runs_in_comfyui_up_to_level_flips(comfy, monkeypatch):
@@ -291,7 +313,7 @@ def test_int8_export_runs_in_comfyui_up_to_level_flips(comfy, monkeypatch):
     with torch.no_grad():  # on identical inputs the levels agree: float32 summation order only
         assert max(rel(layers[ren[o]](a), y) for o, (a, y) in seen_c.items()) <= LAYER_TOL
 
-    u = 2.0 ** -24
+    u = 2.0**-24
     levels_c, n_flips, n_elems, expected, worst_ratio, e_flip, e_round = {}, 0, 0, 0.0, 0.0, 0.0, 0.0
     for o in ren:
         (xc, yc), (xo, yo) = seen_c[o], seen_o[o]
@@ -312,8 +334,11 @@ def test_int8_export_runs_in_comfyui_up_to_level_flips(comfy, monkeypatch):
             W = lay.quantized_weight().abs()
         b = lay.bias.detach().abs() if lay.bias is not None else torch.zeros(W.shape[0])
         gamma = (K + 4) * u / (1 - (K + 4) * u)
-        bound = (so * (dq.float() @ W.T) + (so - sc).abs() * (qc.abs().float() @ W.T)
-                 + 2 * gamma * ((qo.abs().float() * so) @ W.T + b))
+        bound = (
+            so * (dq.float() @ W.T)
+            + (so - sc).abs() * (qc.abs().float() @ W.T)
+            + 2 * gamma * ((qo.abs().float() * so) @ W.T + b)
+        )
         dy = (yo - yc).reshape(-1, W.shape[0]).abs()
         worst_ratio = max(worst_ratio, float((dy / bound).max()))
         assert (dy <= bound).all(), f"{o}: output differs by more than its flips explain"
@@ -328,6 +353,7 @@ def test_int8_export_runs_in_comfyui_up_to_level_flips(comfy, monkeypatch):
             forced = (levels_c[o].float() * s).reshape(xin.shape).to(xin.dtype)
             forced_levels[o] = quantize_int8_rowwise(forced.reshape(-1, K))[0]
             return (forced,)
+
         return pre
 
     hooks = [layers[ren[o]].register_forward_pre_hook(force(o)) for o in ren]
@@ -340,12 +366,14 @@ def test_int8_export_runs_in_comfyui_up_to_level_flips(comfy, monkeypatch):
     err, err_forced = rel(y_comfy, y_ours), rel(y_comfy, y_forced)
     flip_effect, gap = rel(y_ours, y_forced) * (y_forced.norm() / y_comfy.norm()).item(), rel(y_comfy, y_wo)
     estimate = gap * (e_flip / e_round) ** 0.5
-    print(f"\nint8: {n_flips} level flips in {n_elems} activations ({n_flips / n_elems:.1e}; expected {expected:.1f}), "
-          f"worst layer output difference / its bound {worst_ratio:.2f}; ComfyUI vs target comfyui {err:.2e}, "
-          f"with ComfyUI's levels {err_forced:.2e}, flips' effect {flip_effect:.2e} (estimate {estimate:.2e}); "
-          f"vs weight-only {gap:.2e}; "
-          f"torch {torch.__version__}")
-    assert n_flips <= expected + 6 * expected ** 0.5 + 6 and n_flips <= 1e-2 * n_elems
+    print(
+        f"\nint8: {n_flips} level flips in {n_elems} activations ({n_flips / n_elems:.1e}; expected {expected:.1f}), "
+        f"worst layer output difference / its bound {worst_ratio:.2f}; ComfyUI vs target comfyui {err:.2e}, "
+        f"with ComfyUI's levels {err_forced:.2e}, flips' effect {flip_effect:.2e} (estimate {estimate:.2e}); "
+        f"vs weight-only {gap:.2e}; "
+        f"torch {torch.__version__}"
+    )
+    assert n_flips <= expected + 6 * expected**0.5 + 6 and n_flips <= 1e-2 * n_elems
     assert err_forced <= TOL
     assert err <= TOL + flip_effect
     assert err <= TOL + 3 * estimate

@@ -30,10 +30,17 @@ import os
 
 import pytest
 import torch
+from comfyui_harness import (
+    DIM,
+    LAYERS,
+    REPO,
+    TEXT_DIM,
+    diffusers_wan_from_comfy,
+    renoise_seed_offset,
+    tiny_wan_state_dict,
+    wan_latent_stats,
+)
 from safetensors.torch import load_file, save_file
-
-from comfyui_harness import (DIM, LAYERS, TEXT_DIM, REPO, diffusers_wan_from_comfy, renoise_seed_offset, tiny_wan_state_dict,
-                             wan_latent_stats)
 from workflow_format import ui_to_api
 
 SEED = 20260729
@@ -47,8 +54,11 @@ def peft_lora_for(model, rank=4):
     from peft import LoraConfig, get_peft_model_state_dict
 
     torch.manual_seed(4)  # peft draws lora_A from the global generator
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0",
-                                                                          "ffn.net.0.proj", "ffn.net.2"]))
+    model.add_adapter(
+        LoraConfig(
+            r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+        )
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -70,8 +80,12 @@ def setup(comfy_server):
     save_file(model_sd, os.path.join(base, "models", "diffusion_models", "tiny_wan21.safetensors"))
     model = diffusers_wan_from_comfy(model_sd)
     lora = peft_lora_for(model)
-    save_lora(os.path.join(base, "models", "loras", "tiny_rcm_lora.safetensors"),
-              {f"transformer.{k}": v for k, v in lora.items()}, arch="wan", format="diffusers")
+    save_lora(
+        os.path.join(base, "models", "loras", "tiny_rcm_lora.safetensors"),
+        {f"transformer.{k}": v for k, v in lora.items()},
+        arch="wan",
+        format="diffusers",
+    )
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
             module.scaling = {k: LORA_STRENGTH * v for k, v in module.scaling.items()}
@@ -95,8 +109,11 @@ def setup(comfy_server):
                 x = sched.step(v, t, x, generator=renoise).prev_sample
         references[time_input] = x * std + mean  # SaveLatent stores ComfyUI's process_latent_out(x)
     assert references["bf16"].shape == references["float"].shape
-    return {"reference": references["float"], "reference_bf16": references["bf16"],
-            "timesteps_bf16": sched.timesteps.tolist()}
+    return {
+        "reference": references["float"],
+        "reference_bf16": references["bf16"],
+        "timesteps_bf16": sched.timesteps.tolist(),
+    }
 
 
 def t2v_prompt(server, sampler="RCMSampler", time_input=None, prefix=None, **rcm_sigmas):
@@ -124,8 +141,10 @@ def t2v_prompt(server, sampler="RCMSampler", time_input=None, prefix=None, **rcm
     if sampler != "RCMSampler":
         api[by_type["RCMSampler"]] = {"class_type": "KSamplerSelect", "inputs": {"sampler_name": sampler}}
     prefix = prefix or f"rcm_test/{sampler}_{time_input}"
-    api["save"] = {"class_type": "SaveLatent", "inputs": {"samples": [by_type["SamplerCustomAdvanced"], 0],
-                                                          "filename_prefix": prefix}}
+    api["save"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [by_type["SamplerCustomAdvanced"], 0], "filename_prefix": prefix},
+    }
     return api
 
 
@@ -144,8 +163,10 @@ def test_wan_t2v_workflow_through_the_server_matches_lcm_and_diffusers(comfy_ser
     d_lcm = (ours - lcm).abs().max().item()
     d_ref = (ours.double() - ref).abs().max().item()
     scale = ref.abs().max().item()
-    print(f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler (float) vs lcm max|diff| = {d_lcm:.3e}; "
-          f"vs diffusers RCMScheduler {d_ref:.3e} (max|latent| {scale:.3f})")
+    print(
+        f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler (float) vs lcm max|diff| = {d_lcm:.3e}; "
+        f"vs diffusers RCMScheduler {d_ref:.3e} (max|latent| {scale:.3f})"
+    )
     # same graph, same float32 ops in another order: rounding only
     assert d_lcm <= 1e-5 * scale
     # another implementation of the transformer (diffusers vs ComfyUI), float32 over 4 model calls and
@@ -159,8 +180,10 @@ def test_wan_t2v_workflow_at_its_bf16_time_input_matches_the_diffusers_default(c
     """The shipped workflow's time_input (bf16) = RCMScheduler(time_input="bf16"), the diffusers default and
     the time official rCM checkpoints and training/rcm.py train with; far from the float-time sample."""
     ours = saved_latent(comfy_server, comfy_server.run_prompt(t2v_prompt(comfy_server)))
-    exact = saved_latent(comfy_server, comfy_server.run_prompt(
-        t2v_prompt(comfy_server, time_input="float", prefix="rcm_test/float_vs_bf16")))
+    exact = saved_latent(
+        comfy_server,
+        comfy_server.run_prompt(t2v_prompt(comfy_server, time_input="float", prefix="rcm_test/float_vs_bf16")),
+    )
     ref = setup["reference_bf16"]
     assert setup["timesteps_bf16"] == [988.0, 932.0, 852.0, 608.0]  # bf16(1000 r), not 987.65, 933.78, ...
     d_ref = (ours.double() - ref).abs().max().item()
@@ -168,21 +191,26 @@ def test_wan_t2v_workflow_at_its_bf16_time_input_matches_the_diffusers_default(c
     d_refs = (ref - setup["reference"]).abs().max().item()
     scale = ref.abs().max().item()
     tol = 1e-5 * scale  # as the float test above: round-off of two transformer implementations
-    print(f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler (bf16) vs diffusers RCMScheduler(bf16) "
-          f"max|diff| = {d_ref:.3e} (max|latent| {scale:.3f}, tol {tol:.2e}); vs RCMSampler (float) {d_float:.3e}; "
-          f"diffusers bf16 vs float {d_refs:.3e}")
+    print(
+        f"\n{os.path.basename(comfy_server.comfy_path)}: RCMSampler (bf16) vs diffusers RCMScheduler(bf16) "
+        f"max|diff| = {d_ref:.3e} (max|latent| {scale:.3f}, tol {tol:.2e}); vs RCMSampler (float) {d_float:.3e}; "
+        f"diffusers bf16 vs float {d_refs:.3e}"
+    )
     assert scale > 0.1
     assert d_ref <= tol
     # the rounded time moves the sample far beyond round-off, the same way in both implementations
     assert d_float > 100 * tol and d_refs > 100 * tol
 
 
-@pytest.mark.parametrize("rcm_sigmas, widget, fragment", [
-    ({"mid_t": "1.5, 1.4.0"}, "mid_t", "rCM Sigmas: mid_t: cannot read ['1.4.0'] as numbers"),
-    ({"sigma_max": 0.0}, "sigma_max", "Value 0.0 smaller than min of 0.01"),
-    ({"sigma_max": -3.0}, "sigma_max", "Value -3.0 smaller than min of 0.01"),
-    ({"steps": 9}, "steps", "Value 9 bigger than max of 8"),
-])
+@pytest.mark.parametrize(
+    "rcm_sigmas, widget, fragment",
+    [
+        ({"mid_t": "1.5, 1.4.0"}, "mid_t", "rCM Sigmas: mid_t: cannot read ['1.4.0'] as numbers"),
+        ({"sigma_max": 0.0}, "sigma_max", "Value 0.0 smaller than min of 0.01"),
+        ({"sigma_max": -3.0}, "sigma_max", "Value -3.0 smaller than min of 0.01"),
+        ({"steps": 9}, "steps", "Value 9 bigger than max of 8"),
+    ],
+)
 def test_bad_widget_values_come_back_in_the_prompt_response(comfy_server, setup, rcm_sigmas, widget, fragment):
     """One error per bad value, naming that widget (ComfyUI reports a failed custom check once per input the check
     takes: the check takes mid_t alone; steps and sigma_max are refused by their ranges)."""
@@ -194,10 +222,16 @@ def test_bad_widget_values_come_back_in_the_prompt_response(comfy_server, setup,
     assert e["extra_info"]["input_name"] == widget and fragment in f"{e['message']}: {e['details']}", e
 
 
-@pytest.mark.parametrize("rcm_sigmas, fragment", [
-    ({"steps": 6}, "rCM Sigmas: steps=6 is out of range: with mid_t=[1.5, 1.4, 1.0] the rCM sampler takes 1..4 steps"),
-    ({"steps": 4, "sigma_max": 2.0}, "arctan(sigma_max=2.0)"),
-])
+@pytest.mark.parametrize(
+    "rcm_sigmas, fragment",
+    [
+        (
+            {"steps": 6},
+            "rCM Sigmas: steps=6 is out of range: with mid_t=[1.5, 1.4, 1.0] the rCM sampler takes 1..4 steps",
+        ),
+        ({"steps": 4, "sigma_max": 2.0}, "arctan(sigma_max=2.0)"),
+    ],
+)
 def test_widgets_that_do_not_fit_together_are_one_execution_error(comfy_server, setup, rcm_sigmas, fragment):
     entry = comfy_server.run_prompt(t2v_prompt(comfy_server, **rcm_sigmas))
     assert entry["status"]["status_str"] == "error"
@@ -206,14 +240,22 @@ def test_widgets_that_do_not_fit_together_are_one_execution_error(comfy_server, 
 
 
 def test_wrong_lora_for_the_model_is_an_execution_error_naming_the_widget(comfy_server, setup):
-    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, DIM),
-               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(DIM, 4)},
-              os.path.join(comfy_server.base, "models", "loras", "a_flux_lora.safetensors"))
-    wan14b = {f"diffusion_model.blocks.{LAYERS + 3}.self_attn.q.lora_down.weight": torch.zeros(4, DIM),
-              f"diffusion_model.blocks.{LAYERS + 3}.self_attn.q.lora_up.weight": torch.zeros(DIM, 4)}
+    save_file(
+        {
+            "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, DIM),
+            "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(DIM, 4),
+        },
+        os.path.join(comfy_server.base, "models", "loras", "a_flux_lora.safetensors"),
+    )
+    wan14b = {
+        f"diffusion_model.blocks.{LAYERS + 3}.self_attn.q.lora_down.weight": torch.zeros(4, DIM),
+        f"diffusion_model.blocks.{LAYERS + 3}.self_attn.q.lora_up.weight": torch.zeros(DIM, 4),
+    }
     save_file(wan14b, os.path.join(comfy_server.base, "models", "loras", "a_deeper_wan_lora.safetensors"))
-    for lora_name, fragment in (("a_flux_lora.safetensors", "this LoRA is for Flux but the model is Wan"),
-                                ("a_deeper_wan_lora.safetensors", "")):
+    for lora_name, fragment in (
+        ("a_flux_lora.safetensors", "this LoRA is for Flux but the model is Wan"),
+        ("a_deeper_wan_lora.safetensors", ""),
+    ):
         prompt = t2v_prompt(comfy_server)
         loader = next(v for v in prompt.values() if v["class_type"] == "RCMLoraLoader")
         loader["inputs"]["lora_name"] = lora_name

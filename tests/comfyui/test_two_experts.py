@@ -37,10 +37,17 @@ import sys
 
 import pytest
 import torch
+from comfyui_harness import (
+    REPO,
+    SKIP_REASON,
+    TEXT_DIM,
+    diffusers_wan_from_comfy,
+    have_comfyui,
+    renoise_seed_offset,
+    tiny_wan_state_dict,
+    wan_latent_stats,
+)
 from safetensors.torch import load_file, save_file
-
-from comfyui_harness import (REPO, SKIP_REASON, TEXT_DIM, diffusers_wan_from_comfy, have_comfyui, renoise_seed_offset,
-                             tiny_wan_state_dict, wan_latent_stats)
 from workflow_format import ui_to_api
 
 if os.path.join(REPO, "tests") not in sys.path:  # train_helpers lives one folder up
@@ -77,12 +84,20 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_experts")
     experts = {"high": tiny_wan_state_dict(seed=11, in_dim=36), "low": tiny_wan_state_dict(seed=12, in_dim=36)}
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])
-    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None, vae=vae,
-                                   scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-                                   transformer=diffusers_wan_from_comfy(experts["high"]),
-                                   transformer_2=diffusers_wan_from_comfy(experts["low"]), boundary_ratio=BOUNDARY)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    pipe = WanImageToVideoPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        image_encoder=None,
+        image_processor=None,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        transformer=diffusers_wan_from_comfy(experts["high"]),
+        transformer_2=diffusers_wan_from_comfy(experts["low"]),
+        boundary_ratio=BOUNDARY,
+    )
     pipe_dir = str(root / "pipe")
     pipe.save_pretrained(pipe_dir)
 
@@ -95,18 +110,45 @@ def trained(tmp_path_factory):
     mask = torch.zeros(n, 4, *LATENT[1:])
     mask[:, :, 0] = 1.0
     image = lat + 0.1 * torch.randn(n, *LATENT, generator=g)
-    tables = {"prompt_embeds": 0.5 * torch.randn(classes, TEXT_LEN, TEXT_DIM, generator=g),
-              "negative_prompt_embeds": torch.zeros(1, TEXT_LEN, TEXT_DIM)}
-    data_dir = write_latent_dataset(str(root / "data"), {"latents": lat, "prompt_index": label,
-                                                          "condition": torch.cat([mask, image], dim=1)},
-                                    family="wan_i2v", tables=tables,
-                                    table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None})
+    tables = {
+        "prompt_embeds": 0.5 * torch.randn(classes, TEXT_LEN, TEXT_DIM, generator=g),
+        "negative_prompt_embeds": torch.zeros(1, TEXT_LEN, TEXT_DIM),
+    }
+    data_dir = write_latent_dataset(
+        str(root / "data"),
+        {"latents": lat, "prompt_index": label, "condition": torch.cat([mask, image], dim=1)},
+        family="wan_i2v",
+        tables=tables,
+        table_index={"prompt_embeds": "prompt_index", "negative_prompt_embeds": None},
+    )
     run_dir = root / "run"
-    run_trainer(["--config", os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"), "--pretrained", pipe_dir,
-                 "--data_dir", data_dir, "--output_dir", str(run_dir), "--max_steps", str(TRAIN_STEPS),
-                 "--time_input", "float", "--experts", "both", "--lr", "1e-2", "--checkpoint_every", "0"], timeout=900)
-    files = {"high": run_dir / "pytorch_lora_weights.safetensors",
-             "low": run_dir / "transformer_2" / "pytorch_lora_weights.safetensors"}
+    run_trainer(
+        [
+            "--config",
+            os.path.join(REPO, "training", "configs", "tiny-wan-test.yaml"),
+            "--pretrained",
+            pipe_dir,
+            "--data_dir",
+            data_dir,
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            str(TRAIN_STEPS),
+            "--time_input",
+            "float",
+            "--experts",
+            "both",
+            "--lr",
+            "1e-2",
+            "--checkpoint_every",
+            "0",
+        ],
+        timeout=900,
+    )
+    files = {
+        "high": run_dir / "pytorch_lora_weights.safetensors",
+        "low": run_dir / "transformer_2" / "pytorch_lora_weights.safetensors",
+    }
     comfy_files, lora_b = {}, {}
     for name, f in files.items():
         sd = load_file(f)
@@ -115,14 +157,28 @@ def trained(tmp_path_factory):
         assert b > 0, f"{name}-noise expert LoRA: all lora_B are zero (never trained)"
         lora_b[name] = b
         out = root / f"{name}_comfyui.safetensors"
-        p = subprocess.run([sys.executable, "-m", "rcm_diffusers.lora", "convert", str(f), str(out), "--format", "comfyui"],
-                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "rcm_diffusers.lora", "convert", str(f), str(out), "--format", "comfyui"],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         comfy_files[name] = str(out)
     # the ComfyUI inputs: class 0's text embeddings, sample 0's image latents (back in the VAE's raw space)
     mean, std = wan_latent_stats()
-    return {"root": root, "pipe_dir": pipe_dir, "run_dir": str(run_dir), "experts": experts, "loras": comfy_files,
-            "context": tables["prompt_embeds"][:1].clone(), "image_raw": image[:1] * std + mean, "lora_b": lora_b}
+    return {
+        "root": root,
+        "pipe_dir": pipe_dir,
+        "run_dir": str(run_dir),
+        "experts": experts,
+        "loras": comfy_files,
+        "context": tables["prompt_embeds"][:1].clone(),
+        "image_raw": image[:1] * std + mean,
+        "lora_b": lora_b,
+    }
 
 
 def reference(trained, comfy_path, lora_dir=None):
@@ -132,8 +188,9 @@ def reference(trained, comfy_path, lora_dir=None):
     from rcm_diffusers import RCMScheduler
     from rcm_diffusers.lora.pipeline import load_rcm_lora
 
-    pipe = WanImageToVideoPipeline.from_pretrained(trained["pipe_dir"], tokenizer=None, text_encoder=None, image_encoder=None,
-                                                   image_processor=None)
+    pipe = WanImageToVideoPipeline.from_pretrained(
+        trained["pipe_dir"], tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None
+    )
     assert pipe.config.boundary_ratio == BOUNDARY
     if lora_dir is not None:
         load_rcm_lora(pipe, lora_dir)
@@ -146,16 +203,22 @@ def reference(trained, comfy_path, lora_dir=None):
     sched.set_timesteps(4)
     x = sched.scale_initial_noise(torch.randn(shape, generator=torch.manual_seed(SEED)))
     offset = renoise_seed_offset(comfy_path)
-    renoise = {True: torch.Generator().manual_seed(SEED + offset),  # first SamplerCustomAdvanced: RandomNoise(SEED)
-               False: torch.Generator().manual_seed(0 + offset)}  # second: DisableNoise, seed 0
+    renoise = {
+        True: torch.Generator().manual_seed(SEED + offset),  # first SamplerCustomAdvanced: RandomNoise(SEED)
+        False: torch.Generator().manual_seed(0 + offset),
+    }  # second: DisableNoise, seed 0
     experts = []
     with torch.no_grad():
         for t in sched.timesteps:
             high = bool(t >= BOUNDARY * 1000)
             experts.append("high" if high else "low")
             net = pipe.transformer if high else pipe.transformer_2
-            v = net(hidden_states=torch.cat([x, condition], dim=1), timestep=t.reshape(1),
-                    encoder_hidden_states=trained["context"], return_dict=False)[0]
+            v = net(
+                hidden_states=torch.cat([x, condition], dim=1),
+                timestep=t.reshape(1),
+                encoder_hidden_states=trained["context"],
+                return_dict=False,
+            )[0]
             x = sched.step(v, t, x, generator=renoise[high]).prev_sample
     assert experts == ["high", "high", "low", "low"]  # r = 0.995, 0.934 | 0.853, 0.609 at boundary 0.9
     return x * std + mean  # SaveLatent stores ComfyUI's process_latent_out(x)
@@ -222,7 +285,10 @@ def i2v_prompt(server, high_lora=HIGH_LORA, low_lora=LOW_LORA, prefix="two_exper
     samplers = nodes("SamplerCustomAdvanced")
     (last,) = [k for k in samplers if api[k]["inputs"]["latent_image"][0] in samplers]
     assert api[api[last]["inputs"]["noise"][0]]["class_type"] == "DisableNoise"
-    api["save"] = {"class_type": "SaveLatent", "inputs": {"samples": [last, 0], "filename_prefix": f"rcm_test/{prefix}"}}
+    api["save"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [last, 0], "filename_prefix": f"rcm_test/{prefix}"},
+    }
     return api
 
 
@@ -242,15 +308,18 @@ def test_two_expert_lora_pair_through_the_server_matches_diffusers(served, train
     tol = TOL_REL * scale
 
     # the pair swapped between the experts (in ComfyUI), and no LoRA at all (diffusers): far outside tol
-    swapped = saved_latent(server, server.run_prompt(
-        i2v_prompt(server, "swapped_" + HIGH_LORA, "swapped_" + LOW_LORA, prefix="swapped")))
+    swapped = saved_latent(
+        server, server.run_prompt(i2v_prompt(server, "swapped_" + HIGH_LORA, "swapped_" + LOW_LORA, prefix="swapped"))
+    )
     d_swap = (ours - swapped).abs().max().item()
     base = reference(trained, server.comfy_path, None)
     d_base = (ours.double() - base.double()).abs().max().item()
-    print(f"\n{os.path.basename(server.comfy_path)}: two-expert RCMSampler vs diffusers max|diff| = {d_ref:.3e} "
-          f"(max|latent| {scale:.3f}, tol {tol:.2e}); LoRA pair swapped between the experts {d_swap:.3e}; "
-          f"diffusers without the LoRAs {d_base:.3e}; max|lora_B| high {trained['lora_b']['high']:.3e}, "
-          f"low {trained['lora_b']['low']:.3e}")
+    print(
+        f"\n{os.path.basename(server.comfy_path)}: two-expert RCMSampler vs diffusers max|diff| = {d_ref:.3e} "
+        f"(max|latent| {scale:.3f}, tol {tol:.2e}); LoRA pair swapped between the experts {d_swap:.3e}; "
+        f"diffusers without the LoRAs {d_base:.3e}; max|lora_B| high {trained['lora_b']['high']:.3e}, "
+        f"low {trained['lora_b']['low']:.3e}"
+    )
     assert scale > 0.1
     assert d_ref <= tol
     # the high-noise steps ran with the high expert's LoRA and the low-noise steps with the low one's

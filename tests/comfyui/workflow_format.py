@@ -88,7 +88,9 @@ def check_ui_workflow(ui: dict, object_info: dict, only: set[str] | None = None)
                 problems.append(f"{where}: output {i} has type {out['type']}, definition {okind}")
         slots, values = widget_slots(info), node.get("widgets_values", [])
         if len(values) != len(slots):
-            problems.append(f"{where}: {len(values)} widget values for {len(slots)} widgets {[s and s[0] for s in slots]}")
+            problems.append(
+                f"{where}: {len(values)} widget values for {len(slots)} widgets {[s and s[0] for s in slots]}"
+            )
             continue
         for slot, value in zip(slots, values):
             if slot is None:
@@ -97,7 +99,11 @@ def check_ui_workflow(ui: dict, object_info: dict, only: set[str] | None = None)
                 continue
             name, wkind, opts = slot
             if wkind in ("INT", "FLOAT"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or (wkind == "INT" and value != int(value)):
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or (wkind == "INT" and value != int(value))
+                ):
                     problems.append(f"{where}: {name}={value!r} is not an {wkind}")
                     continue
                 if "min" in opts and value < opts["min"] or "max" in opts and value > opts["max"]:

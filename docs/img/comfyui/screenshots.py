@@ -22,8 +22,12 @@ import sys
 import aiohttp
 
 WIDTH, HEIGHT = 2400, 1250
-SETTINGS = {"Comfy.TutorialCompleted": True, "Comfy.Minimap.Visible": False, "Comfy.RightSidePanel.IsOpen": False,
-            "LiteGraph.Canvas.LowQualityRenderingZoomThreshold": 0.2}
+SETTINGS = {
+    "Comfy.TutorialCompleted": True,
+    "Comfy.Minimap.Visible": False,
+    "Comfy.RightSidePanel.IsOpen": False,
+    "LiteGraph.Canvas.LowQualityRenderingZoomThreshold": 0.2,
+}
 GRAPH_BOX = """(() => { const c = window.app.canvas, ds = c.ds, r = c.canvas.getBoundingClientRect();
   let x0 = 1e9, y0 = 1e9, x1 = -1e9, y1 = -1e9;
   for (const n of c.graph._nodes) { x0 = Math.min(x0, n.pos[0]); y0 = Math.min(y0, n.pos[1] - 34);
@@ -74,10 +78,21 @@ class DevTools:
 async def main(url, out_dir, files):
     port = free_port()
     chromium = subprocess.Popen(
-        ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         f"--remote-debugging-port={port}", "--remote-debugging-address=127.0.0.1",
-         "--user-data-dir=/tmp/rcm-chromium-profile", f"--window-size={WIDTH},{HEIGHT}", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "chromium",
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--remote-debugging-port={port}",
+            "--remote-debugging-address=127.0.0.1",
+            "--user-data-dir=/tmp/rcm-chromium-profile",
+            f"--window-size={WIDTH},{HEIGHT}",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/settings", json=SETTINGS) as r:
@@ -91,8 +106,9 @@ async def main(url, out_dir, files):
                     await asyncio.sleep(0.5)
             async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                 dt = DevTools(ws)
-                await dt.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1,
-                              mobile=False)
+                await dt.call(
+                    "Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False
+                )
                 await dt.call("Page.navigate", url=url)
                 for _ in range(120):
                     await asyncio.sleep(1)
@@ -107,14 +123,19 @@ async def main(url, out_dir, files):
                     got = sorted(await dt.js("window.app.canvas.graph._nodes.map(n => n.type)"))
                     if got != want:
                         raise RuntimeError(f"the editor shows {got}, not {path}")
-                    await dt.js("(async () => { await window.app.extensionManager.command.execute("
-                                "'Comfy.Canvas.FitView'); const c = window.app.canvas; c.setDirty(true, true); "
-                                "c.draw(true, true); return true; })()")
+                    await dt.js(
+                        "(async () => { await window.app.extensionManager.command.execute("
+                        "'Comfy.Canvas.FitView'); const c = window.app.canvas; c.setDirty(true, true); "
+                        "c.draw(true, true); return true; })()"
+                    )
                     await asyncio.sleep(2)
                     x0, y0, x1, y1 = await dt.js(GRAPH_BOX)
                     x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, WIDTH), min(y1, HEIGHT)
-                    shot = await dt.call("Page.captureScreenshot", format="png",
-                                         clip={"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0, "scale": 1})
+                    shot = await dt.call(
+                        "Page.captureScreenshot",
+                        format="png",
+                        clip={"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0, "scale": 1},
+                    )
                     name = os.path.join(out_dir, os.path.basename(path).replace(".json", ".png"))
                     with open(name, "wb") as f:
                         f.write(base64.b64decode(shot["data"]))

@@ -17,11 +17,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 # workflow stem -> (screenshot, subtitle, left edge of the crop as a fraction of the screenshot width)
 CARDS = {
     "1. Wan 2.1 T2V in 4 rCM steps": ("wan21_t2v_rcm_4step.png", "rCM LoRA  ·  4 steps  ·  no CFG", 0.25),
-    "2. Wan 2.2 I2V A14B, two experts, 4 rCM steps": ("wan22_i2v_two_expert_rcm.png",
-                                                       "high- and low-noise experts  ·  expert split", 0.22),
+    "2. Wan 2.2 I2V A14B, two experts, 4 rCM steps": (
+        "wan22_i2v_two_expert_rcm.png",
+        "high- and low-noise experts  ·  expert split",
+        0.22,
+    ),
     "3. FLUX.1 dev in 4 rCM steps": ("flux1_dev_rcm_4step.png", "rCM LoRA  ·  4 steps  ·  1024x1024", 0.25),
-    "4. Wan 2.1 T2V teacher (50 steps) vs rCM student (4 steps)": ("wan21_t2v_teacher_vs_rcm_student.png",
-                                                                   "same prompt and seed, two videos", 0.25),
+    "4. Wan 2.1 T2V teacher (50 steps) vs rCM student (4 steps)": (
+        "wan21_t2v_teacher_vs_rcm_student.png",
+        "same prompt and seed, two videos",
+        0.25,
+    ),
 }
 SIZE, BAND = 512, 120
 
