@@ -1,5 +1,5 @@
 # One-command entry points (see README). Everything lives in a local virtual environment.
-#   make test   set up .venv and run the test suite (CPU, offline)
+#   make test   set up .venv, lint (ruff) and run the test suite (CPU, offline)
 #   make test-floors   the scheduler, pipeline and LoRA tests against the lowest declared versions (.ci/floors.txt)
 #   make demo   set up .venv and run the main job on the embedded default
 #   make demo-experts   two-expert (Wan 2.2-style) distillation on digits, 3 seeds (35-50 min on a shared 2-core host)
@@ -21,7 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# lint and format first (ruff, configured in pyproject.toml): seconds, and a failure names the line
 test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
 # The declared floors of diffusers/peft/transformers/accelerate (pinned in .ci/floors.txt) in a second venv, on the

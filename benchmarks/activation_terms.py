@@ -56,7 +56,8 @@ def saved(dtype, layers: int, heads: int, ffn: int, frames: int, text: int, rank
 
 
 def saved_flux(dtype, double: int, single: int, heads: int, hw: int, text: int, rank: int) -> int:
-    """Bytes autograd saves in one student forward of a Flux with ``double`` / ``single`` blocks (``hw`` x ``hw`` latent)."""
+    """Bytes autograd saves in one student forward of a Flux with ``double`` / ``single`` blocks (``hw`` x ``hw``
+    latent)."""
     from rcm_diffusers.distill.data import _flux_img_ids
 
     m = build_transformer(
@@ -82,7 +83,8 @@ def saved_flux(dtype, double: int, single: int, heads: int, hw: int, text: int, 
 def flux_rows(a) -> None:
     """Per token of either stream, one double and one single block (differences of block counts)."""
     print(
-        "| dtype | D | block | per image token: measured / model, bytes | per text token: measured |\n|---|---|---|---|---|"
+        "| dtype | D | block | per image token: measured / model, bytes | per text token: measured |"
+        "\n|---|---|---|---|---|"
     )
     for dt in a.dtypes.split(","):
         dtype = getattr(torch, dt)
@@ -111,7 +113,8 @@ def flux_rows(a) -> None:
                 c = ACT_COEFFS["flux_" + kind]
                 model = _block_bytes(c, s, 1, 0) - _block_bytes(c, s, 0, 0)
                 print(
-                    f"| {dt} | {128 * heads} | {kind} | {per_img:.0f} / {model:.0f} ({per_img / model:.3f}) | {per_txt:.0f} |",
+                    f"| {dt} | {128 * heads} | {kind} | {per_img:.0f} / {model:.0f} ({per_img / model:.3f}) "
+                    f"| {per_txt:.0f} |",
                     flush=True,
                 )
 
@@ -125,7 +128,8 @@ def main(argv=None):
         "--widths",
         default=None,
         help="Wan: comma-separated HEADS:FFN pairs (width D = 128 x heads; default 4:1024,12:8960,24:8960,40:13824, "
-        "12:8960 is Wan2.1-1.3B, 40:13824 the 14B); Flux: comma-separated head counts (default 4,12,24; 24 is FLUX.1-dev)",
+        "12:8960 is Wan2.1-1.3B, 40:13824 the 14B); Flux: comma-separated head counts "
+        "(default 4,12,24; 24 is FLUX.1-dev)",
     )
     p.add_argument("--dtypes", default="bfloat16,float32", help="weight dtypes (bfloat16: under bf16 autocast)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
@@ -135,13 +139,15 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message="There are modules in")
     from diffusers.utils import logging as diffusers_logging
 
-    diffusers_logging.set_verbosity_error()  # the float32-kept modules are cast on purpose, as from_pretrained keeps them
+    # the float32-kept modules are cast on purpose, as from_pretrained keeps them
+    diffusers_logging.set_verbosity_error()
     if a.family == "flux":
         a.widths = a.widths or "4,12,24"
         return flux_rows(a)
     a.widths = a.widths or "4:1024,12:8960,24:8960,40:13824"
     print(
-        "| dtype | D | F | per video token: measured / model | per text token: measured / model |\n|---|---|---|---|---|"
+        "| dtype | D | F | per video token: measured / model | per text token: measured / model |"
+        "\n|---|---|---|---|---|"
     )
     for dt in a.dtypes.split(","):
         dtype = getattr(torch, dt)

@@ -71,7 +71,8 @@ def main(argv=None):
         m = ev.evaluate(x, labels)
         rows.append({"steps": n, "sigma_max": sm, "mid_t": mid, **m})
         print(
-            f"| {n} | {sm:g} | {mid or '-'} | {m['fd']:.2f} | {m['fd_pixel']:.3f} | {m['accuracy']:.3f} | {m['diversity']:.2f} |",
+            f"| {n} | {sm:g} | {mid or '-'} | {m['fd']:.2f} | {m['fd_pixel']:.3f} "
+            f"| {m['accuracy']:.3f} | {m['diversity']:.2f} |",
             flush=True,
         )
     if a.out:

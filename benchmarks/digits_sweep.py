@@ -7,10 +7,11 @@ Everything after ``--`` goes to ``training/rcm.py`` (on top of ``training/config
 into ``OUT/NAME`` (skipped when its ``final.json`` exists) with one torch thread and its log in ``OUT/NAME/train.log``.
 Evaluation: the EMA and live LoRA, ``RCMScheduler`` at 1 / 2 / 4 steps (``--steps``), 1000 samples, seed 1234, the
 student sampled as its run's ``env.json`` config names: the time input it was trained with (``bf16`` rounds the
-transformer's timestep ``1000 r`` to bfloat16, as training fed it), ``sigma_max`` and ``mid_t``. FD to held-out real digits and its
-ratio to the 50-step Euler teacher's FD, the same for the pixel FD (raw pixels, a second feature space), class
-accuracy and diversity; one JSON line per run appended to ``OUT/sweep.jsonl`` with the wall clock of training. ``--extra_ema 0.05,0.2`` trains through
-``benchmarks/train_extra_ema.py`` (no resume) and evaluates each extra power-EMA rate too (``ema-<s>`` rows).
+transformer's timestep ``1000 r`` to bfloat16, as training fed it), ``sigma_max`` and ``mid_t``. FD to held-out real
+digits and its ratio to the 50-step Euler teacher's FD, the same for the pixel FD (raw pixels, a second feature
+space), class accuracy and diversity; one JSON line per run appended to ``OUT/sweep.jsonl`` with the wall clock of
+training. ``--extra_ema 0.05,0.2`` trains through ``benchmarks/train_extra_ema.py`` (no resume) and evaluates each
+extra power-EMA rate too (``ema-<s>`` rows).
 """
 
 from __future__ import annotations

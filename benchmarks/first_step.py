@@ -66,7 +66,8 @@ def run_wan(mode: str) -> torch.Tensor:
 def main() -> None:
     s = 0.5
     print(
-        f"| start | Gaussian data, stochastic: std (target {s}) | Gaussian data, ode: std (target {s}) | tiny Wan: rel. L2 diff vs exact |"
+        f"| start | Gaussian data, stochastic: std (target {s}) | Gaussian data, ode: std (target {s}) "
+        "| tiny Wan: rel. L2 diff vs exact |"
     )
     print("|---|---|---|---|")
     ref = run_wan("exact")

@@ -143,13 +143,15 @@ def main(argv=None) -> list[dict]:
             del args
     dev_name = torch.cuda.get_device_name() if cuda else "CPU (smoke)"
     print(
-        f"\nJVP attention, {dev_name}, B=1, D={a.head_dim}, {str(dtype).replace('torch.', '')}, torch {torch.__version__}\n"
+        f"\nJVP attention, {dev_name}, B=1, D={a.head_dim}, {str(dtype).replace('torch.', '')}, "
+        f"torch {torch.__version__}\n"
     )
     print("| H | S | method | median ms | TFLOP/s | x sdpa_fwd | peak GiB | tO rel err | note |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['H']} | {r['S']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r.get('x_sdpa', float('nan')):.2f} "
+            f"| {r['H']} | {r['S']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.1f} "
+            f"| {r.get('x_sdpa', float('nan')):.2f} "
             f"| {r['peak_gib']:.2f} | {r['err']:.1e} | {r.get('note', '')} |"
         )
     return rows

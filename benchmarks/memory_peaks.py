@@ -1,7 +1,7 @@
 """Measured peak memory of the training phases at a real Wan width, against the memory model.
 
-Builds the real Wan architecture (``rcm_diffusers/arch_configs``, random weights; in bf16 the modules ``from_pretrained``
-keeps in float32 stay float32) at full width cut to a few blocks,
+Builds the real Wan architecture (``rcm_diffusers/arch_configs``, random weights; in bf16 the modules
+``from_pretrained`` keeps in float32 stay float32) at full width cut to a few blocks,
 sets up the trainer's networks (shared frozen base, LoRA student and fake score, JVP attention, the checkpointing
 policy, Ulysses context parallelism when launched on several processes) and traces torch's allocator
 (``rcm_diffusers.distill.memory.allocation_trace``) through each phase of a training step:
@@ -152,12 +152,14 @@ def print_rows(rows: list) -> None:
     )
     for r in rows:
         print(
-            f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} | {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |"
+            f"| {r['rank']} | {r['policy']} | {r['phase']} | {r['measured'] / GiB:.3f} "
+            f"| {r['predicted'] / GiB:.3f} | {r['ratio']:.3f} |"
         )
 
 
 def rescore(path: str, out: str | None) -> None:
-    """Recompute ``predicted`` and ``ratio`` of the rows in ``path`` with the current model (the measured bytes stay)."""
+    """Recompute ``predicted`` and ``ratio`` of the rows in ``path`` with the current model (the measured bytes
+    stay)."""
     with open(path) as f:
         rows = json.load(f)
     for r in rows:
@@ -176,7 +178,8 @@ def main(argv=None):
     phases = set(a.phases.split(","))
     if phases - {"jvp", "nograd", "grad", "step"}:
         raise SystemExit(
-            f"--phases: unknown {sorted(phases - {'jvp', 'nograd', 'grad', 'step'})}; choose from jvp, nograd, grad, step"
+            f"--phases: unknown {sorted(phases - {'jvp', 'nograd', 'grad', 'step'})}; "
+            "choose from jvp, nograd, grad, step"
         )
     if a.threads:
         torch.set_num_threads(a.threads)

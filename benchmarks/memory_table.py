@@ -1,10 +1,11 @@
 """The memory-model table of docs/benchmarks.md ("Memory model"): rcm_diffusers.distill.memory.predict_training for
-Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev at their training shapes, LoRA vs full three-network mode,
-the batch x LoRA-rank dependence for Wan2.1-14B 480p, what fits one 24 GB / 48 GB card under each checkpointing policy,
-and 8 x 80 GB with FSDP2 and Ulysses context parallelism 1/2/4/8 for the 14B models at 480p/720p x 81 frames against a
-72 GiB per-rank budget, with full and selective gradient checkpointing (GC) and without; and the cheapest one-card
-setting (base format, blocks swapped to the host, activation offload, LoRA rank) that fits a 24 GB or 48 GB card,
-with its predicted step-time slowdown from host transfers on PCIe 4.0 x16. Prints markdown; CPU, seconds.
+Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev at their training shapes, LoRA vs full
+three-network mode, the batch x LoRA-rank dependence for Wan2.1-14B 480p, what fits one 24 GB / 48 GB card under each
+checkpointing policy, and 8 x 80 GB with FSDP2 and Ulysses context parallelism 1/2/4/8 for the 14B models at
+480p/720p x 81 frames against a 72 GiB per-rank budget, with full and selective gradient checkpointing (GC) and
+without; and the cheapest one-card setting (base format, blocks swapped to the host, activation offload, LoRA rank)
+that fits a 24 GB or 48 GB card, with its predicted step-time slowdown from host transfers on PCIe 4.0 x16. Prints
+markdown; CPU, seconds.
 
     python benchmarks/memory_table.py            # all tables
     python benchmarks/memory_table.py --one-card # the one-card table only
@@ -73,7 +74,8 @@ def one_card_table() -> None:
     )
     print()
     print(
-        "| model | shape (tokens) | card | base | blocks on host | activation offload | LoRA rank | device GiB | host GiB | "
+        "| model | shape (tokens) | card | base | blocks on host | activation offload | LoRA rank "
+        "| device GiB | host GiB | "
         "slowdown | with an fp8 base: blocks on host, offload, rank, device / host GiB, slowdown |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -93,7 +95,8 @@ def one_card_table() -> None:
                 f"{fp['total'] / GiB:.1f} / {fp['host'] / GiB:.1f}, {ft['slowdown']:.2f}x"
             )
         print(
-            f"| {label} | {res} ({tok}) | {short} | {base} | {c.blocks_to_swap} | {'yes' if c.activation_offload else 'no'} "
+            f"| {label} | {res} ({tok}) | {short} | {base} | {c.blocks_to_swap} "
+            f"| {'yes' if c.activation_offload else 'no'} "
             f"| {c.lora_rank} | {p['total'] / GiB:.1f} | {p['host'] / GiB:.1f} | {t['slowdown']:.2f}x | {alt} |"
         )
 
@@ -112,7 +115,9 @@ def main() -> None:
         ("FLUX.1-dev", "flux.1-dev", "1024 x 1024", 64 * 64, 512),
     ]
     print(
-        "| model | shape (tokens) | mode | weights | trainable + grads + AdamW + EMA | activations (GC full / selective / off) | JVP | total GC full (selective; off), GiB | 8-GPU FSDP2 per rank (GC full) | H200 141 GB | 80 GB | 48 GB | 24 GB |"
+        "| model | shape (tokens) | mode | weights | trainable + grads + AdamW + EMA "
+        "| activations (GC full / selective / off) | JVP | total GC full (selective; off), GiB "
+        "| 8-GPU FSDP2 per rank (GC full) | H200 141 GB | 80 GB | 48 GB | 24 GB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, arch, res, tok, txt in rows:
@@ -145,7 +150,11 @@ def main() -> None:
             yes = lambda b: "yes" if b else "no"
             sa, st = (g(sel["activations"]), g(sel["total"])) if sel else ("-", "-")
             print(
-                f"| {label} | {res} ({tok}) | {'LoRA r64, shared base' if mode == 'shared' else 'full, 3 networks'} | {g(on['weights'])} | {g(tr)} | {g(on['activations'])} / {sa} / {g(off['activations'])} | {g(on['jvp'])} | {g(on['total'])} ({st}; {g(off['total'])}) | {per8} | {yes(f['H200 (141 GB)'])} | {yes(f['80 GB (A100/H100)'])} | {yes(f['48 GB (L40S / RTX 6000 Ada)'])} | {yes(f['24 GB (RTX 4090)'])} |"
+                f"| {label} | {res} ({tok}) | {'LoRA r64, shared base' if mode == 'shared' else 'full, 3 networks'} "
+                f"| {g(on['weights'])} | {g(tr)} | {g(on['activations'])} / {sa} / {g(off['activations'])} "
+                f"| {g(on['jvp'])} | {g(on['total'])} ({st}; {g(off['total'])}) | {per8} "
+                f"| {yes(f['H200 (141 GB)'])} | {yes(f['80 GB (A100/H100)'])} "
+                f"| {yes(f['48 GB (L40S / RTX 6000 Ada)'])} | {yes(f['24 GB (RTX 4090)'])} |"
             )
     print()
     print("| Wan2.1-T2V-14B 480p x 81, shared LoRA, GC on | rank 16 | rank 64 | rank 256 |")
@@ -158,11 +167,13 @@ def main() -> None:
         print(f"| batch {b} | " + " | ".join(cells) + " |")
     print()
     print(
-        "One card, shared LoRA r64, bf16, fd_type 0, batch 1: total GiB per checkpointing policy; fits = total <= 90% of the card"
+        "One card, shared LoRA r64, bf16, fd_type 0, batch 1: total GiB per checkpointing policy; "
+        "fits = total <= 90% of the card"
     )
     print()
     print(
-        "| model | shape (tokens) | GC off | GC full | GC selective | 24 GB: off / full / selective | 48 GB: off / full / selective |"
+        "| model | shape (tokens) | GC off | GC full | GC selective "
+        "| 24 GB: off / full / selective | 48 GB: off / full / selective |"
     )
     print("|---|---|---|---|---|---|---|")
     for label, arch, res, tok in (
@@ -200,7 +211,9 @@ def main() -> None:
     )
     print()
     print(
-        "| model | shape (tokens) | CP | tokens per rank | activations GC full | total GC full | <= 72 GiB | activations GC selective | total GC selective | <= 72 GiB | activations GC off | total GC off | <= 72 GiB |"
+        "| model | shape (tokens) | CP | tokens per rank | activations GC full | total GC full | <= 72 GiB "
+        "| activations GC selective | total GC selective | <= 72 GiB "
+        "| activations GC off | total GC off | <= 72 GiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, arch, experts in (

@@ -1,4 +1,5 @@
-"""QAD on the digits problem under the arithmetic ComfyUI runs (docs/benchmarks.md): ``python benchmarks/qad_digits.py [--out DIR]``.
+"""QAD on the digits problem under the arithmetic ComfyUI runs (docs/benchmarks.md):
+``python benchmarks/qad_digits.py [--out DIR]``.
 
 Per format (``--formats``, default NVFP4 and FP8 E4M3) and training seed (``--seeds``, default 0 1 2):
 one ``training/qad.py`` run with ``training/configs/qad-digits.yaml`` and ``--target comfyui`` (NVFP4: weights +
@@ -184,7 +185,8 @@ def main(argv=None):
                     flush=True,
                 )
     lines = [
-        f"| format (target {a.target}) | naive PTQ FD vs teacher | QAD FD vs teacher | gap recovered (per seed) | mean ± sd |",
+        f"| format (target {a.target}) | naive PTQ FD vs teacher | QAD FD vs teacher "
+        "| gap recovered (per seed) | mean ± sd |",
         "|---|---:|---:|---|---:|",
     ]
     for fmt in [f + tag for f in a.formats for tag, _ in variants]:

@@ -74,7 +74,8 @@ def main(argv=None):
         out[run] = {"fd_vs_teacher": fd, "gap_recovered": gap}
         print(
             f"{run}: FD vs teacher {np.round(fd, 3)} mean {np.mean(fd):.3f} sd {np.std(fd, ddof=1):.3f}; "
-            f"gap recovered {100 * (1 - np.mean(fd) / ptq_mean):.0f}% (per seed {np.round(100 * np.array(gap)).astype(int)})",
+            f"gap recovered {100 * (1 - np.mean(fd) / ptq_mean):.0f}% "
+            f"(per seed {np.round(100 * np.array(gap)).astype(int)})",
             flush=True,
         )
     if a.json:

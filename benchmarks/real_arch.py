@@ -409,7 +409,8 @@ def table(res: dict) -> str:
         f"text {res['text_tokens']}, LoRA rank {res['lora_rank']}: frozen {p['frozen'] / 1e9:.3f} B, "
         f"trainable {p['student'] / 1e6:.1f} M (student) + {p['fake'] / 1e6:.1f} M (fake)",
         "",
-        "| run | peak RSS (GiB) | predicted (GiB) | predicted activations (GiB) | s / step (per iteration) | wall (s) |",
+        "| run | peak RSS (GiB) | predicted (GiB) | predicted activations (GiB) "
+        "| s / step (per iteration) | wall (s) |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in res["runs"].items():

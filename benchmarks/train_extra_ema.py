@@ -1,4 +1,5 @@
-"""Train with ``training/rcm.py`` and keep extra power EMAs of the student beside the configured one (docs/screens.md, EMA rate).
+"""Train with ``training/rcm.py`` and keep extra power EMAs of the student beside the configured one (docs/screens.md,
+EMA rate).
 
     python benchmarks/train_extra_ema.py 0.05,0.2 -- --config training/configs/digits.yaml --output_dir RUN
 

@@ -341,7 +341,8 @@ def _wan_variant_warning(path, lora_name, diffusion_model):
     wanted = model_variant.upper()
     return (
         f"rCM LoRA Loader, lora_name={lora_name!r}: this LoRA was made for Wan {lora_variant.upper()} ({why}) but "
-        f"the model is Wan {wanted}; the shapes fit, so it is applied, but pick {'an' if wanted[0] in 'AEIOU' else 'a'} "
+        f"the model is Wan {wanted}; the shapes fit, so it is applied, but pick "
+        f"{'an' if wanted[0] in 'AEIOU' else 'a'} "
         f"{wanted} LoRA unless this is intended."
     )
 

@@ -125,7 +125,8 @@ def _check_angles(values: tuple[float, ...], where: str) -> None:
         )
     if any(b >= a for a, b in zip(values, values[1:])):
         raise ValueError(
-            f"mid_t: angles must strictly decrease (noisy to clean), got {list(values)}{where}; e.g. '{DEFAULT_MID_T_TEXT}'."
+            f"mid_t: angles must strictly decrease (noisy to clean), got {list(values)}{where}; "
+            f"e.g. '{DEFAULT_MID_T_TEXT}'."
         )
 
 
@@ -456,7 +457,8 @@ def model_weight_shapes(diffusion_model) -> dict[str, tuple[int, ...]]:
 
 
 def check_lora_against_model(comfy_state_dict: dict[str, torch.Tensor], diffusion_model) -> None:
-    """ValueError listing the LoRA targets that are missing from ``diffusion_model`` or do not fit its logical shapes."""
+    """ValueError listing the LoRA targets that are missing from ``diffusion_model`` or do not fit its logical
+    shapes."""
     from .lora import keys as lora_keys
 
     lora_keys.check_against_model(comfy_state_dict, model_weight_shapes(diffusion_model))

@@ -305,9 +305,11 @@ def teacher_rf_grid(
 ) -> np.ndarray:
     """Teacher ODE grid (docs/math.md §2.2): ``num_steps + 1`` RF times from ``r_max = sigma_max/(1+sigma_max)`` to 0.
 
-    - ``linear``: ``u`` uniform from the un-shifted start ``unshift(r_max)`` to 0, then ``r = shift_family(u, shift, shift_b)``
-      (``shift_b = 1``: the usual ``s u / (1 + (s-1) u)``), so that the grid starts exactly at ``r_max``.
-    - ``karras``: ``sigma_i = (smax^(1/rho) + i/(N-1) (smin^(1/rho) - smax^(1/rho)))^rho``, then ``r = sigma/(1+sigma)``, final 0.
+    - ``linear``: ``u`` uniform from the un-shifted start ``unshift(r_max)`` to 0, then
+      ``r = shift_family(u, shift, shift_b)`` (``shift_b = 1``: the usual ``s u / (1 + (s-1) u)``), so that the grid
+      starts exactly at ``r_max``.
+    - ``karras``: ``sigma_i = (smax^(1/rho) + i/(N-1) (smin^(1/rho) - smax^(1/rho)))^rho``, then
+      ``r = sigma/(1+sigma)``, final 0.
     - ``exponential``: ``sigma_i`` log-uniform from ``sigma_max`` to ``sigma_min``, final 0.
     ``shift`` applies to ``linear`` only (karras/exponential set their own density).
     """

@@ -199,10 +199,11 @@ class _FlowTimesMixin:
         if self._explicit_pending and not explicit:
             self._explicit_pending = False
             raise ValueError(
-                "the explicit times set by set_timesteps(sigmas=...) were replaced before any step: diffusers pipelines "
-                "call set_timesteps(num_inference_steps) themselves. Pass the times per call (FluxPipeline: "
-                "pipe(..., sigmas=[...])) or in the config (RCMScheduler.from_config(cfg, **rcm_config_for_rf_times(times)) "
-                "with rcm_diffusers.sampling.rcm_config_for_rf_times, or sigma_max / mid_t; teachers: spacing / shift); "
+                "the explicit times set by set_timesteps(sigmas=...) were replaced before any step: diffusers "
+                "pipelines call set_timesteps(num_inference_steps) themselves. Pass the times per call (FluxPipeline: "
+                "pipe(..., sigmas=[...])) or in the config "
+                "(RCMScheduler.from_config(cfg, **rcm_config_for_rf_times(times)) with "
+                "rcm_diffusers.sampling.rcm_config_for_rf_times, or sigma_max / mid_t; teachers: spacing / shift); "
                 "set_timesteps(sigmas=...) is for loops you drive yourself."
             )
         self._explicit_pending = explicit
@@ -250,7 +251,8 @@ class _FlowTimesMixin:
     def _init_step_index(self, timestep) -> None:
         if self._rf is None:
             raise ValueError(
-                f"{type(self).__name__}.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+                f"{type(self).__name__}.step() was called before set_timesteps(); "
+                "call set_timesteps(num_inference_steps) first."
             )
         self._step_index = self.index_for_timestep(timestep) if self._begin_index is None else self._begin_index
 
@@ -258,7 +260,8 @@ class _FlowTimesMixin:
         i = self._step_index
         if i >= len(self._rf) - 1:
             raise ValueError(
-                f"step() called {i + 1} times for a {len(self._rf) - 1}-step grid; call set_timesteps() again to start a new run."
+                f"step() called {i + 1} times for a {len(self._rf) - 1}-step grid; "
+                "call set_timesteps() again to start a new run."
             )
         self._step_index += 1
         return float(self._rf[i]), float(self._rf[i + 1])
@@ -345,7 +348,7 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
         self,
         num_train_timesteps: int = 1000,
         rcm_sigma_max: float = 80.0,
-        mid_t: list[float] | dict[str, list[float]] = list(DEFAULT_MID_T),
+        mid_t: list[float] | dict[str, list[float]] | None = None,
         stochastic: bool = True,
         time_input: str = "bf16",
         sigma_max: float | None = None,
@@ -361,6 +364,9 @@ class RCMScheduler(_FlowTimesMixin, SchedulerMixin, ConfigMixin):
             raise ValueError(
                 f"time_input must be one of {TIME_INPUTS} (the time the student was trained with), got {time_input!r}."
             )
+        if mid_t is None:  # default: DEFAULT_MID_T, registered as a list (the config holds no None)
+            mid_t = list(DEFAULT_MID_T)
+            self.register_to_config(mid_t=mid_t)
         normal = mid_t_as_config(validate_mid_t(mid_t, rcm_sigma_max))  # every angle, against sigma_max too
         if type(mid_t) is not type(normal) or mid_t != normal:
             self.register_to_config(mid_t=normal)
@@ -638,7 +644,8 @@ class TrigFlowEulerScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         """Euler: ``x' = x + (r_next - r_cur) v``, float64 arithmetic (docs/math.md §2.2)."""
         if self._rf is None:
             raise ValueError(
-                "TrigFlowEulerScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+                "TrigFlowEulerScheduler.step() was called before set_timesteps(); "
+                "call set_timesteps(num_inference_steps) first."
             )
         if self._step_index is None:
             self._init_step_index(timestep)
@@ -678,7 +685,7 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         solver_order: int = 2,
         solver_type: str = "bh2",
         lower_order_final: bool = True,
-        disable_corrector: list[int] = [],
+        disable_corrector: list[int] | None = None,
         use_dynamic_shifting: bool = False,
         base_shift: float = 0.5,
         max_shift: float = 1.15,
@@ -695,14 +702,17 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         # diffusers' UniPC divides by the final zero sigma in these settings and returns NaN (or fails to solve)
         if solver_type != "bh2":
             raise ValueError(
-                f"solver_type={solver_type!r} gives NaN at the final zero sigma of the flow grid; use solver_type='bh2' "
-                "(or TrigFlowEulerScheduler)."
+                f"solver_type={solver_type!r} gives NaN at the final zero sigma of the flow grid; "
+                "use solver_type='bh2' (or TrigFlowEulerScheduler)."
             )
         if not lower_order_final and solver_order > 1:
             raise ValueError(
                 "lower_order_final=False gives NaN (or a singular solve) at the final zero sigma of the flow grid for "
                 "solver_order > 1; keep lower_order_final=True."
             )
+        if disable_corrector is None:  # default: none, registered as [] (the config holds no None)
+            disable_corrector = []
+            self.register_to_config(disable_corrector=disable_corrector)
         self._solver = UniPCMultistepScheduler(
             num_train_timesteps=num_train_timesteps,
             solver_order=solver_order,
@@ -746,7 +756,8 @@ class TrigFlowUniPCScheduler(_TeacherGridMixin, SchedulerMixin, ConfigMixin):
         """One UniPC predictor-corrector step (diffusers' solver, this scheduler's grid)."""
         if self._rf is None:
             raise ValueError(
-                "TrigFlowUniPCScheduler.step() was called before set_timesteps(); call set_timesteps(num_inference_steps) first."
+                "TrigFlowUniPCScheduler.step() was called before set_timesteps(); "
+                "call set_timesteps(num_inference_steps) first."
             )
         if self._solver.step_index is not None and self._solver.step_index >= self.num_inference_steps:
             raise ValueError("step() called past the end of the grid; call set_timesteps() again to start a new run.")

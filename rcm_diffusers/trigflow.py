@@ -159,7 +159,8 @@ def sample_p_G(
     generator: torch.Generator | None = None,
     device=None,
 ) -> torch.Tensor:
-    """sCM angles: ``ln sigma ~ N(P_mean, P_std^2)``, ``sigma *= video_noise_multiplier``, ``t = arctan sigma`` (docs/math.md §3)."""
+    """sCM angles: ``ln sigma ~ N(P_mean, P_std^2)``, ``sigma *= video_noise_multiplier``, ``t = arctan sigma``
+    (docs/math.md §3)."""
     n = rng.randn((batch,), dtype=F64, generator=generator, device=device)
     sigma = torch.exp(P_mean + P_std * n) * video_noise_multiplier
     return torch.atan(sigma)

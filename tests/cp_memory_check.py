@@ -2,10 +2,10 @@
 tiny-width Wan transformers, against the memory model (rcm_diffusers/distill/memory.py) at ``context_parallel`` = the
 group size. Per case (``CASES``: held-out widths, depths, token and text counts, LoRA rank 8, float32 and bf16 autocast)
 and checkpointing policy: without checkpointing the bytes autograd saves (``saved_activation_bytes``) against
-``activation_bytes``; with ``full`` / ``selective`` checkpointing the bytes the checkpoints hold (``checkpoint_held_bytes``)
-against ``checkpoint_held``. Also the unsplit rule's prediction (``context_parallel`` 1). Then the allocator trace
-(``allocation_trace``) of a JVP pass and a grad forward + backward on the first case: its peaks and what it leaves
-allocated. Writes ``$CP_OUT/memory-rank{r}.json``. Used by tests/test_memory_model.py."""
+``activation_bytes``; with ``full`` / ``selective`` checkpointing the bytes the checkpoints hold
+(``checkpoint_held_bytes``) against ``checkpoint_held``. Also the unsplit rule's prediction (``context_parallel`` 1).
+Then the allocator trace (``allocation_trace``) of a JVP pass and a grad forward + backward on the first case: its
+peaks and what it leaves allocated. Writes ``$CP_OUT/memory-rank{r}.json``. Used by tests/test_memory_model.py."""
 
 import json
 import os
@@ -22,11 +22,11 @@ from rcm_diffusers.attention import enable_jvp_attention  # noqa: E402
 from rcm_diffusers.attention.ulysses import context_parallel_groups, enable_context_parallel  # noqa: E402
 from rcm_diffusers.distill.activation_checkpointing import enable_checkpointing  # noqa: E402
 from rcm_diffusers.distill.adapters import Networks  # noqa: E402
-from rcm_diffusers.distill.memory import (
+from rcm_diffusers.distill.memory import (  # noqa: E402
     TrainSetup,
     activation_bytes,
     allocation_trace,
-    checkpoint_held,  # noqa: E402
+    checkpoint_held,
     checkpoint_held_bytes,
     saved_activation_bytes,
 )
@@ -105,7 +105,8 @@ for i, c in enumerate(CASES):
             )
         hook.remove()
 
-# the allocator trace of a CP rank: a JVP pass, then a grad forward and its backward (float32, first case, no checkpointing)
+# the allocator trace of a CP rank: a JVP pass, then a grad forward and its backward (float32, first case, no
+# checkpointing)
 c = CASES[0]
 m = build_transformer("wan2.1-t2v-1.3b", **c["overrides"])
 nets, _ = Networks.build(m, "shared", with_fake=False, lora_rank=RANK_LORA)

@@ -45,7 +45,8 @@ def rank_rows(obj, r: int, B: int):
 
 
 def student_replay(terms, nets, batch, generator, backward):
-    """``terms.run_student_terms`` once per replayed rank: its rows (and ODE pairs), its generator, its terms scaled by 1/P."""
+    """``terms.run_student_terms`` once per replayed rank: its rows (and ODE pairs), its generator, its terms
+    scaled by 1/P."""
     B, logs = batch.B // WORLD, {}
     for r in range(WORLD):
         part = StudentBatch(

@@ -1,6 +1,6 @@
-"""Activation checkpointing policies (rcm_diffusers/distill/activation_checkpointing.py): ``selective`` and ``full`` give the
-gradients of no checkpointing, the JVP pass never checkpoints, the selective policy keeps what it says, and a short
-two-expert training run exports the same LoRA under both policies."""
+"""Activation checkpointing policies (rcm_diffusers/distill/activation_checkpointing.py): ``selective`` and ``full``
+give the gradients of no checkpointing, the JVP pass never checkpoints, the selective policy keeps what it says, and a
+short two-expert training run exports the same LoRA under both policies."""
 
 import os
 
@@ -150,7 +150,8 @@ def test_two_expert_training_exports_the_same_lora(tmp_path_factory):
     """Two experts, fd_type 0, student (sCM + DMD + boundary term) and fake-score steps: selective and full
     checkpointing export the same LoRA pair. Tolerance: the gradients agree to round-off (above; measured equal), so
     the weights after 2 Adam steps of lr 1e-3 agree to a few float32 units of the largest weight: 1e-6 of it (a
-    recompute under the wrong adapter, the bug the adapter-state guard fixes, moved them by about 2e-2 of it in 3 steps)."""
+    recompute under the wrong adapter, the bug the adapter-state guard fixes, moved them by about 2e-2 of it in 3
+    steps)."""
     root = tmp_path_factory.mktemp("sac")
     pipe, data = make_tiny_wan2(str(root / "pipe")), make_dataset(str(root / "data"), "wan")
     common = [

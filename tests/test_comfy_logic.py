@@ -560,7 +560,8 @@ def test_expert_split_bad_input_is_one_clear_line(sigmas, boundary, match):
 
 
 class FolderPaths:
-    """ComfyUI's folder_paths for one loras folder: get_full_path resolves any name, as ComfyUI's does for a raw path."""
+    """ComfyUI's folder_paths for one loras folder: get_full_path resolves any name, as ComfyUI's does for a raw
+    path."""
 
     def __init__(self, root, names):
         self.root, self.names, self.full_path_calls = root, names, []
@@ -576,7 +577,8 @@ class FolderPaths:
 
 
 def test_lora_name_outside_comfyuis_list_is_refused(tmp_path):
-    """Only names ComfyUI lists reach the file system; ``../../x`` or a stale name is one line, never opened as a path."""
+    """Only names ComfyUI lists reach the file system; ``../../x`` or a stale name is one line, never opened as a
+    path."""
     (tmp_path / "loras").mkdir()
     (tmp_path / "loras" / "rcm.safetensors").write_bytes(b"")
     (tmp_path / "x").write_bytes(b"")  # exists, but outside models/loras
@@ -899,7 +901,8 @@ def test_loader_errors_name_the_file_once_with_one_advice(comfyui_stand_ins):
 def test_stochastic_is_documented_as_comfyui_delivers_it():
     """ComfyUI converts a BOOLEAN widget's value with bool() before any node code sees it (execution.validate_inputs),
     so the node cannot refuse an API prompt's "false" (it arrives as True): the docs no longer say it refuses a
-    non-bool stochastic, and say what ComfyUI does instead; the widget stays a BOOLEAN (saved workflows keep loading)."""
+    non-bool stochastic, and say what ComfyUI does instead; the widget stays a BOOLEAN (saved workflows keep
+    loading)."""
     from comfy_nodes.nodes import RCM_SAMPLER, _rcm_sampler_options
 
     (widget,) = [i for i in RCM_SAMPLER.inputs if i.name == "stochastic"]

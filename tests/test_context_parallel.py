@@ -76,7 +76,8 @@ def test_transformer_output_jvp_and_gradients_split_over_two_processes(tmp_path)
             ratio = max(ratio, diff / max(err32[k], F32_UNIT * scale))
         print(
             f"rank {r} I2V two experts: largest difference / float32 error of the unsplit run over {len(i2v)} tensors: "
-            f"{ratio:.3g}; output and FD tangent bit for bit: {all(_compare(ref, got, [k])[k][0] == 0 for k in ('i2v.output', 'i2v.fd'))}"
+            f"{ratio:.3g}; output and FD tangent bit for bit: "
+            f"{all(_compare(ref, got, [k])[k][0] == 0 for k in ('i2v.output', 'i2v.fd'))}"
         )
         refusals = json.load(open(tmp_path / f"refusals2-rank{r}.json"))
         assert "does not divide the 3 attention heads" in refusals["heads"], refusals
@@ -93,8 +94,9 @@ def wan(tmp_path_factory):
 def test_rcm_context_parallel_two_processes_equals_one(wan):
     """training/rcm.py (student with sCM by exact JVP and DMD, fake score, EMA; 4 iterations) on 2 processes with
     --context_parallel_size 2 exports the same LoRA and EMA LoRA as 1 process with the same config, batch size and
-    seed, and logs the same losses; so does the same on 2 processes with FSDP2 (fsdp2_2cpu.yaml). Also 2 DDP processes with batch 1 and per-sample noise equal 1 process with
-    batch 2 (this runs torch.func.jvp through the DDP wrapper: trainer.ddp_jvp_bypass)."""
+    seed, and logs the same losses; so does the same on 2 processes with FSDP2 (fsdp2_2cpu.yaml). Also 2 DDP processes
+    with batch 1 and per-sample noise equal 1 process with batch 2 (this runs torch.func.jvp through the DDP wrapper:
+    trainer.ddp_jvp_bypass)."""
     common = [
         "--config",
         WAN,

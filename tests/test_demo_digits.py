@@ -153,8 +153,8 @@ def test_evaluation_uses_the_training_cores(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_with_ablations_end_to_end(tmp_path):
-    """Four 4-iteration students (rCM, sCM-only, DMD-only, no-regression) through accelerate launch, each by two real DDP
-    processes (one checksum per rank in final.json), one report; a rerun reuses them, and refuses them for
+    """Four 4-iteration students (rCM, sCM-only, DMD-only, no-regression) through accelerate launch, each by two real
+    DDP processes (one checksum per rank in final.json), one report; a rerun reuses them, and refuses them for
     another process count."""
     out = tmp_path / "digits"
     rows = demo_digits.main(["--ablations", "--jobs", "2", "--processes", "2", "--out", str(out), *TINY])

@@ -187,7 +187,8 @@ def test_report_and_grid(tmp_path, split):
 def test_report_has_the_rows_of_the_stock_pipeline_path(tmp_path):
     """eval_digits adds, per LoRA student, the rows a diffusers user gets: "user call" (WanPipeline.from_pretrained +
     load_rcm_lora, which brings the run's scheduler/) and "from_config defaults"; the user call samples with the
-    exported scheduler (its rows equal digits.sample_pipeline with that scheduler), the defaults row with sigma_max 80."""
+    exported scheduler (its rows equal digits.sample_pipeline with that scheduler), the defaults row with sigma_max
+    80."""
     import sys
     from types import SimpleNamespace
 
@@ -373,7 +374,8 @@ def test_teacher_training_script_is_seeded(tmp_path):
 
 def test_extra_ema_rates_leave_training_and_the_configured_ema_alone(tmp_path):
     """``benchmarks/train_extra_ema.py`` (the EMA-rate sweep of docs/screens.md): the extra shadow at the configured
-    rate equals the run's own ``ema/`` export bit for bit, another rate differs, and a second rate is just another folder."""
+    rate equals the run's own ``ema/`` export bit for bit, another rate differs, and a second rate is just another
+    folder."""
     import subprocess
     import sys
 

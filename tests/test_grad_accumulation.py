@@ -1,5 +1,6 @@
 """Gradient accumulation: ``--batch_size B --gradient_accumulation_steps N`` is one optimizer step on the same B x N
-samples, with the same noise and the same loss, as ``--batch_size (B x N)``; per-sample noise (``rcm_diffusers.rng``)."""
+samples, with the same noise and the same loss, as ``--batch_size (B x N)``; per-sample noise
+(``rcm_diffusers.rng``)."""
 
 import json
 import os

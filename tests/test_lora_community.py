@@ -286,7 +286,8 @@ def test_stock_comfyui_loader_gives_the_same_deltas(tmp_path, name):
 
 
 def test_flux_kohya_converted_loads_in_diffusers(tmp_path):
-    """Flux kohya file -> diffusers layout (q/k/v split from the fused qkv/linear1 LoRAs) -> FluxPipeline.load_lora_weights."""
+    """Flux kohya file -> diffusers layout (q/k/v split from the fused qkv/linear1 LoRAs) ->
+    FluxPipeline.load_lora_weights."""
     from diffusers import FluxPipeline
 
     fm = tiny_flux()
@@ -408,8 +409,8 @@ def test_load_full_lora_applies_every_delta_live_with_strength_and_exact_unload(
 
 
 def test_load_full_lora_into_the_second_expert():
-    """Wan 2.2: a LightX2V-layout LoRA (as a dict) into ``transformer_2`` only, at strength 0.7: equals merge_lora there,
-    the high-noise expert keeps its weights; unload restores the second expert bit for bit."""
+    """Wan 2.2: a LightX2V-layout LoRA (as a dict) into ``transformer_2`` only, at strength 0.7: equals merge_lora
+    there, the high-noise expert keeps its weights; unload restores the second expert bit for bit."""
     from diffusers import WanImageToVideoPipeline
     from tiny import tiny_wan_transformer
 

@@ -104,9 +104,9 @@ def test_scm_loss_value_and_grad_match_reference(case, step, warmup):
 
 def test_scm_loss_fd2_reference_and_two_student_calls(case):
     """fd_type 2: the loss equals the numpy float64 reference with the finite-difference tangent of docs/math.md §4.1
-    (NVlabs/rcm ``_student_scm_step``, ``fd_type == 2``: ``dF = cos t sin t (cos h F(x_t, t) - F(x_{t-h}, t - h)) / sin h``
-    with ``x_{t-h} = cos h x_t - sin h F_T``), and the student runs twice per step: ``F(x_t, t)`` with gradient serves
-    as the tangent's ``F_minus`` too."""
+    (NVlabs/rcm ``_student_scm_step``, ``fd_type == 2``:
+    ``dF = cos t sin t (cos h F(x_t, t) - F(x_{t-h}, t - h)) / sin h`` with ``x_{t-h} = cos h x_t - sin h F_T``), and
+    the student runs twice per step: ``F(x_t, t)`` with gradient serves as the tangent's ``F_minus`` too."""
     net, x, t, F_T = case
     h, r = 1e-3, 0.6
     calls = []
@@ -294,8 +294,8 @@ def test_backward_simulation_fixed_angles(n):
 
 
 def test_dcm_angles_grid():
-    """``dcm_angles``: consecutive points of the shifted grid of ``total_steps`` steps in ``u``, mapped to TrigFlow angles;
-    strictly decreasing in k, inside (0, pi/2], ``u = 0`` is pi/2 and shift 1 is the plain grid."""
+    """``dcm_angles``: consecutive points of the shifted grid of ``total_steps`` steps in ``u``, mapped to TrigFlow
+    angles; strictly decreasing in k, inside (0, pi/2], ``u = 0`` is pi/2 and shift 1 is the plain grid."""
     u = torch.tensor([0.0, 0.3, 1 - 2 / 48 - 1e-9], dtype=torch.float64)
     t = L.dcm_angles(u, 48, 2, 5.0)
     assert t.shape == (3, 3) and (t[1:] < t[:-1]).all() and (t > 0).all() and (t <= math.pi / 2).all()
@@ -312,8 +312,9 @@ def test_dcm_angles_grid():
 
 
 def test_dcm_loss_reference_toy():
-    """``dcm_loss`` on a toy linear student/teacher: the Euler steps, the detached target and the per-sample sum, against
-    a numpy re-computation; the gradient reaches the student only through its call at t_0; a NaN sample gives 0."""
+    """``dcm_loss`` on a toy linear student/teacher: the Euler steps, the detached target and the per-sample sum,
+    against a numpy re-computation; the gradient reaches the student only through its call at t_0; a NaN sample gives
+    0."""
     w = torch.nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
 
     def student_x0(x, t):
@@ -354,9 +355,9 @@ def test_dcm_loss_reference_toy():
 
 
 def test_regression_loss_reference_toy():
-    """``regression_loss``: the student's one-step ``x0`` at ``t = pi/2`` from the pair's noise against the teacher's ODE
-    sample, per-sample sum of squares, against numpy; the gradient w.r.t. the student's weight; the target gets none; a
-    non-finite sample gives 0 and leaves the others."""
+    """``regression_loss``: the student's one-step ``x0`` at ``t = pi/2`` from the pair's noise against the teacher's
+    ODE sample, per-sample sum of squares, against numpy; the gradient w.r.t. the student's weight; the target gets
+    none; a non-finite sample gives 0 and leaves the others."""
     w = torch.nn.Parameter(torch.tensor(0.6, dtype=torch.float64))
     seen = []
 

@@ -214,7 +214,8 @@ def test_checkpoint_held_bytes_within_10_percent(case, dtype):
     held-out sizes, LoRA rank 8, within 10 %. The selective term alone (selective minus full) too."""
     c = WAN_CASES[case]
     m = build_transformer("wan2.1-t2v-1.3b", dtype=dtype, **c["overrides"])
-    m.rope.float()  # diffusers' from_pretrained keeps the RoPE tables in float32 (_keep_in_fp32_modules), as the trainer loads
+    # diffusers' from_pretrained keeps the RoPE tables in float32 (_keep_in_fp32_modules), as the trainer loads
+    m.rope.float()
     nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=8)
     cfg = m.config
     g = torch.Generator().manual_seed(0)

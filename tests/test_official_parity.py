@@ -134,14 +134,15 @@ def test_rounded_timesteps_pick_the_official_expert(sigma_max, boundary):
 # ----------------------------------------------------------------------------- training: dCM and fixed-angle DMD
 #
 # The references below are written from the official training step, NVlabs/rcm ``rcm/models/t2v_model_distill_rcm.py``:
-# ``denoise`` (``RectifiedFlow_TrigFlowWrapper`` in ``rcm/utils/denoiser_scaling.py``: c_skip = c_in = 1 / (cos t + sin t),
-# c_out = -sin t / (cos t + sin t), c_noise = 1000 sin t / (cos t + sin t); x0 = c_skip x + c_out net(c_in x, c_noise),
-# F = (cos t x - x0) / sin t), ``_student_dcm_step`` (grid ``s_k = 1 - (u + k du)``, ``du = 1 / dcm_total_steps``,
-# ``u ~ U[0, 1 - dcm_skipping_interval_steps du)``, ``shift_rf_time`` / ``rf_to_trig_time`` of ``rcm/utils/timestep_utils.py``,
-# guided teacher Euler steps, target = the student's x0 at the last angle without gradient, per-sample
-# ``loss_scale * sum (x0_pred - x0_target)^2``, summed over the batch by the official trainer) and ``backward_simulation``
-# with ``dmd_fix_timesteps`` (angles ``[pi/2, *backward_timesteps[:n - 1], 0]``, the student's x0 re-noised with fresh
-# noise between calls, gradient on the last call only). Everything runs in float64 on tiny Wan transformers.
+# ``denoise`` (``RectifiedFlow_TrigFlowWrapper`` in ``rcm/utils/denoiser_scaling.py``:
+# c_skip = c_in = 1 / (cos t + sin t), c_out = -sin t / (cos t + sin t), c_noise = 1000 sin t / (cos t + sin t);
+# x0 = c_skip x + c_out net(c_in x, c_noise), F = (cos t x - x0) / sin t), ``_student_dcm_step``
+# (grid ``s_k = 1 - (u + k du)``, ``du = 1 / dcm_total_steps``, ``u ~ U[0, 1 - dcm_skipping_interval_steps du)``,
+# ``shift_rf_time`` / ``rf_to_trig_time`` of ``rcm/utils/timestep_utils.py``, guided teacher Euler steps, target = the
+# student's x0 at the last angle without gradient, per-sample ``loss_scale * sum (x0_pred - x0_target)^2``, summed
+# over the batch by the official trainer) and ``backward_simulation`` with ``dmd_fix_timesteps`` (angles
+# ``[pi/2, *backward_timesteps[:n - 1], 0]``, the student's x0 re-noised with fresh noise between calls, gradient on
+# the last call only). Everything runs in float64 on tiny Wan transformers.
 
 F64 = torch.float64
 

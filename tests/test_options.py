@@ -27,7 +27,8 @@ def test_docs_options_tables_are_the_declared_options():
     text = open(DOC).read()
     between = text.split(OPTIONS_BEGIN, 1)[1].split(OPTIONS_END, 1)[0]
     assert between.strip() == options_markdown().strip(), (
-        "docs/training.md differs from the option declarations: python -m rcm_diffusers.distill.config --write docs/training.md"
+        "docs/training.md differs from the option declarations: "
+        "python -m rcm_diffusers.distill.config --write docs/training.md"
     )
     rows = set(re.findall(r"^\| `(\w+)` \|", between, flags=re.M))
     assert rows == set(RCMConfig.model_fields) | set(QADConfig.model_fields)

@@ -295,7 +295,8 @@ def test_flux_sample_i_depends_only_on_generator_i():
     assert (a[1] - b[1]).abs().max() > 0.1
 
 
-# ----------------------------------------------------------------------------- step times reach the transformer (item 4)
+# ----------------------------------------------------------------------------- step times reach the transformer
+# (item 4)
 
 
 @pytest.mark.parametrize("cls", [RCMScheduler, TrigFlowEulerScheduler, TrigFlowUniPCScheduler])

@@ -186,8 +186,8 @@ def test_from_config_keeps_wan_and_flux_keys(tmp_path):
 
 
 def test_sigma_max_argument_survives_from_config():
-    """``RCMScheduler(sigma_max=...)`` (and the teachers' ``sigma_max=`` / ``sigma_min=``) registered the value but listed ``rcm_sigma_max`` among diffusers' defaulted
-    keys, so ``from_config(s.config)`` fell back to 80."""
+    """``RCMScheduler(sigma_max=...)`` (and the teachers' ``sigma_max=`` / ``sigma_min=``) registered the value but
+    listed ``rcm_sigma_max`` among diffusers' defaulted keys, so ``from_config(s.config)`` fell back to 80."""
     s = RCMScheduler(sigma_max=200.0)
     assert RCMScheduler.from_config(s.config).sigma_max == 200.0
     assert RCMScheduler.from_config(RCMScheduler(rcm_sigma_max=120.0).config).sigma_max == 120.0

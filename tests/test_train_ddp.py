@@ -56,8 +56,9 @@ def test_ddp_gradient_equals_one_process_replaying_both_ranks(tmp_path):
     from turning round-off in the many zero gradients (lora_B starts at zero, so lora_A's first gradient is zero)
     into ``lr``-sized steps; ``--fd_h 1e-2`` keeps the finite-difference tangent from dividing the weights' round-off
     by the default h = 1e-4 (with it the third iteration differed by 3.8e-5, and the replay from itself with the
-    ranks in reverse order by 4e-6; with 1e-2, 1.3e-7). Not further than 4 iterations: at the 5th the replay alone, with its two halves
-    summed in the other order, already differs from itself by 4e-4 (a step that amplifies round-off).
+    ranks in reverse order by 4e-6; with 1e-2, 1.3e-7). Not further than 4 iterations: at the 5th the replay alone,
+    with its two halves summed in the other order, already differs from itself by 4e-4 (a step that amplifies
+    round-off).
     The learning-rate bug this guards against changed the digits gradient by 6e-3 within 4 iterations."""
     from safetensors.torch import load_file
 

@@ -265,8 +265,8 @@ def test_dcm_step_runs_each_call_on_its_experts_and_trains_both():
 
 
 def test_boundary_loss_value_and_gradient_match_float64_reference():
-    """``L = ||d||^2 / (||d|| + c)^2`` per sample with ``d = F_high - F_low``, gradient ``2 d / (||d|| + c)`` on ``F_high``
-    and none on ``F_low`` (written from docs/math.md §6.1 in float64); a NaN sample gives 0."""
+    """``L = ||d||^2 / (||d|| + c)^2`` per sample with ``d = F_high - F_low``, gradient ``2 d / (||d|| + c)`` on
+    ``F_high`` and none on ``F_low`` (written from docs/math.md §6.1 in float64); a NaN sample gives 0."""
     from rcm_diffusers.distill.losses import boundary_loss
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,5 @@
-"""``training/qad.py`` end to end on a tiny random Wan (CPU, ``accelerate launch`` with one process) (docs/math.md §7)."""
+"""``training/qad.py`` end to end on a tiny random Wan (CPU, ``accelerate launch`` with one process)
+(docs/math.md §7)."""
 
 import copy
 import json
@@ -93,7 +94,8 @@ def test_exports_reload_to_the_trained_student(wan, lora_run):
     # the Wan default trains ComfyUI's arithmetic (target auto -> comfyui: NVFP4 W+A, static input_scale)
     assert json.load(open(lora_run / "env.json"))["config"]["target"] == "auto"
     assert all(f"{ren[f'{n}.weight'][: -len('.weight')]}.input_scale" in sd for n in layers)
-    # quantized base reloaded as ComfyUI runs it + exported LoRA reproduce the run's final probe (bf16 LoRA rounding only)
+    # quantized base reloaded as ComfyUI runs it + exported LoRA reproduce the run's final probe (bf16 LoRA rounding
+    # only)
     student = comfy_runtime_copy(teacher, lora_run / "quantized_transformer.safetensors")
     student.load_lora_adapter(
         str(lora_run / "pytorch_lora_weights.safetensors"), prefix="transformer", adapter_name="student"
@@ -276,7 +278,8 @@ def test_two_processes_keep_the_per_iteration_lr_schedule(wan):
 
 def test_dcm_student_is_a_qad_teacher(wan):
     """A student trained with ``cm_type dcm`` (training/rcm.py) exports the same LoRA layout as an sCM one: QAD fuses it
-    as its teacher (``--teacher_lora``, 2-step rCM sampling times) and trains; the dCM LoRA is trained (lora_B off zero)."""
+    as its teacher (``--teacher_lora``, 2-step rCM sampling times) and trains; the dCM LoRA is trained (lora_B off
+    zero)."""
     rcm = wan[2] / "run_rcm_dcm"
     run_trainer(
         trainer_args(

@@ -268,8 +268,8 @@ def test_final_json_lists_every_export_and_verify_catches_a_flipped_bit(full_run
     p = run_script(["--verify", str(copy)])
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert (
-        p.stderr.strip()
-        == "error: ema/pytorch_lora_weights.safetensors: SHA-256 differs from final.json (the file was changed or damaged)"
+        p.stderr.strip() == "error: ema/pytorch_lora_weights.safetensors: SHA-256 differs from final.json "
+        "(the file was changed or damaged)"
     )
 
 
@@ -289,7 +289,8 @@ class _NoForwardAD(torch.autograd.Function):
 
 
 class NoJVPAttnProcessor:
-    """The stock Wan attention processor behind ``_NoForwardAD``: trains in reverse mode, fails under ``torch.func.jvp``."""
+    """The stock Wan attention processor behind ``_NoForwardAD``: trains in reverse mode, fails under
+    ``torch.func.jvp``."""
 
     def __init__(self, stock, calls):
         self.stock, self.calls = stock, calls
@@ -309,10 +310,10 @@ def _rcm_main():
 
 
 def test_dcm_and_fixed_dmd_train_without_any_jvp(wan, monkeypatch):
-    """``training/rcm.py`` with every attention processor replaced by one that has no forward-mode support: ``cm_type
-    dcm`` + DMD on fixed angles (``fd_type 0`` set, and ignored) trains through warm-up, student and fake-score steps and
-    never installs the JVP attention; the same trainer with sCM ``fd_type 0`` fails on that processor (so the first
-    run would fail had it taken a JVP)."""
+    """``training/rcm.py`` with every attention processor replaced by one that has no forward-mode support:
+    ``cm_type dcm`` + DMD on fixed angles (``fd_type 0`` set, and ignored) trains through warm-up, student and
+    fake-score steps and never installs the JVP attention; the same trainer with sCM ``fd_type 0`` fails on that
+    processor (so the first run would fail had it taken a JVP)."""
     import rcm_diffusers.attention as A
     from rcm_diffusers.distill import base_model as T
 
@@ -381,8 +382,8 @@ def test_dcm_and_fixed_dmd_train_without_any_jvp(wan, monkeypatch):
 
 
 def test_dcm_kill_and_resume_equals_uninterrupted(wan):
-    """A dCM + fixed-angle DMD run killed after step 6 and resumed from its step-4 checkpoint ends with the same LoRA, EMA
-    and logged losses, bit for bit, as the same run uninterrupted."""
+    """A dCM + fixed-angle DMD run killed after step 6 and resumed from its step-4 checkpoint ends with the same LoRA,
+    EMA and logged losses, bit for bit, as the same run uninterrupted."""
     extra = (
         "--cm_type",
         "dcm",
@@ -417,8 +418,8 @@ def test_dcm_kill_and_resume_equals_uninterrupted(wan):
 def test_regression_term_equals_teacher_one_step_error_and_resumes(wan):
     """With ``regression_weight``, every student step logs ``loss_reg``: at step 0 (student = teacher, LoRA B = 0) it
     equals the mean over the step's pairs (``pair_indices``) of ``||x0(noise, r = 1) - target||^2``, where the teacher's
-    rectified-flow ``x0 = x_r - r v`` is computed here from the diffusers transformer directly; a run killed after step 6
-    and resumed from step 4 ends with the same LoRA, EMA and logged losses, bit for bit."""
+    rectified-flow ``x0 = x_r - r v`` is computed here from the diffusers transformer directly; a run killed after
+    step 6 and resumed from step 4 ends with the same LoRA, EMA and logged losses, bit for bit."""
     from diffusers import WanTransformer3DModel
 
     from rcm_diffusers.distill.data import LatentDataset, pair_indices

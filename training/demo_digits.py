@@ -308,7 +308,8 @@ def evaluate(runs: list[dict], a):
 
 
 def main(argv=None):
-    """Train (rCM, with ``--ablations`` also sCM-only, DMD-only and no-regression) and evaluate; returns the report rows."""
+    """Train (rCM, with ``--ablations`` also sCM-only, DMD-only and no-regression) and evaluate; returns the report
+    rows."""
     a, overrides = parse_args(argv)
     runs = plan_runs(a, overrides)
     t0 = time.perf_counter()

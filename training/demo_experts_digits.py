@@ -125,7 +125,8 @@ def train(runs, a) -> dict:
                     other.terminate()
                 raise SystemExit(f"demo_experts_digits: {r['dir']} failed (exit {rc}); see {log.name}")
             print(
-                f"[demo-experts] {os.path.basename(r['dir'])} trained in {times[os.path.basename(r['dir'])] / 60:.1f} min",
+                f"[demo-experts] {os.path.basename(r['dir'])} trained in "
+                f"{times[os.path.basename(r['dir'])] / 60:.1f} min",
                 flush=True,
             )
     return times
@@ -228,11 +229,13 @@ def report(a, teacher, rows, times) -> str:
     lines = [
         f"# Two-expert digits: both experts in one run vs one LoRA on both ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, pixel FD {teacher['fd_pixel']:.3f}, "
+        f"Reference: two-expert teacher, {a.ref_steps} Euler steps: FD {teacher['fd']:.2f}, "
+        f"pixel FD {teacher['fd_pixel']:.3f}, "
         f"accuracy {teacher['accuracy']:.3f}. {a.samples} samples per row; mean ± sd over training seeds {a.seeds}. "
         "Pixel FD = Fréchet distance in raw pixels (a second feature space, not the classifier's).",
         "",
-        "| method | weights | steps | FD ↓ | FD / teacher ↓ | pixel FD ↓ | pixel FD / teacher ↓ | accuracy ↑ | diversity (real = 1) | seeds |",
+        "| method | weights | steps | FD ↓ | FD / teacher ↓ | pixel FD ↓ | pixel FD / teacher ↓ | accuracy ↑ "
+        "| diversity (real = 1) | seeds |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     keys = sorted({(r["method"], r["weights"], r["steps"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))

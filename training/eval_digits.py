@@ -48,8 +48,8 @@ def _user_rows_note(models) -> str:
         '"user call" rows: the stock WanPipeline after load_rcm_lora(pipe, DIR) (the LoRA and the scheduler/ the run '
         "wrote), sampled by pipe(...) itself (unscaled initial noise, the scheduler's per-sample re-noising); "
         '"from_config defaults": the same with RCMScheduler.from_config(pipe.scheduler.config) (sigma_max '
-        f"{dflt[0].rcm_sigma_max:g}, mid_t {parse_mid_t(dflt[0].mid_t)}, time input {dflt[0].time_input}), what the LoRA "
-        "gives without the scheduler the run wrote. "
+        f"{dflt[0].rcm_sigma_max:g}, mid_t {parse_mid_t(dflt[0].mid_t)}, time input {dflt[0].time_input}), "
+        "what the LoRA gives without the scheduler the run wrote. "
     )
 
 
@@ -67,7 +67,8 @@ def main(argv=None):
     p.add_argument(
         "--guidance_scale",
         default="1",
-        help="CFG scales s of the teacher rows, comma-separated (v_u + s (v_c - v_u)); 1 = off; the first is the reference",
+        help="CFG scales s of the teacher rows, comma-separated (v_u + s (v_c - v_u)); 1 = off; "
+        "the first is the reference",
     )
     p.add_argument(
         "--student_guidance_scale",
@@ -193,19 +194,26 @@ def main(argv=None):
         )
         grid.append((f"{label} / {n}", torch.cat([x[labels == c][:1] for c in range(D.NUM_CLASSES)])))
         tqdm.write(
-            f"{method:>28} {n:>3} steps: FD {m['fd']:.2f}  pixel FD {m['fd_pixel']:.3f}  acc {m['accuracy']:.3f}  div {m['diversity']:.2f}  "
+            f"{method:>28} {n:>3} steps: FD {m['fd']:.2f}  pixel FD {m['fd_pixel']:.3f}  acc {m['accuracy']:.3f}  "
+            f"div {m['diversity']:.2f}  "
             f"{1000 * sec / a.samples:.2f} ms/sample"
         )
 
+    peak_note = (
+        "CUDA max allocated"
+        if torch.cuda.is_available()
+        else "process RSS high-water mark (CPU; cumulative, not per row)"
+    )
     header = (
         f"# {a.title}\n\n{a.samples} samples per row (classes 0-9 in turn), seed {a.seed}; FD and diversity in the "
         f"feature space of the shipped digits classifier against the {len(ev.y_ref)} held-out real digits "
-        f"(train split vs held-out: FD {ev.fd_to(D.load_digits_split()['x_train']):.2f}). Teacher grid shift {a.shift:g}, "
+        f"(train split vs held-out: FD {ev.fd_to(D.load_digits_split()['x_train']):.2f}). "
+        f"Teacher grid shift {a.shift:g}, "
         f"sigma_max 5000; student RCMScheduler sigma_max {a.sigma_max:g}, mid_t {mid_t or 'default'}, "
         f"time input {a.time_input}. "
         f"{_user_rows_note(models)}"
         "FD vs teacher-100 = FD to the first row's samples. "
-        f"Peak MB: {'CUDA max allocated' if torch.cuda.is_available() else 'process RSS high-water mark (CPU; cumulative, not per row)'}; "
+        f"Peak MB: {peak_note}; "
         f"{torch.get_num_threads()} CPU thread(s)."
     )
     table = D.write_report(os.path.join(a.out, "report.md"), rows, header)

@@ -8,7 +8,8 @@ Real pairs (folder of media + same-stem .txt captions, or a .jsonl/.csv manifest
 Synthetic teacher samples (TrigFlow Euler 100 steps, shift 3, CFG 5 by default)::
 
     python training/prepare_data.py --pretrained Wan-AI/Wan2.1-T2V-1.3B-Diffusers --synthetic \\
-        --prompts prompts.txt --num_samples 10000 --output_dir data/wan-synthetic --height 480 --width 832 --num_frames 81
+        --prompts prompts.txt --num_samples 10000 --output_dir data/wan-synthetic \\
+        --height 480 --width 832 --num_frames 81
 
 The result is read by ``training/rcm.py --data_dir <output_dir>`` (``rcm_diffusers.distill.data.LatentDataset``).
 """
@@ -37,7 +38,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--pretrained",
         required=True,
-        help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline) whose VAE, text encoder and transformer are used",
+        help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline) "
+        "whose VAE, text encoder and transformer are used",
     )
     ap.add_argument(
         "--output_dir", required=True, help="directory to write (meta.json, shard-*.safetensors, tables.safetensors)"
@@ -45,14 +47,17 @@ def parse_args(argv=None):
     ap.add_argument(
         "--source",
         default="",
-        help="real data: a folder of images/videos each with <name>.txt, or a .jsonl/.csv manifest with file and caption columns (paths relative to it). With --synthetic: prompts (and, for I2V, first-frame images) from such a folder/manifest",
+        help="real data: a folder of images/videos each with <name>.txt, or a .jsonl/.csv manifest with file and "
+        "caption columns (paths relative to it). With --synthetic: prompts (and, for I2V, first-frame images) from "
+        "such a folder/manifest",
     )
     ap.add_argument("--prompts", default="", help="--synthetic: a .txt file with one prompt per line (T2V/T2I)")
     ap.add_argument(
         "--synthetic",
         action="store_true",
-        help="generate x0 with the teacher (TrigFlow ODE + CFG) instead of encoding media; each sample's starting noise "
-        "is stored too, so the dataset also serves as ODE pairs (rcm.py --regression_data_dir)",
+        help="generate x0 with the teacher (TrigFlow ODE + CFG) instead of encoding media; "
+        "each sample's starting noise is stored too, so the dataset also serves as ODE pairs "
+        "(rcm.py --regression_data_dir)",
     )
     ap.add_argument(
         "--num_samples",

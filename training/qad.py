@@ -1,4 +1,5 @@
-"""Quantization-aware distillation from a clone: ``accelerate launch training/qad.py --config training/configs/<name>.yaml``.
+"""Quantization-aware distillation from a clone:
+``accelerate launch training/qad.py --config training/configs/<name>.yaml``.
 
 Without ``--config`` it trains the embedded digits QAD example (training/configs/qad-digits.yaml). ``--help`` lists
 every option; ``--verify RUN_DIR`` checks a finished run's exports. The trainer is

@@ -1,4 +1,5 @@
-"""rCM distillation from a clone: ``accelerate launch training/rcm.py --config training/configs/<name>.yaml [--key value ...]``.
+"""rCM distillation from a clone:
+``accelerate launch training/rcm.py --config training/configs/<name>.yaml [--key value ...]``.
 
 Without ``--config`` it trains the embedded digits default (training/configs/digits.yaml). ``--help`` lists every
 option; ``--verify RUN_DIR`` checks a finished run's exports. The trainer is ``rcm_diffusers.distill.RCMTrainer``

@@ -1,4 +1,5 @@
-"""Fine-tune the digits teacher into Wan 2.2-style experts: ``python training/train_experts_digits.py [--boundary 0.875]``.
+"""Fine-tune the digits teacher into Wan 2.2-style experts:
+``python training/train_experts_digits.py [--boundary 0.875]``.
 
 The shipped one-network teacher (``rcm_diffusers/digits/assets/digits_teacher``) is copied twice; the
 high-noise expert is fine-tuned on RF times ``r >= boundary`` only, the low-noise expert on ``r < boundary``

@@ -5,7 +5,8 @@ Class-conditional rectified flow (docs/math.md §1: ``x_r = (1 - r) x0 + r eps``
 and a learned class-embedding table (class dropped to the null row with ``--p_uncond`` for CFG).
 Seeded; writes the EMA weights as a diffusers ``WanPipeline`` directory (rcm_diffusers.digits.save_teacher),
 the evaluator classifier, the train split in the trainer's latent format, and the teacher's ODE pairs for the
-regression term (rcm_diffusers.digits.write_ode_pairs; ``--pairs_only`` writes just those from the teacher at ``--out``).
+regression term (rcm_diffusers.digits.write_ode_pairs; ``--pairs_only`` writes just those from the teacher at
+``--out``).
 """
 
 from __future__ import annotations

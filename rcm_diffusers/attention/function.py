@@ -75,7 +75,8 @@ def _check(q, k, v, t_q, t_k, t_v, backend):
             continue
         if not isinstance(t, torch.Tensor) or t.shape != x.shape:
             raise ValueError(
-                f"tangent of {name} must have the shape of {name} {tuple(x.shape)}; got {tuple(getattr(t, 'shape', ()))}"
+                f"tangent of {name} must have the shape of {name} {tuple(x.shape)}; "
+                f"got {tuple(getattr(t, 'shape', ()))}"
             )
         if t.dtype != x.dtype:
             raise ValueError(

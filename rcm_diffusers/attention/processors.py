@@ -71,9 +71,9 @@ def _active_backend() -> str | None:
 
 
 def check_jvp_servable(model) -> None:
-    """Refuse (``ValueError``, one line) a model the JVP attention cannot run: not a ``torch.nn.Module``, or an attention
-    whose kernel has no forward-mode rule (a non-SDPA diffusers attention backend, an xformers / flash / sage
-    processor). Checked at ``enable_jvp_attention`` and, for the global backend, at each JVP pass."""
+    """Refuse (``ValueError``, one line) a model the JVP attention cannot run: not a ``torch.nn.Module``, or an
+    attention whose kernel has no forward-mode rule (a non-SDPA diffusers attention backend, an xformers / flash /
+    sage processor). Checked at ``enable_jvp_attention`` and, for the global backend, at each JVP pass."""
     name = type(model).__name__
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"JVP attention needs a torch.nn.Module (a diffusers transformer), got {name}")

@@ -16,9 +16,9 @@ def jvp_attention_torch(q, k, v, t_q=None, t_k=None, t_v=None, scale=None, chunk
     """``(O, tO, LSE)`` for ``O = softmax(scale Q K^T + bias) V`` on ``[B, S, H, D]`` (docs/math.md §5).
 
     ``tS = scale (tQ K^T + Q tK^T)``, ``tO = (P * tS) V - rowsum(P * tS) O + P tV``,
-    ``LSE = logsumexp(S)`` of shape ``[B, H, Lq]`` (float32, or float64 for float64 inputs). A ``None`` tangent counts as
-    zero. ``bias``: an additive mask broadcastable to ``[B, H, Lq, Lk]`` (``-inf`` masks a key; a row with every key
-    masked gives ``O = tO = 0`` and ``LSE = -inf``, as PyTorch's SDPA).
+    ``LSE = logsumexp(S)`` of shape ``[B, H, Lq]`` (float32, or float64 for float64 inputs). A ``None`` tangent counts
+    as zero. ``bias``: an additive mask broadcastable to ``[B, H, Lq, Lk]`` (``-inf`` masks a key; a row with every
+    key masked gives ``O = tO = 0`` and ``LSE = -inf``, as PyTorch's SDPA).
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

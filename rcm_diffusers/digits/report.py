@@ -59,7 +59,8 @@ def write_report(path: str, rows: list[Row], header: str = "") -> str:
     """Markdown table (NFE, FD, pixel FD, accuracy, diversity, ms/sample, peak memory) written atomically; returns the
     table."""
     lines = [
-        "| method | steps | NFE | FD ↓ | FD vs teacher-100 ↓ | pixel FD ↓ | accuracy ↑ | diversity (real = 1) | ms/sample | peak MB |",
+        "| method | steps | NFE | FD ↓ | FD vs teacher-100 ↓ | pixel FD ↓ | accuracy ↑ "
+        "| diversity (real = 1) | ms/sample | peak MB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -133,7 +134,8 @@ def run_state(run_dir: str, config: dict | None = None) -> str:
         diff = sorted(k for k in set(config) | set(old) if k not in neutral and old.get(k) != config.get(k))
         if diff:
             raise ValueError(
-                f"{run_dir} holds a run with a different config ({', '.join(f'{k}: {old.get(k)!r} -> {config.get(k)!r}' for k in diff)}); "
+                f"{run_dir} holds a run with a different config "
+                f"({', '.join(f'{k}: {old.get(k)!r} -> {config.get(k)!r}' for k in diff)}); "
                 "pass --force to retrain it, or choose another --out"
             )
     exported = any(

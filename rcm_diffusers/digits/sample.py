@@ -45,8 +45,9 @@ def sample_teacher(
     sigma_max: float = 5000.0,
     batch_size: int = 500,
 ) -> torch.Tensor:
-    """Teacher ODE samples ``[B, 1, 1, 8, 8]`` with ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler`` (docs/math.md §2.2),
-    starting from ``noise`` drawn by ``torch.Generator().manual_seed(seed)``. NFE = steps x (2 with CFG, else 1)."""
+    """Teacher ODE samples ``[B, 1, 1, 8, 8]`` with ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler``
+    (docs/math.md §2.2), starting from ``noise`` drawn by ``torch.Generator().manual_seed(seed)``. NFE = steps x (2
+    with CFG, else 1)."""
     from ..schedulers import TrigFlowEulerScheduler, TrigFlowUniPCScheduler
 
     cls = {"euler": TrigFlowEulerScheduler, "unipc": TrigFlowUniPCScheduler}[solver]
@@ -77,10 +78,10 @@ def sample_student(
     batch_size: int = 500,
     time_input: str = "bf16",
 ) -> torch.Tensor:
-    """Few-step rCM samples with ``RCMScheduler`` (docs/math.md §2.1): ``x = r_0 noise``, then ``steps`` x0-and-renoise moves
-    with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG). ``time_input``: the time the student
-    saw in training (``RCMConfig.time_input``). ``mid_t``: None = the default angles, else any form ``RCMScheduler``
-    takes (a list, or per step count)."""
+    """Few-step rCM samples with ``RCMScheduler`` (docs/math.md §2.1): ``x = r_0 noise``, then ``steps``
+    x0-and-renoise moves with fresh noise from the same seeded generator. NFE = steps (x 2 with CFG). ``time_input``:
+    the time the student saw in training (``RCMConfig.time_input``). ``mid_t``: None = the default angles, else any
+    form ``RCMScheduler`` takes (a list, or per step count)."""
     from ..sampling import DEFAULT_MID_T
     from ..schedulers import RCMScheduler
 
@@ -103,9 +104,9 @@ def sample_student(
 def sample_pipeline(
     pipe, class_embeddings, labels: torch.Tensor, steps: int, seed: int = 0, batch_size: int = 500
 ) -> torch.Tensor:
-    """Samples ``[B, 1, 1, 8, 8]`` by the stock ``pipe(...)`` call a user makes (64 px = 8x8 latents, ``guidance_scale=1``,
-    ``output_type="latent"``): ``pipe.scheduler`` as it is, the pipeline's own unscaled initial noise from
-    ``generator=torch.Generator().manual_seed(seed)`` and the scheduler's own re-noising. NFE = steps."""
+    """Samples ``[B, 1, 1, 8, 8]`` by the stock ``pipe(...)`` call a user makes (64 px = 8x8 latents,
+    ``guidance_scale=1``, ``output_type="latent"``): ``pipe.scheduler`` as it is, the pipeline's own unscaled initial
+    noise from ``generator=torch.Generator().manual_seed(seed)`` and the scheduler's own re-noising. NFE = steps."""
     g = torch.Generator().manual_seed(seed)
     outs = []
     for i in range(0, len(labels), batch_size):

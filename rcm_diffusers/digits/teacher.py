@@ -1,4 +1,5 @@
-"""Digits data and the class-conditional tiny Wan teacher: split, build, rectified-flow training, save/load, latent dataset."""
+"""Digits data and the class-conditional tiny Wan teacher: split, build, rectified-flow training, save/load, latent
+dataset."""
 
 from __future__ import annotations
 
@@ -192,7 +193,8 @@ def save_teacher(
 
 def load_teacher(path: str = TEACHER_DIR, device="cpu"):
     """``(transformer, class_embeddings [11, L, D])`` from a :func:`save_teacher` directory (eval mode, float32); a
-    two-expert directory gives a ``rcm_diffusers.distill.experts.WanExpertSwitch`` (the pipeline's expert rule per sample)."""
+    two-expert directory gives a ``rcm_diffusers.distill.experts.WanExpertSwitch`` (the pipeline's expert rule per
+    sample)."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
@@ -259,9 +261,9 @@ def write_ode_pairs(
     batch_size: int = 512,
 ) -> str:
     """ODE pairs of the digits teacher for the regression term (docs/math.md §4.7), in the trainer's latent format:
-    pair ``i`` has class ``i % 10``, ``noise`` = ``randn([1, 1, 8, 8], generator=manual_seed(seed + i))`` and ``latents`` =
-    the teacher's ODE solution from it (``distill.prepare.teacher_samples``: UniPC, ``steps`` steps, shift 1,
-    ``sigma_max`` 5000, no CFG), plus the class table of ``write_latent_dataset_for``."""
+    pair ``i`` has class ``i % 10``, ``noise`` = ``randn([1, 1, 8, 8], generator=manual_seed(seed + i))`` and
+    ``latents`` = the teacher's ODE solution from it (``distill.prepare.teacher_samples``: UniPC, ``steps`` steps,
+    shift 1, ``sigma_max`` 5000, no CFG), plus the class table of ``write_latent_dataset_for``."""
     from ..distill.prepare import seed_noise, teacher_samples
 
     tr, emb = load_teacher(teacher_dir)
@@ -311,9 +313,10 @@ def write_latent_dataset_for(
     meta: dict | None = None,
     shard_size: int = 4096,
 ) -> str:
-    """Digits in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents`` ``[N,1,1,8,8]``,
-    ``prompt_index``/``label`` per sample (and the per-sample fields ``extra``), tables ``prompt_embeds`` (per class)
-    and ``negative_prompt_embeds`` (null); ``meta`` defaults to the train split's description."""
+    """Digits in the trainer's latent format (``rcm_diffusers.distill.data``, docs/math.md §8): ``latents``
+    ``[N,1,1,8,8]``, ``prompt_index``/``label`` per sample (and the per-sample fields ``extra``), tables
+    ``prompt_embeds`` (per class) and ``negative_prompt_embeds`` (null); ``meta`` defaults to the train split's
+    description."""
     from ..distill.data import write_latent_dataset
 
     emb = class_embeddings.detach().float().cpu()

@@ -39,7 +39,8 @@ def optimizer_steps(max_steps: int, tangent_warmup: int, student_update_freq: in
 
 
 def student_effective_iter(i: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> int:
-    """``i`` during warm-up (or without a fake score), then ``tangent_warmup + (i - tangent_warmup) // freq`` (docs/math.md §4.3)."""
+    """``i`` during warm-up (or without a fake score), then ``tangent_warmup + (i - tangent_warmup) // freq``
+    (docs/math.md §4.3)."""
     if not has_fake or i < tangent_warmup:
         return i
     return tangent_warmup + (i - tangent_warmup) // student_update_freq

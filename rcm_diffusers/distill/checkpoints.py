@@ -152,7 +152,8 @@ def check_state(st, where: str) -> None:
             or not all(_is_num(v) for k in ("base_lrs", "_last_lr") for v in (sch.get(k) or []))
         ):
             bad(
-                f"learning-rate scheduler {r!r}: last_epoch {sch.get('last_epoch') if isinstance(sch, dict) else sch!r} "
+                f"learning-rate scheduler {r!r}: last_epoch "
+                f"{sch.get('last_epoch') if isinstance(sch, dict) else sch!r} "
                 "or its rates are not numbers of the right kind"
             )
     for r, o in (st.get("optimizers") or {}).items():
@@ -819,7 +820,8 @@ class Checkpointer:
         self._apply(fresh)
         return st
 
-    # -- the current config's optimizer settings win over the saved ones (the resume policy, rcm_diffusers.distill.run_folder)
+    # -- the current config's optimizer settings win over the saved ones (the resume policy,
+    # rcm_diffusers.distill.run_folder)
     _HYPER = ("initial_lr", "betas", "eps", "weight_decay")
 
     def _hyper(self) -> dict:
@@ -879,7 +881,8 @@ def load_trainable(models: list, names: list[str], path: str) -> None:
         got = {k.split("::", 1)[1] for k in sd if k.startswith(name + "::")}
         if want != got:
             raise ValueError(
-                f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, unexpected {sorted(got - want)[:5]}"
+                f"checkpoint {path} does not match model {name}: missing {sorted(want - got)[:5]}, "
+                f"unexpected {sorted(got - want)[:5]}"
             )
         with torch.no_grad():
             for k in want:

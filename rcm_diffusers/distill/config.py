@@ -238,7 +238,8 @@ class CommonOptions(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _forms(cls, value, info):
-        """Numbers are not booleans, a lone value of a list option is a one-entry list, ``mid_t`` takes its JSON form."""
+        """Numbers are not booleans, a lone value of a list option is a one-entry list, ``mid_t`` takes its JSON
+        form."""
         if info.field_name == "mid_t":
             return _normal_mid_t(value)
         ann = cls.model_fields[info.field_name].annotation
@@ -282,7 +283,8 @@ class CommonOptions(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | None = None, **overrides):
-        """A validated config from a YAML file (or none) and keyword overrides (``RCMConfig.from_yaml("c.yaml", lr=1e-4)``)."""
+        """A validated config from a YAML file (or none) and keyword overrides
+        (``RCMConfig.from_yaml("c.yaml", lr=1e-4)``)."""
         values = _read_yaml(path)
         values.update(overrides)
         return _build(cls, values).validate()
@@ -368,7 +370,8 @@ class RCMConfig(CommonOptions):
     base_dtype: Literal["weight_dtype", "fp8", "int8"] = opt(
         "weight_dtype",
         "format of the frozen base's Linear weights inside the transformer blocks, dequantized to "
-        "weight_dtype in each call: 'weight_dtype' = as loaded; 'fp8' = FP8 E4M3 with one scale per row and 128 inputs; "
+        "weight_dtype in each call: 'weight_dtype' = as loaded; "
+        "'fp8' = FP8 E4M3 with one scale per row and 128 inputs; "
         "'int8' = INT8 with one scale per output channel. Norms, biases, modulation, embeddings, the head and the LoRA "
         "adapters keep their dtypes",
         group="memory",
@@ -1030,7 +1033,8 @@ def _choices(f) -> str:
 
 
 def format_help(config_cls=None) -> str:
-    """``--help``: one line per option of ``config_cls`` (default ``RCMConfig``), grouped: ``--name (default): meaning``."""
+    """``--help``: one line per option of ``config_cls`` (default ``RCMConfig``), grouped:
+    ``--name (default): meaning``."""
     cls = config_cls or RCMConfig
     lines = [
         f"usage: accelerate launch {cls.script} [--config FILE.yaml] [--key value ...]",

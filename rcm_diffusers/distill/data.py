@@ -542,8 +542,8 @@ PAIR_STREAM = 0x0DE  # keeps the ODE pairs' order apart from the training data's
 
 
 def pair_indices(num_pairs: int, batch_size: int, step: int, rank: int, world: int, seed: int) -> list[int]:
-    """Rows of the ODE-pair dataset for ``rank`` at ``step``: ``batch_indices`` with its own epoch permutations, seeded by
-    ``step_seed(seed, PAIR_STREAM)``, so the pairs and the training data are drawn independently."""
+    """Rows of the ODE-pair dataset for ``rank`` at ``step``: ``batch_indices`` with its own epoch permutations, seeded
+    by ``step_seed(seed, PAIR_STREAM)``, so the pairs and the training data are drawn independently."""
     return batch_indices(num_pairs, batch_size, step, rank, world, step_seed(seed, PAIR_STREAM))
 
 

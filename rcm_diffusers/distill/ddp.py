@@ -1,4 +1,5 @@
-"""What DistributedDataParallel needs from the trainers: forward-mode AD through the wrapper, sync on the last backward."""
+"""What DistributedDataParallel needs from the trainers: forward-mode AD through the wrapper, sync on the last
+backward."""
 
 from __future__ import annotations
 

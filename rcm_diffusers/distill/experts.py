@@ -59,7 +59,8 @@ def index_boundary_ratio(index: dict) -> float | None:
 
 
 def boundary_sigma(boundary_ratio: float) -> float:
-    """The EDM noise level of the switch: ``r = sigma / (1 + sigma)``, so ``sigma_b = b / (1 - b)`` (docs/math.md §6.1)."""
+    """The EDM noise level of the switch: ``r = sigma / (1 + sigma)``, so ``sigma_b = b / (1 - b)``
+    (docs/math.md §6.1)."""
     if not 0.0 < boundary_ratio < 1.0:
         raise ValueError(f"boundary_ratio must lie in (0, 1), got {boundary_ratio}")
     return boundary_ratio / (1.0 - boundary_ratio)
@@ -132,7 +133,8 @@ class WanExpertSwitch(nn.Module):
 
     # ---- the switch
     def is_high(self, timestep: torch.Tensor) -> torch.Tensor:
-        """Per-sample ``timestep >= boundary_timestep`` (bool ``[B]``); a ``[B, seq]`` timestep uses its first column."""
+        """Per-sample ``timestep >= boundary_timestep`` (bool ``[B]``); a ``[B, seq]`` timestep uses its first
+        column."""
         ts = torch.as_tensor(timestep).detach()
         return (ts[:, 0] if ts.dim() > 1 else ts) >= self.boundary_timestep
 

@@ -43,9 +43,11 @@ def note_skip(state, cfg, i: int, role: str, norm: float, ids, log=print) -> Non
     limit = cfg.max_skipped_fraction * cfg.max_steps
     if state.skipped > limit:
         fail(
-            f"{state.skipped} of {i + 1} steps had a non-finite gradient and were skipped (steps {state.skipped_steps[:10]}"
+            f"{state.skipped} of {i + 1} steps had a non-finite gradient and were skipped "
+            f"(steps {state.skipped_steps[:10]}"
             f"{' ...' if state.skipped > 10 else ''}), more than max_skipped_fraction {cfg.max_skipped_fraction} of "
-            f"max_steps {cfg.max_steps}. Check the data for NaN/inf (rcm_diffusers.distill.data) and the learning rate; "
+            f"max_steps {cfg.max_steps}. Check the data for NaN/inf (rcm_diffusers.distill.data) "
+            "and the learning rate; "
             "raise --max_skipped_fraction to accept more."
         )
 
@@ -75,7 +77,8 @@ def check_learned(params, init_checksum, state, cfg) -> None:
     b = [p for n, p in named.items() if "lora_B" in n]
     if (init_checksum and now == list(init_checksum)) or (b and all(not bool(p.detach().any()) for p in b)):
         fail(
-            f"after {state.step} steps the student {'LoRA is zero' if b else 'weights are exactly their initial values'}: "
+            f"after {state.step} steps the student "
+            f"{'LoRA is zero' if b else 'weights are exactly their initial values'}: "
             f"nothing was learned ({state.skipped} steps skipped). Check the data and the learning rate."
         )
 

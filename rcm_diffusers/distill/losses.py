@@ -1,5 +1,6 @@
 """rCM losses (docs/math.md §4): the sCM term with its JVP rearrangement, the JVP-free discrete-time dCM term,
-the DMD term with backward simulation (sampled or fixed angles), the fake-score flow-matching loss, and the classifier-free-guided teacher.
+the DMD term with backward simulation (sampled or fixed angles), the fake-score flow-matching loss, and the
+classifier-free-guided teacher.
 
 Every function takes networks as plain callables ``F(x_t, t) -> F`` or ``x0(x_t, t) -> x0``
 (conditions already bound), so the same code serves a diffusers transformer wrapped by
@@ -49,8 +50,8 @@ Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def scale_from_reference_g(g: float) -> float:
-    """Standard CFG scale of the pre-2026-02-20 official form ``F_c + g (F_c - F_u)``: ``s = g + 1`` (docs/math.md §4.1).
-    The current official ``teacher_guidance`` is already the standard ``s`` and needs no conversion."""
+    """Standard CFG scale of the pre-2026-02-20 official form ``F_c + g (F_c - F_u)``: ``s = g + 1`` (docs/math.md
+    §4.1). The current official ``teacher_guidance`` is already the standard ``s`` and needs no conversion."""
     return float(g) + 1.0
 
 
@@ -100,7 +101,8 @@ def scm_dF(
     """
     if fd_type not in (0, 1, 2):
         raise ValueError(
-            f"fd_type must be 0 (exact JVP), 1 (JVP in x, finite difference in t) or 2 (finite difference); got {fd_type!r}"
+            "fd_type must be 0 (exact JVP), 1 (JVP in x, finite difference in t) or 2 (finite difference); "
+            f"got {fd_type!r}"
         )
     dx, dt = scm_tangents(x_t, t, F_T)
     cs = _bcast(torch.cos(t) * torch.sin(t), x_t)
@@ -236,7 +238,8 @@ def backward_simulation(
     ``p_D`` and clamped to at most the previous one, or, with ``fixed_angles`` (the official
     ``dmd_fix_timesteps`` with its ``backward_timesteps``), are ``fixed_angles[:n - 1]`` and nothing is drawn for
     them; after each non-final call the student's ``x0`` is re-noised with fresh noise,
-    ``x = cos t_next x0 + sin t_next eps``. Returns ``(G_x0, angles)`` with ``angles`` ``[n, B]``, the angle of each call.
+    ``x = cos t_next x0 + sin t_next eps``. Returns ``(G_x0, angles)`` with ``angles`` ``[n, B]``, the angle of each
+    call.
     """
     if n < 1:
         raise ValueError(f"backward simulation needs n >= 1 student steps, got {n}")

@@ -13,9 +13,9 @@ ema + step_peak + overhead):
 * ``activations``: what autograd saves in the one grad-enabled forward of a step (the sCM/DMD
   student pass, or the fake-score pass), all blocks; with gradient checkpointing (``checkpointing_policy``
   ``full``) the block inputs plus one block's recomputed activations; with ``selective`` (Wan;
-  ``rcm_diffusers.distill.activation_checkpointing``) also every block's matrix-product and attention outputs, the recompute
-  working set of one block then being the rest of that block (``checkpoint_held`` gives what is held between the
-  forward and the backward);
+  ``rcm_diffusers.distill.activation_checkpointing``) also every block's matrix-product and attention outputs, the
+  recompute working set of one block then being the rest of that block (``checkpoint_held`` gives what is held
+  between the forward and the backward);
 * ``backward`` / ``forward`` / ``nograd``: working sets on top of what a phase holds (``WORKING_SETS``,
   measured): a block's backward beyond its recompute, a grad-enabled block forward beyond what it saves, a no-grad
   forward (teacher, fake score);
@@ -139,13 +139,13 @@ ACT_COEFFS = {
     },
 }
 
-#: bytes the ``selective`` checkpointing policy keeps per Wan block (``rcm_diffusers.distill.activation_checkpointing``), by
-#: activation bytes ``b`` (4 float32, 2 bf16 weights or bf16 autocast): per video token ``(9 D + F) b`` (q, k, v of
-#: self-attention, both attention outputs, both out-projections, the cross-attention query, the feed-forward up (F)
-#: and down projections), ``8 r b`` (the ``lora_A`` outputs of the 8 adapted token projections, rank r) and 4 bytes
-#: per head and attention for the float32 log-sum-exp; per text token ``2 D b + 2 r b`` (cross-attention K, V and
-#: their ``lora_A``). Counted from the ops the policy keeps; checked against the cached tensors
-#: (``checkpoint_held_bytes``) in tests/test_memory_model.py.
+#: bytes the ``selective`` checkpointing policy keeps per Wan block
+#: (``rcm_diffusers.distill.activation_checkpointing``), by activation bytes ``b`` (4 float32, 2 bf16 weights or bf16
+#: autocast): per video token ``(9 D + F) b`` (q, k, v of self-attention, both attention outputs, both out-projections,
+#: the cross-attention query, the feed-forward up (F) and down projections), ``8 r b`` (the ``lora_A`` outputs of the 8
+#: adapted token projections, rank r) and 4 bytes per head and attention for the float32 log-sum-exp; per text token
+#: ``2 D b + 2 r b`` (cross-attention K, V and their ``lora_A``). Counted from the ops the policy keeps; checked against
+#: the cached tensors (``checkpoint_held_bytes``) in tests/test_memory_model.py.
 SELECTIVE_COEFFS = {"per_D": 9, "per_F": 1, "per_r": 8, "txt_D": 2, "txt_r": 2, "lse_per_head": 2 * 4}
 
 #: working sets on top of what a phase holds, bytes per video token (Flux: per token of either stream) in units of
@@ -173,16 +173,16 @@ WORKING_SETS = {
 #: 3072 / 5120, 784-2304 tokens: within 0.5 % of each; fitted on the first two widths only, 0.98 at the 14B width) with
 #: the CPU attention chunk small enough that no score matrix enters. Under bf16 autocast the same tensors take 2 bytes
 #: (the slope halves exactly at the 1.3B width) and the peak holds ``per_FD F D b`` more, bytes that scale with the
-#: feed-forward's weight (3.05 / 3.23 F D bytes at the 1.3B / 5B widths, fitted, not traced to an op). The pass also holds at
-#: least the weight copies of the condition embedder (``_jvp_weight_copies``); the larger of the two counts.
+#: feed-forward's weight (3.05 / 3.23 F D bytes at the 1.3B / 5B widths, fitted, not traced to an op). The pass also
+#: holds at least the weight copies of the condition embedder (``_jvp_weight_copies``); the larger of the two counts.
 JVP_COEFFS = {
     "float32": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 0.0},
     "bfloat16": {"per_F": 7.17, "per_D": 7.68, "txt_D": 1.12, "per_FD": 1.57},
 }
-#: the CPU attention JVP (``attention/torch_backend.py``, chunks of ``TrainSetup.cpu_attention_chunk`` query rows) holds ``scores`` score-sized
-#: matrices ``[heads, min(chunk, L), L]`` at once (S, P, tS, P tS and a temporary) beside ``per_D D b`` per token of
-#: inputs, tangents and outputs; a GPU flash kernel holds no such matrix, so only ``device="cpu"`` counts it. Fitted on
-#: the 1.3B width (1156 / 1600 tokens, chunks 1024 / 2048; within 1.4 %).
+#: the CPU attention JVP (``attention/torch_backend.py``, chunks of ``TrainSetup.cpu_attention_chunk`` query rows) holds
+#: ``scores`` score-sized matrices ``[heads, min(chunk, L), L]`` at once (S, P, tS, P tS and a temporary) beside
+#: ``per_D D b`` per token of inputs, tangents and outputs; a GPU flash kernel holds no such matrix, so only
+#: ``device="cpu"`` counts it. Fitted on the 1.3B width (1156 / 1600 tokens, chunks 1024 / 2048; within 1.4 %).
 JVP_CPU_ATTENTION = {"per_D": 13.97, "scores": 4.83}
 
 #: device name -> usable bytes
@@ -216,7 +216,8 @@ class TrainSetup:
     mode: str = "shared"  # "shared" (LoRA on one frozen base) | "full" (three networks)
     ema: bool = True
     experts: int = 1  # networks resident at once: Wan2.2 A14B with both experts in one run (docs/math.md §6.1) holds 2
-    #                   bases and 2 sets of adapters/optimizer/EMA; a batch is split between them, so activations do not grow
+    #                   bases and 2 sets of adapters/optimizer/EMA; a batch is split between them, so activations do
+    #                   not grow
     context_parallel: int = 1  # Ulysses group size P: each rank holds tokens / P of every sample
     gradient_accumulation_steps: int = 1  # micro-batches of `batch` per optimizer step: no extra memory (see above)
     checkpointing_policy: str = "full"  # with gradient_checkpointing: "full" | "selective" (Wan)
@@ -798,8 +799,8 @@ def saved_activation_bytes(fn, exclude=()) -> int:
 
 
 def checkpoint_held_bytes(fn, exclude=()) -> int:
-    """Bytes of the distinct storages the checkpointed block calls (``rcm_diffusers.distill.activation_checkpointing``) made
-    while running ``fn()`` hold for the backward: their inputs and the outputs the selective policy cached
+    """Bytes of the distinct storages the checkpointed block calls (``rcm_diffusers.distill.activation_checkpointing``)
+    made while running ``fn()`` hold for the backward: their inputs and the outputs the selective policy cached
     (parameters in ``exclude`` not counted): the measurement ``checkpoint_held`` is checked against."""
     from torch.utils._pytree import tree_leaves
 
@@ -861,7 +862,8 @@ def allocation_trace():
     """Trace torch's allocator inside the block (``torch.profiler`` with ``profile_memory``, whose ``[memory]``
     events carry each allocation's size and time; the CPU allocator has no peak counter such as
     ``torch.cuda.max_memory_allocated``, and process RSS counts the C allocator's slack). Yields an
-    ``AllocationTrace``, filled when the block ends. Allocations outside torch (e.g. gloo's own buffers) are not seen."""
+    ``AllocationTrace``, filled when the block ends. Allocations outside torch (e.g. gloo's own buffers) are not
+    seen."""
     from torch.profiler import ProfilerActivity, profile
 
     trace = AllocationTrace()

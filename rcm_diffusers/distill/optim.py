@@ -13,9 +13,9 @@ def lr_lambda(
     warmup_steps: int, total_steps: int = 0, decay: str = "none", final_ratio: float = 0.0, decay_fraction: float = 1.0
 ):
     """LR factor of optimizer step ``k`` (docs/math.md §4.4): ``(k + 1) / W`` for ``k < W`` (warm-up), then 1
-    (``decay`` none) or, over the last ``D = decay_fraction (total_steps - W)`` steps with ``p = (k + 1 - (total_steps - D)) / D``
-    clipped to [0, 1]: ``f + (1 - f) (1 + cos pi p) / 2`` (cosine) or ``1 - (1 - f) p`` (linear), so the step
-    ``total_steps - 1`` runs at ``f = final_ratio``."""
+    (``decay`` none) or, over the last ``D = decay_fraction (total_steps - W)`` steps with
+    ``p = (k + 1 - (total_steps - D)) / D`` clipped to [0, 1]: ``f + (1 - f) (1 + cos pi p) / 2`` (cosine) or
+    ``1 - (1 - f) p`` (linear), so the step ``total_steps - 1`` runs at ``f = final_ratio``."""
     if decay not in ("none", "cosine", "linear"):
         raise ValueError(f"lr decay {decay!r}: use none, cosine or linear")
     span = decay_fraction * (total_steps - warmup_steps)

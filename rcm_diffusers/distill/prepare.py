@@ -15,8 +15,9 @@ Two sources, one output format (:func:`rcm_diffusers.distill.data.write_latent_d
 
 Shards are written as samples are encoded (:class:`ShardWriter`; ``meta.json`` last). Captions that repeat
 (each unique caption at most half the samples) are stored once in a ``prompt_embeds`` table indexed by
-``prompt_index``, otherwise per sample; the negative prompt is one broadcast table row. Wan I2V adds per-sample ``condition`` (mask + first-frame latents,
-as ``WanImageToVideoPipeline.prepare_latents`` builds them) and, with a CLIP image encoder, ``image_embeds``.
+``prompt_index``, otherwise per sample; the negative prompt is one broadcast table row. Wan I2V adds per-sample
+``condition`` (mask + first-frame latents, as ``WanImageToVideoPipeline.prepare_latents`` builds them) and, with a
+CLIP image encoder, ``image_embeds``.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def family_of(pipe) -> str:
     if name == "WanImageToVideoPipeline":
         if getattr(pipe.config, "expand_timesteps", False):
             raise ValueError(
-                "WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B) is not supported by the rCM trainer's condition format"
+                "WanImageToVideoPipeline with expand_timesteps (Wan2.2 TI2V-5B) is not supported "
+                "by the rCM trainer's condition format"
             )
         return "wan_i2v"
     if name.startswith("Wan"):
@@ -221,7 +223,8 @@ class PipelineEncoder:
             self.sf = 2 ** (len(vae.config.block_out_channels) - 1)
             if height % (2 * self.sf) or width % (2 * self.sf):
                 raise ValueError(
-                    f"Flux needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 packing); got {height}x{width}"
+                    f"Flux needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 packing); "
+                    f"got {height}x{width}"
                 )
             if num_frames != 1:
                 raise ValueError("Flux is an image model: use --num_frames 1")
@@ -234,7 +237,8 @@ class PipelineEncoder:
             z = vae.config.z_dim
             if len(vae.config.latents_mean) != z or len(vae.config.latents_std) != z:
                 raise ValueError(
-                    f"VAE latents_mean/std have {len(vae.config.latents_mean)}/{len(vae.config.latents_std)} entries, z_dim is {z}"
+                    f"VAE latents_mean/std have {len(vae.config.latents_mean)}/{len(vae.config.latents_std)} entries, "
+                    f"z_dim is {z}"
                 )
             self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
             self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
@@ -253,7 +257,8 @@ class PipelineEncoder:
         """``pipe.encode_prompt`` of ``prompts``: ``prompt_embeds`` ``[n, L, D]`` (+ Flux ``pooled_prompt_embeds``)."""
         if self.pipe.text_encoder is None or self.pipe.tokenizer is None:
             raise ValueError(
-                "the pipeline has no text encoder/tokenizer; load one that has (or precompute embeddings and call write_latent_dataset)"
+                "the pipeline has no text encoder/tokenizer; load one that has "
+                "(or precompute embeddings and call write_latent_dataset)"
             )
         if self.family == "flux":
             pe, pooled, _ = self.pipe.encode_prompt(
@@ -274,7 +279,8 @@ class PipelineEncoder:
 
     @torch.no_grad()
     def encode_media(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Normalised latents of pixels ``[B, 3, F, H, W]`` in [-1, 1] (Wan ``[B, C, T, h, w]``, Flux ``[B, C, h, w]``)."""
+        """Normalised latents of pixels ``[B, 3, F, H, W]`` in [-1, 1] (Wan ``[B, C, T, h, w]``, Flux
+        ``[B, C, h, w]``)."""
         if self.family == "flux":
             z = self._vae_encode(pixels[:, :, 0])
             c = self.pipe.vae.config
@@ -425,7 +431,8 @@ def prepare_real(
     save_dtype=torch.float32,
     progress: bool = True,
 ) -> str:
-    """Encode media + captions with the pipeline into a docs/math.md §8 dataset at ``out_dir``, streamed shard by shard."""
+    """Encode media + captions with the pipeline into a docs/math.md §8 dataset at ``out_dir``, streamed shard by
+    shard."""
     from tqdm.auto import tqdm
 
     if not items:
@@ -468,8 +475,9 @@ def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
 
 
 def seed_noise(latent_shape, seeds: list[int]) -> torch.Tensor:
-    """The starting noise of synthetic samples ``[len(seeds), *latent_shape]`` (dataset layout, float32): sample ``j`` is
-    ``randn(latent_shape, generator=manual_seed(seeds[j]))``, as a diffusers pipeline draws it for one seeded sample."""
+    """The starting noise of synthetic samples ``[len(seeds), *latent_shape]`` (dataset layout, float32): sample ``j``
+    is ``randn(latent_shape, generator=manual_seed(seeds[j]))``, as a diffusers pipeline draws it for one seeded
+    sample."""
     return torch.stack(
         [torch.randn(tuple(latent_shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds]
     )

@@ -31,7 +31,8 @@ __all__ = ["GuidanceSchedule", "sample_r", "qad_loss", "transformer_blocks", "re
 
 
 class GuidanceSchedule:
-    """Piecewise-linear ``s(r)`` through knots ``[(r_0, s_0), (r_1, s_1), ...]``, constant beyond the ends (docs/math.md §7)."""
+    """Piecewise-linear ``s(r)`` through knots ``[(r_0, s_0), (r_1, s_1), ...]``, constant beyond the ends
+    (docs/math.md §7)."""
 
     def __init__(self, knots):
         knots = [(float(r), float(s)) for r, s in (knots if not isinstance(knots, (int, float)) else [(0.0, knots)])]
@@ -60,7 +61,8 @@ class GuidanceSchedule:
 
 
 def sample_r(batch: int, shift: float = 1.0, times=None, generator=None, device="cpu") -> torch.Tensor:
-    """``r`` per sample (float64): shifted uniform ``s u / (1 + (s - 1) u)``, or uniform among ``times`` (rCM teacher)."""
+    """``r`` per sample (float64): shifted uniform ``s u / (1 + (s - 1) u)``, or uniform among ``times`` (rCM
+    teacher)."""
     if times:
         t = torch.as_tensor(list(times), dtype=torch.float64, device=device)
         return t[rng.randint(len(t), (batch,), generator=generator, device=device)]
@@ -86,7 +88,8 @@ def qad_loss(
     times=None,
     model_dtype=None,
 ):
-    """Per-sample ``alpha L_FM + (1 - alpha) L_distill`` (docs/math.md §7, see module docstring) and a dict of logged floats.
+    """Per-sample ``alpha L_FM + (1 - alpha) L_distill`` (docs/math.md §7, see module docstring) and a dict of
+    logged floats.
 
     ``student_v`` / ``teacher_v``: ``v(x_r, r, **cond)`` (``rcm_diffusers.models.velocity_fn``); ``x0`` float64.
     """
@@ -122,7 +125,8 @@ def qad_loss(
 
 
 def transformer_blocks(model) -> list[tuple[str, torch.nn.Module]]:
-    """The repeated blocks of a Wan (``blocks``) or Flux (``transformer_blocks`` then ``single_transformer_blocks``) model."""
+    """The repeated blocks of a Wan (``blocks``) or Flux (``transformer_blocks`` then ``single_transformer_blocks``)
+    model."""
     base = _base_model(model)
     out = []
     for attr in ("blocks", "transformer_blocks", "single_transformer_blocks"):

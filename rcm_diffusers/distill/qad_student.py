@@ -60,9 +60,9 @@ def build_student(teacher, cfg):
     """Quantized student initialised from ``teacher`` (docs/math.md §7); returns ``(student, {name: QuantLinear})``.
 
     The arithmetic is ``cfg.resolved_target`` (``comfyui``: what ComfyUI runs for the format; ``fake``:
-    ``format`` / ``act_format`` as given). Scope ``all``: a full copy whose every weight trains through the fake quantizer. Scope ``lora``:
-    the frozen quantized base shares the teacher's weight tensors (no copy) and a peft adapter
-    ``"student"`` (rank ``lora_rank``) on top trains in the weight dtype.
+    ``format`` / ``act_format`` as given). Scope ``all``: a full copy whose every weight trains through the fake
+    quantizer. Scope ``lora``: the frozen quantized base shares the teacher's weight tensors (no copy) and a peft
+    adapter ``"student"`` (rank ``lora_rank``) on top trains in the weight dtype.
     """
     if cfg.scope == "lora":
         student = copy.deepcopy(teacher, memo={id(p): p for p in teacher.parameters()})
@@ -102,7 +102,8 @@ def build_student(teacher, cfg):
 
 
 def training_times(cfg) -> list[float] | None:
-    """``None`` (shifted uniform r) or the rCM student's ``rcm_steps`` sampling times ``r_k > 0`` (docs/math.md §2.1)."""
+    """``None`` (shifted uniform r) or the rCM student's ``rcm_steps`` sampling times ``r_k > 0``
+    (docs/math.md §2.1)."""
     if cfg.r_source != "rcm":
         return None
     from ..sampling import DEFAULT_MID_T
@@ -177,7 +178,8 @@ def distill_probe(student, teacher, batches, times, cfg) -> float:
 def export_student(student, out_dir: str, cfg, teacher=None) -> dict:
     """Write ``quantized_transformer.safetensors`` (``export_quantized``: ComfyUI layout for Wan by default)
     and, for scope ``lora``, the LoRA via ``save_lora_weights``; for scope ``all`` with ``export_delta`` and a
-    ``teacher``, the bf16 full-weight delta ``delta_comfyui.safetensors`` (``save_full_delta``). Returns ``{what: path}``."""
+    ``teacher``, the bf16 full-weight delta ``delta_comfyui.safetensors`` (``save_full_delta``). Returns
+    ``{what: path}``."""
     from ..quant.export import export_quantized
 
     arch = arch_of(student)

@@ -3,12 +3,12 @@
 Streams one parameter pair at a time (memory ~ one layer), with a tqdm bar. For a 2-D weight
 ``delta = W_ft - W_base = U S V^T``; rank ``r`` keeps ``lora_B = U_r sqrt(S_r)``,
 ``lora_A = sqrt(S_r) V_r^T`` (alpha = r, scale 1); the report gives the measured relative
-Frobenius error ``||delta - B A|| / ||delta||`` (optimum: ``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``). Every other delta (biases, norms, Wan modulation, the Conv3d
-patch embedding) is *non-linear* for a LoRA: kept as a full ``diff``/``diff_b`` or dropped, and
-reported either way. (The official rCM checkpoints hold the patch embedding as a 2-D Linear: its
-delta gets a LoRA, written as peft's Conv3d LoRA in a diffusers file.) Inputs may be any
-checkpoint :class:`.checkpoint.CheckpointReader` reads; the base is renamed into the fine-tuned
-file's naming tensor by tensor.
+Frobenius error ``||delta - B A|| / ||delta||`` (optimum: ``sqrt(sum_{i>r} S_i^2 / sum S_i^2)``).
+Every other delta (biases, norms, Wan modulation, the Conv3d patch embedding) is *non-linear* for a
+LoRA: kept as a full ``diff``/``diff_b`` or dropped, and reported either way. (The official rCM
+checkpoints hold the patch embedding as a 2-D Linear: its delta gets a LoRA, written as peft's
+Conv3d LoRA in a diffusers file.) Inputs may be any checkpoint :class:`.checkpoint.CheckpointReader`
+reads; the base is renamed into the fine-tuned file's naming tensor by tensor.
 """
 
 from __future__ import annotations

@@ -298,7 +298,8 @@ def lora_problems(state_dict, arch: str | None = None) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _shipped_shapes(name: str) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes (diffusers names) of the shipped architecture ``name``, from a model built on the meta device."""
+    """Parameter shapes (diffusers names) of the shipped architecture ``name``, from a model built on the meta
+    device."""
     import diffusers
 
     from ..arch import arch_config, arch_meta

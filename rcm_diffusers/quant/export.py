@@ -1,4 +1,5 @@
-"""Export a fake-quantized transformer as a ComfyUI-loadable low-bit safetensors file, and read it back (docs/math.md §7).
+"""Export a fake-quantized transformer as a ComfyUI-loadable low-bit safetensors file, and read it back
+(docs/math.md §7).
 
 Per quantized layer ``L`` (field names as ComfyUI's ``comfy/quant_ops.py`` ``QUANT_ALGOS`` reads them):
 

@@ -181,7 +181,8 @@ def quantize(
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x_hat`` of a ``QTensor`` in ``dtype`` (docs/math.md §7): ``values * scale`` (NVFP4: ``values * (scale_2 * scale)``)."""
+    """``x_hat`` of a ``QTensor`` in ``dtype`` (docs/math.md §7): ``values * scale`` (NVFP4:
+    ``values * (scale_2 * scale)``)."""
     if q.fmt in ("nvfp4", "mxfp4"):
         s = q.scale if q.scale_2 is None else q.scale_2 * q.scale
         y = (q.values * s[..., None]).flatten(-2)[..., : q.shape[-1]]

@@ -194,7 +194,8 @@ def quantize_transformer(
     A layer is skipped when its name matches ``exclude`` or ``extra_exclude``, unless an
     ``overrides`` pattern names a format for it (``None`` as the format skips it). ``target`` /
     ``act_scale``: the arithmetic trained (module docstring); under ``comfyui`` each layer's activation
-    format follows its own weight format. Raises ``ValueError`` for an unknown format or a user pattern that matches no Linear layer.
+    format follows its own weight format. Raises ``ValueError`` for an unknown format or a user pattern that
+    matches no Linear layer.
     """
     check_format(fmt)
     if act_fmt is not None:

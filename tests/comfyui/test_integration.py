@@ -2,8 +2,8 @@
 
 Runs only when COMFYUI_PATH points at a ComfyUI checkout (the first one, if several) and this
 Python has ComfyUI's requirements (plus peft); see docs/comfyui.md. The pack is linked as
-``custom_nodes/<name> -> comfy_nodes`` here; tests/comfyui/test_server.py links the repository root. It loads the pack with ComfyUI's own
-custom-node loader, the model with UNETLoader, a LoRA with RCMLoraLoader, samples with
+``custom_nodes/<name> -> comfy_nodes`` here; tests/comfyui/test_server.py links the repository root. It loads the
+pack with ComfyUI's own custom-node loader, the model with UNETLoader, a LoRA with RCMLoraLoader, samples with
 SamplerCustomAdvanced + RCMSigmas + RCMSampler and compares with ComfyUI's built-in ``lcm``.
 """
 

@@ -127,7 +127,8 @@ def comfy(tmp_path_factory):
     from importlib.metadata import version
 
     print(
-        f"\nComfyUI {comfyui_version.__version__}, comfy-kitchen {version('comfy-kitchen')}, torch {torch.__version__}, "
+        f"\nComfyUI {comfyui_version.__version__}, comfy-kitchen {version('comfy-kitchen')}, "
+        f"torch {torch.__version__}, "
         f"stand-ins: {missing or 'none'}"
     )
     yield root, nodes, mm

@@ -20,7 +20,8 @@ it to ``/prompt``, polls ``/history`` and compares the saved latent with
   diffusers path stepped by ``RCMScheduler(time_input="bf16")`` (the diffusers default), and far from the
   ``float`` result.
 
-A bad widget value comes back in ``/prompt``'s 400 response as one error naming it; widgets that do not fit\ntogether (more steps than angles) and a wrong LoRA as an execution error.
+A bad widget value comes back in ``/prompt``'s 400 response as one error naming it; widgets that do not fit
+together (more steps than angles) and a wrong LoRA as an execution error.
 The server is stopped by its PID when the module ends.
 """
 
