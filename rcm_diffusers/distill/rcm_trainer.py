@@ -28,11 +28,20 @@ from .adapters import Networks
 from .alternation import optimizer_steps, plan_step
 from .checkpoints import Checkpointer
 from .config import RCMConfig, noise_seeding_of
-from .data import (LatentDataset, batch_indices, batch_rows, model_inputs, pair_indices, pair_inputs, step_noise,
-                   step_seed, video_noise_multiplier)
+from .data import (
+    LatentDataset,
+    batch_indices,
+    batch_rows,
+    model_inputs,
+    pair_indices,
+    pair_inputs,
+    step_noise,
+    step_seed,
+    video_noise_multiplier,
+)
 from .ddp import ddp_jvp_bypass, no_buffer_sync_in_forward, no_sync_unless
 from .ema import PowerEMA
-from .errors import fail
+from .errors import user_error
 from .experts import switch_of
 from .guards import SpikeGuard, grad_norm, note_skip
 from .optim import adamw, lr_lambda
@@ -50,10 +59,15 @@ def make_accelerator(cfg, **extra):
     process per call, so P processes would run the warm-up P times faster)."""
     from accelerate import Accelerator
 
-    return Accelerator(cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
-                       mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                       log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir,
-                       step_scheduler_with_optimizer=False, **extra)
+    return Accelerator(
+        cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_dir=cfg.output_dir,
+        step_scheduler_with_optimizer=False,
+        **extra,
+    )
 
 
 class RCMTrainer:
@@ -65,6 +79,15 @@ class RCMTrainer:
 
         self.cfg = config.validate()
         check_inputs(self.cfg)  # the teacher's weight format and the whole dataset, before the run folder or a model
+        from .lowmem import startup_check
+
+        startup_check(self.cfg, print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None))
+        # beside the memory line: the compute and time the cost model predicts (distill.cost)
+        if int(os.environ.get("RANK", "0")) == 0:
+            from .cost import startup_report
+
+            print(startup_report(self.cfg))
+        self.lowmem = None
 
     # ------------------------------------------------------------------ building
     def _accelerator(self):
@@ -87,22 +110,46 @@ class RCMTrainer:
         index = model_index(cfg.pretrained)
         self.pipeline_cls = getattr(diffusers, index["_class_name"])
         transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
-        self.transformer = load_transformer(transformer_cls, cfg, index, DTYPES[cfg.weight_dtype], device, log)
-        nets, trainable = Networks.build(self.transformer, cfg.mode, with_fake=cfg.use_dmd, lora_rank=cfg.lora_rank,
-                                         lora_alpha=cfg.lora_alpha or None,
-                                         lora_target_modules=cfg.lora_target_modules or None,
-                                         fake_lora_rank=cfg.fake_lora_rank or None, time_input=cfg.time_input)
+        # one card (distill.lowmem): the base is loaded on the host and only what stays resident goes to the device
+        one_card = cfg.base_dtype != "weight_dtype" or cfg.blocks_to_swap > 0 or cfg.activation_offload
+        self.transformer = load_transformer(
+            transformer_cls, cfg, index, DTYPES[cfg.weight_dtype], torch.device("cpu") if one_card else device, log
+        )
+        nets, trainable = Networks.build(
+            self.transformer,
+            cfg.mode,
+            with_fake=cfg.use_dmd,
+            lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha or None,
+            lora_target_modules=cfg.lora_target_modules or None,
+            fake_lora_rank=cfg.fake_lora_rank or None,
+            time_input=cfg.time_input,
+        )
+        if one_card:
+            from .lowmem import apply_low_memory
+
+            self.lowmem = apply_low_memory(
+                self.transformer,
+                base_dtype=cfg.base_dtype,
+                blocks_to_swap=cfg.blocks_to_swap,
+                activation_offload=cfg.activation_offload,
+                device=device,
+            )
+            log(f"one card: {self.lowmem.describe()}")
         if cfg.gradient_checkpointing:  # selective recomputes the rank-r LoRA up-projections
             from .activation_checkpointing import enable_checkpointing
 
             for m in trainable.values():
-                enable_checkpointing(m, cfg.checkpointing_policy,
-                                     max(cfg.lora_rank, cfg.fake_lora_rank) if cfg.mode == "shared" else 0)
+                enable_checkpointing(
+                    m, cfg.checkpointing_policy, max(cfg.lora_rank, cfg.fake_lora_rank) if cfg.mode == "shared" else 0
+                )
         if needs_jvp(cfg):  # sCM with fd_type 0/1 only; dCM, fd_type 2 and DMD alone keep the stock processors
             from ..attention import enable_jvp_attention
+            from ..attention.linear_jvp import enable_linear_jvp
 
             for m in {id(m): m for m in nets.modules.values()}.values():
                 enable_jvp_attention(m)
+                enable_linear_jvp(m)  # one product per linear layer in the JVP pass, not two (the same tangent)
         return nets, trainable
 
     def _context_parallel(self, nets, world):
@@ -117,13 +164,13 @@ class RCMTrainer:
         try:
             check_context_parallel(self.transformer, cp)
             if world == 1:
-                fail(f"context_parallel_size {cp} needs {cp} x k processes, this run has 1")
+                user_error(f"context_parallel_size {cp} needs {cp} x k processes, this run has 1")
             dp_rank, dp_world, group = context_parallel_groups(cp)
             for m in {id(m): m for m in nets.modules.values()}.values():
                 enable_jvp_attention(m)  # stock attention outside a JVP pass; the processors carry the exchange
                 enable_context_parallel(m, group)
         except ValueError as e:
-            fail(str(e))
+            user_error(str(e))
         return dp_rank, dp_world
 
     # ------------------------------------------------------------------ the run
@@ -131,6 +178,11 @@ class RCMTrainer:
         """Run (or resume) the distillation; returns ``output_dir`` once ``final.json`` is written."""
         cfg = self.cfg
         fsdp = FS.take_fsdp_request()  # an FSDP2 accelerate config: the trainer shards the frozen base itself
+        if fsdp and cfg.mode != "shared":  # refused before the run folder is touched
+            user_error(
+                "FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP "
+                "(training/accelerate/ddp_8gpu.yaml)"
+            )
         acc = self.acc = self._accelerator()
         device, world = acc.device, acc.num_processes
         session = RunSession(cfg, acc, "rcm")
@@ -138,21 +190,23 @@ class RCMTrainer:
         dp_rank, dp_world = self._context_parallel(nets, world)
         cp = cfg.context_parallel_size
         if fsdp:
-            if cfg.mode != "shared":
-                fail("FSDP2 is supported in shared-base LoRA mode (--mode shared); full mode: use DDP "
-                     "(training/accelerate/ddp_8gpu.yaml)")
             if switch_of(self.transformer) is not None:
                 switch_of(self.transformer).run_both = True  # every rank joins both experts' collectives in every call
             FS.shard_frozen_base(self.transformer, **fsdp)
 
         # optimizers: separate for student and fake score (docs/math.md §4.4)
         roles = ["student"] + (["fake"] if nets.has_fake else [])
-        opts = {r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr, cfg)
-                for r in roles}
+        opts = {
+            r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr, cfg)
+            for r in roles
+        }
         total = optimizer_steps(cfg.max_steps, cfg.tangent_warmup, cfg.student_update_freq, nets.has_fake)
-        scheds = {r: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg.lr_warmup_steps, total[r], cfg.lr_decay,
-                                                                    cfg.lr_final_ratio, cfg.lr_decay_fraction))
-                  for r, o in opts.items()}
+        scheds = {
+            r: torch.optim.lr_scheduler.LambdaLR(
+                o, lr_lambda(cfg.lr_warmup_steps, total[r], cfg.lr_decay, cfg.lr_final_ratio, cfg.lr_decay_fraction)
+            )
+            for r, o in opts.items()
+        }
         names = list(trainable)
         wrap = [] if fsdp else names  # FSDP2: sharded above; accelerate must not add a DDP wrapper
         prepared = acc.prepare(*[trainable[n] for n in wrap], *[opts[r] for r in roles], *[scheds[r] for r in roles])
@@ -161,28 +215,39 @@ class RCMTrainer:
             no_buffer_sync_in_forward(m)
             ddp_jvp_bypass(m)  # the JVP passes (no_grad) call the module inside a DDP wrapper
         nets.replace_modules(modules)
-        opts = dict(zip(roles, prepared[len(wrap): len(wrap) + len(roles)]))
-        scheds = dict(zip(roles, prepared[len(wrap) + len(roles):]))
+        opts = dict(zip(roles, prepared[len(wrap) : len(wrap) + len(roles)]))
+        scheds = dict(zip(roles, prepared[len(wrap) + len(roles) :]))
         params = {r: list(nets.trainable_parameters(r).values()) for r in roles}
 
         # checkpointed state: counters, EMA, optimizers, schedulers, RNG, trainable weights (no frozen base)
         ema = PowerEMA(nets.trainable_parameters("student"), s=cfg.ema_rate) if cfg.ema_rate > 0 else None
-        checkpointer = Checkpointer(acc, ([modules[n] for n in names], names),
-                                    {r: (opts[r], nets.trainable_parameters(r)) for r in roles}, scheds, session.state, ema)
+        checkpointer = Checkpointer(
+            acc,
+            ([modules[n] for n in names], names),
+            {r: (opts[r], nets.trainable_parameters(r)) for r in roles},
+            scheds,
+            session.state,
+            ema,
+        )
 
         data = LatentDataset(cfg.data_dir)
         pairs = LatentDataset(cfg.regression_data_dir) if cfg.regression_weight > 0 else None
         if cp > 1:
-            n_tok = math.prod(n // p for n, p in zip(data.get([0])["latents"].shape[-3:], self.transformer.config.patch_size))
+            n_tok = math.prod(
+                n // p for n, p in zip(data.get([0])["latents"].shape[-3:], self.transformer.config.patch_size)
+            )
             if n_tok % cp:
-                fail(f"context_parallel_size {cp}: a sample has {n_tok} video tokens, not divisible by {cp}")
+                user_error(f"context_parallel_size {cp}: a sample has {n_tok} video tokens, not divisible by {cp}")
         decoder = None
         if cfg.sample_every and acc.is_main_process:
             from .previews import SampleDecoder
 
             decoder = SampleDecoder.from_pretrained(cfg.pretrained, data.family, device, DTYPES[cfg.weight_dtype])
-            acc.print("sample grids: PNG decoded with the pipeline's VAE" if decoder is not None else
-                      f"sample grids: {cfg.pretrained} has no VAE, writing latents only (samples/*.safetensors)")
+            acc.print(
+                "sample grids: PNG decoded with the pipeline's VAE"
+                if decoder is not None
+                else f"sample grids: {cfg.pretrained} has no VAE, writing latents only (samples/*.safetensors)"
+            )
         session.start(checkpointer, nets.trainable_parameters("student"), {"fsdp": fsdp})
         state = session.state
         guard = SpikeGuard(state.guard, cfg.spike_factor, cfg.spike_patience)
@@ -214,7 +279,7 @@ class RCMTrainer:
             for m in range(n_micro):
                 rows = (m * B, (m + 1) * B, B * n_micro)
                 x0, cond, uncond = (batch_rows(v, *rows) for v in (x0_all, cond_all, uncond_all))
-                gen = gen_all[m * B:(m + 1) * B] if n_micro > 1 else gen_all
+                gen = gen_all[m * B : (m + 1) * B] if n_micro > 1 else gen_all
 
                 def backward(loss, last, final=m == n_micro - 1):
                     with no_sync_unless(acc, nets.modules[role], last and final):
@@ -244,12 +309,30 @@ class RCMTrainer:
             else:
                 note_skip(state, cfg, i, role, norm, ids, acc.print)
             if guard.check(role, norm):
-                session.spike({"step": i, "net": role, "grad_norm": norm, "batch_ids": ids,
-                               "seed": step_seed(cfg.seed, i, dp_rank, 0), "noise_seeding": seeding, **logs})
+                session.spike(
+                    {
+                        "step": i,
+                        "net": role,
+                        "grad_norm": norm,
+                        "batch_ids": ids,
+                        "seed": step_seed(cfg.seed, i, dp_rank, 0),
+                        "noise_seeding": seeding,
+                        **logs,
+                    }
+                )
             state.step = i + 1
-            record = {"step": i, "net": role, "student_eff": plan.student_eff, "fake_eff": plan.fake_eff,
-                      "lr": scheds[role].get_last_lr()[0], "grad_norm": norm, "skipped": state.skipped,
-                      "step_time": time.perf_counter() - t0, "peak_mem_mb": peak_memory_mb(device), **logs}
+            record = {
+                "step": i,
+                "net": role,
+                "student_eff": plan.student_eff,
+                "fake_eff": plan.fake_eff,
+                "lr": scheds[role].get_last_lr()[0],
+                "grad_norm": norm,
+                "skipped": state.skipped,
+                "step_time": time.perf_counter() - t0,
+                "peak_mem_mb": peak_memory_mb(device),
+                **logs,
+            }
             bar.set_postfix({k: f"{v:.3g}" for k, v in record.items() if k.startswith("loss")})
             session.end_of_step(i, record)
             if cfg.sample_every and state.step % cfg.sample_every == 0 and acc.is_main_process:
