@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import transformer_blocks
+from .memory import BASE_DTYPES
 
 __all__ = [
     "BASE_DTYPES",
@@ -72,7 +73,6 @@ __all__ = [
 ]
 
 #: values of the ``base_dtype`` option: the frozen Linear weights as ``weight_dtype``, FP8 E4M3 block-scaled, INT8
-BASE_DTYPES = ("weight_dtype", "fp8", "int8")
 #: inputs per float32 scale of the ``fp8`` base (per output row)
 FP8_BLOCK = 128
 #: swapped blocks on the device at once: the one running and the one prefetched

@@ -32,8 +32,7 @@ from .ema import PowerEMA
 from .guards import grad_norm, note_skip
 from .optim import adamw, lr_lambda
 from .qad import GuidanceSchedule, blockwise_warm_start, qad_loss, sample_r
-from .rcm_trainer import DTYPES, make_accelerator
-from .session import RunSession, merge_logs, peak_memory_mb, write_json
+from .session import DTYPES, RunSession, make_accelerator, merge_logs, peak_memory_mb, write_json
 
 __all__ = ["QADTrainer", "main"]
 
@@ -180,7 +179,6 @@ class QADTrainer:
                     ema.update(Q.trainable(acc.unwrap_model(student)), i + 1)
             else:
                 note_skip(state, cfg, i, "student", norm, ids, acc.print)
-            state.step = i + 1
             record = {
                 "step": i,
                 "lr": sched.get_last_lr()[0],

@@ -45,29 +45,10 @@ from .errors import user_error
 from .experts import switch_of
 from .guards import SpikeGuard, grad_norm, note_skip
 from .optim import adamw, lr_lambda
-from .session import RunSession, merge_logs, peak_memory_mb
+from .session import DTYPES, RunSession, make_accelerator, merge_logs, peak_memory_mb
 from .terms import StudentBatch, fake_step, needs_jvp, run_student_terms, student_terms
 
-__all__ = ["RCMTrainer", "main", "DTYPES"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def make_accelerator(cfg, **extra):
-    """The ``Accelerator`` of a trainer: gloo on CPU processes when there is no GPU, accumulation and trackers from
-    the config, and the LR schedule stepped once per iteration (accelerate would step a prepared scheduler once per
-    process per call, so P processes would run the warm-up P times faster)."""
-    from accelerate import Accelerator
-
-    return Accelerator(
-        cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        log_with=None if cfg.report_to == "none" else cfg.report_to,
-        project_dir=cfg.output_dir,
-        step_scheduler_with_optimizer=False,
-        **extra,
-    )
+__all__ = ["RCMTrainer", "main"]
 
 
 class RCMTrainer:
@@ -320,7 +301,6 @@ class RCMTrainer:
                         **logs,
                     }
                 )
-            state.step = i + 1
             record = {
                 "step": i,
                 "net": role,

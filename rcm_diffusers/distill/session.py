@@ -29,6 +29,8 @@ __all__ = [
     "merge_logs",
     "peak_memory_mb",
     "EXIT_AFTER_STEP_ENV",
+    "DTYPES",
+    "make_accelerator",
 ]
 
 #: test aid: hard-exit (``os._exit(17)``) right after this iteration, as if killed (docs/training.md, testing aids)
@@ -417,3 +419,23 @@ class RunSession:
             write_json(self.path("final.json"), final)
         self.acc.wait_for_everyone()
         self.acc.end_training()
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_accelerator(cfg, **extra):
+    """The ``Accelerator`` of a trainer: gloo on CPU processes when there is no GPU, accumulation and trackers from
+    the config, and the LR schedule stepped once per iteration (accelerate would step a prepared scheduler once per
+    process per call, so P processes would run the warm-up P times faster)."""
+    from accelerate import Accelerator
+
+    return Accelerator(
+        cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+        mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_dir=cfg.output_dir,
+        step_scheduler_with_optimizer=False,
+        **extra,
+    )
