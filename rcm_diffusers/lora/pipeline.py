@@ -53,6 +53,8 @@ def load_rcm_lora(
     the "one LoRA for both" approach). With ``scheduler=True`` (default) also set ``pipe.scheduler`` to the
     sampler the student was trained for, ``RCMScheduler.from_lora(path, pipe.scheduler.config)`` (the run's
     ``scheduler/``; without one, ``from_config`` defaults and a warning); ``scheduler=False`` leaves it alone.
+    Low-memory pipelines (docs/sampling.md, "Low-memory pipelines"): GGUF, torchao, group offload and model CPU
+    offload (put back on the device it had) work; layerwise casting must come after this call.
     Returns ``{component: file}`` of the LoRA files loaded."""
     files = expert_lora_files(path)
     two_expert_pipe = getattr(pipe, "transformer_2", None) is not None
@@ -68,14 +70,25 @@ def load_rcm_lora(
                 "reuse_for_both=True to apply it to both, or train both experts (training/rcm.py --experts both)"
             )
         files = {"transformer": files["transformer"], "transformer_2": files["transformer"]}
-    for component, f in files.items():
-        d, name = os.path.split(f)
-        pipe.load_lora_weights(
-            d or ".",
-            weight_name=name,
-            adapter_name=adapter_name,
-            **({"load_into_transformer_2": True} if component == "transformer_2" else {}),
-        )
+    for component in files:
+        storage = _layerwise_storage_dtype(getattr(pipe, component))
+        if storage is not None:
+            raise ValueError(
+                f"pipe.{component} has layerwise casting (storage {storage}), so peft would store the LoRA in "
+                f"{storage}: load the transformer again, call load_rcm_lora, then enable_layerwise_casting(...)"
+            )
+    restore_offload = _pause_model_cpu_offload(pipe)
+    try:
+        for component, f in files.items():
+            d, name = os.path.split(f)
+            pipe.load_lora_weights(
+                d or ".",
+                weight_name=name,
+                adapter_name=adapter_name,
+                **({"load_into_transformer_2": True} if component == "transformer_2" else {}),
+            )
+    finally:
+        restore_offload()
     if weight != 1.0:
         pipe.set_adapters([adapter_name], [weight])
     if scheduler:
@@ -84,6 +97,30 @@ def load_rcm_lora(
         current = getattr(pipe, "scheduler", None)
         pipe.scheduler = RCMScheduler.from_lora(path, None if current is None else current.config)
     return files
+
+
+def _layerwise_storage_dtype(model) -> torch.dtype | None:
+    """The storage dtype of diffusers' layerwise casting (``enable_layerwise_casting``) on ``model``, or None."""
+    for m in model.modules():
+        registry = getattr(m, "_diffusers_hook", None)
+        hook = None if registry is None else registry.get_hook("layerwise_casting")
+        if hook is not None:
+            return hook.storage_dtype
+    return None
+
+
+def _pause_model_cpu_offload(pipe):
+    """Remove the model CPU offload hooks of ``pipe`` (``enable_model_cpu_offload``) and return the function that
+    puts them back on the device they had. diffusers' ``load_lora_weights`` puts them back itself, but on the default
+    accelerator (``enable_model_cpu_offload()``), which raises after loading when that device was the CPU."""
+    from accelerate.hooks import CpuOffload
+
+    device = getattr(pipe, "_offload_device", None)
+    modules = [c for c in getattr(pipe, "components", {}).values() if isinstance(c, torch.nn.Module)]
+    if device is None or not any(isinstance(getattr(c, "_hf_hook", None), CpuOffload) for c in modules):
+        return lambda: None
+    pipe.remove_all_hooks()
+    return lambda: pipe.enable_model_cpu_offload(device=device)
 
 
 def _lora_pairs_for_peft(groups: dict) -> tuple[dict, list[tuple[str, str, torch.Tensor]]]:
