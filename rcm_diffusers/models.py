@@ -1,7 +1,8 @@
 """Model adapters: call a diffusers transformer as a rectified-flow velocity ``v(x_r, r, **cond)``.
 
 Each supported transformer takes its time in its own scale (docs/math.md §1): the Wan transformer
-is called with ``r * 1000``; the Flux transformer with ``r`` (it multiplies by 1000 inside).
+is called with ``r * 1000``; the Flux and Qwen-Image transformers with ``r`` (they multiply by 1000 inside:
+FluxPipeline and QwenImagePipeline pass ``timestep / 1000``).
 ``TrigFlowDenoiser(velocity_fn(transformer))`` then gives the TrigFlow ``F(x_t, t)`` used
 by every loss and sampler of the package.
 """
@@ -14,6 +15,7 @@ import torch
 
 __all__ = [
     "TIMESTEP_SCALE",
+    "CFG_NORM_RESCALE",
     "TIME_INPUTS",
     "timestep_scale",
     "network_timestep",
@@ -29,7 +31,13 @@ TIMESTEP_SCALE = {
     "WanVACETransformer3DModel": 1000.0,
     "WanExpertSwitch": 1000.0,  # rcm_diffusers.distill.experts: Wan 2.2's two experts as one module
     "FluxTransformer2DModel": 1.0,
+    "QwenImageTransformer2DModel": 1.0,  # QwenImagePipeline passes timestep / 1000; its Timesteps embed at scale 1000
 }
+
+
+#: transformers whose pipeline rescales the guided velocity per token to the conditional one's norm
+#: (QwenImagePipeline's true CFG; ``distill.losses.guided_norm_rescaled``)
+CFG_NORM_RESCALE = ("QwenImageTransformer2DModel",)
 
 
 #: how the time reaches the network: "bf16" = rounded to bfloat16 as the official rCM code feeds it
@@ -86,7 +94,7 @@ def timestep_scale(transformer) -> float:
 
 
 def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.Tensor]:
-    """Return ``v(x_r, r, **cond)`` for a Wan or Flux transformer; the network sees
+    """Return ``v(x_r, r, **cond)`` for a Wan, Flux or Qwen-Image transformer; the network sees
     ``network_timestep(r, scale, time_input)``.
 
     Wan conditions: ``encoder_hidden_states`` (text), optional ``encoder_hidden_states_image``
@@ -94,6 +102,10 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
     channel dim after ``x_r``, as WanImageToVideoPipeline does).
     Flux conditions: ``encoder_hidden_states``, ``pooled_projections``, ``txt_ids``, ``img_ids``,
     optional ``guidance``; ``x_r`` is the packed latent ``[B, L, C]``.
+    Qwen-Image conditions: ``encoder_hidden_states``, ``encoder_hidden_states_mask`` (``None`` when no text token
+    is padding, as QwenImagePipeline.encode_prompt leaves it) and ``img_shapes`` (``[[(1, h/2, w/2)]] * B``);
+    ``x_r`` is the packed latent ``[B, L, 4C]``. Its output is the flow-matching velocity ``eps - x0`` (the
+    pipeline's FlowMatchEulerDiscreteScheduler steps ``x + (sigma_next - sigma) v``), the same convention as Flux.
     """
     scale = timestep_scale(transformer)
     if time_input not in TIME_INPUTS:
@@ -118,6 +130,24 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
             )[0]
 
         return v_wan
+
+    if name == "QwenImageTransformer2DModel":
+
+        def v_qwen(x_r, r, encoder_hidden_states, img_shapes, encoder_hidden_states_mask=None, **kw):
+            ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
+            if ts.dim() == 0:
+                ts = ts.expand(x_r.shape[0])
+            return transformer(
+                hidden_states=x_r,
+                timestep=ts,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_hidden_states_mask=encoder_hidden_states_mask,
+                img_shapes=img_shapes,
+                return_dict=False,
+                **kw,
+            )[0]
+
+        return v_qwen
 
     def v_flux(x_r, r, encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance=None, **kw):
         ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
@@ -168,7 +198,12 @@ def denoiser(transformer, model_dtype: torch.dtype | None = None, time_input: st
 
 
 #: the repeated transformer blocks of the supported families, by class name
-BLOCK_CLASSES = ("WanTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock")
+BLOCK_CLASSES = (
+    "WanTransformerBlock",
+    "FluxTransformerBlock",
+    "FluxSingleTransformerBlock",
+    "QwenImageTransformerBlock",
+)
 
 
 def transformer_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,6 +1,6 @@
 """The trainers' teacher families, matched by exact class before any model loads (rcm_diffusers.distill.families):
-FLUX.2 and Wan Animate are not taken for FLUX.1 / Wan, and an unsupported teacher is refused in one line that lists
-the supported ones."""
+FLUX.2, Wan Animate and Qwen-Image Edit are not taken for FLUX.1 / Wan / Qwen-Image, and an unsupported teacher is
+refused in one line that lists the supported ones."""
 
 import json
 from types import SimpleNamespace
@@ -14,7 +14,8 @@ from rcm_diffusers.distill.data import write_latent_dataset
 from rcm_diffusers.distill.families import UnsupportedTeacher, family_of, supported, teacher_family
 
 SUPPORTED = (
-    "supported: WanPipeline / WanImageToVideoPipeline (WanTransformer3DModel), FluxPipeline (FluxTransformer2DModel)"
+    "supported: WanPipeline / WanImageToVideoPipeline (WanTransformer3DModel), FluxPipeline (FluxTransformer2DModel), "
+    "QwenImagePipeline (QwenImageTransformer2DModel)"
 )
 
 
@@ -33,6 +34,7 @@ def _index(pipeline, transformer, transformer_2=None):
         (_index("WanImageToVideoPipeline", "WanTransformer3DModel"), "wan"),
         (_index("WanImageToVideoPipeline", "WanTransformer3DModel", "WanTransformer3DModel"), "wan"),  # Wan 2.2 experts
         (_index("FluxPipeline", "FluxTransformer2DModel"), "flux"),
+        (_index("QwenImagePipeline", "QwenImageTransformer2DModel"), "qwen"),
     ],
 )
 def test_supported_teachers_by_exact_class(index, family):
@@ -57,8 +59,8 @@ def test_supported_teachers_by_exact_class(index, family):
         ),
         (_index("FluxPipeline", "Flux2Transformer2DModel"), "a FluxPipeline with Flux2Transformer2DModel"),
         (
-            _index("QwenImagePipeline", "QwenImageTransformer2DModel"),
-            "a QwenImagePipeline with QwenImageTransformer2DModel",
+            _index("QwenImageEditPipeline", "QwenImageTransformer2DModel"),
+            "a QwenImageEditPipeline with QwenImageTransformer2DModel",
         ),
         (
             _index("WanPipeline", "WanTransformer3DModel", "WanAnimateTransformer3DModel"),

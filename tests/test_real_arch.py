@@ -16,7 +16,7 @@ from rcm_diffusers.arch import arch_config, arch_meta, arch_names, build_transfo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: parameter counts of the diffusers transformers built from the shipped configs (meta device); the
-#: published sizes are 1.3B, 14B, 14B + 14B (two experts), 5B, 14B (I2V: + image branch), 12B
+#: published sizes are 1.3B, 14B, 14B + 14B (two experts), 5B, 14B (I2V: + image branch), 12B, 20B
 PARAMS = {
     "wan2.1-t2v-1.3b": 1_418_996_800,
     "wan2.1-t2v-14b": 14_288_491_584,
@@ -24,6 +24,7 @@ PARAMS = {
     "wan2.2-i2v-a14b": 14_288_901_184,
     "wan2.2-ti2v-5b": 4_999_787_712,
     "flux.1-dev": 11_901_408_320,
+    "qwen-image": 20_430_401_088,
 }
 
 
@@ -32,7 +33,15 @@ def test_arch_configs_build_with_published_sizes():
     for name, n in PARAMS.items():
         assert count_parameters(name) == n, name
         m = arch_meta(name)
-        assert m["class_name"] in ("WanTransformer3DModel", "FluxTransformer2DModel") and m["hub_id"]
+        assert (
+            m["class_name"]
+            in (
+                "WanTransformer3DModel",
+                "FluxTransformer2DModel",
+                "QwenImageTransformer2DModel",
+            )
+            and m["hub_id"]
+        )
     assert arch_meta("wan2.2-i2v-a14b")["experts"] == 2
     assert arch_config("wan2.1-t2v-1.3b", num_layers=2)["num_layers"] == 2
     with pytest.raises(ValueError, match="no config keys"):

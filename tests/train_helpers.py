@@ -301,3 +301,90 @@ def plant_pickles(ckpt_dir, marker) -> None:
     """Put a code-running pickle in each of accelerate's checkpoint file names in ``ckpt_dir``."""
     for n in ACCELERATE_SLOTS:
         torch.save({"state": Payload(marker)}, os.path.join(str(ckpt_dir), n))
+
+
+def tiny_qwen_transformer(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """2-block, 2-head Qwen-Image transformer (4 latent channels packed 2 x 2 into 16, text width ``TEXT_DIM``)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    m = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    return m if dtype == torch.float32 else m.to(dtype)
+
+
+def make_tiny_qwen(root: str) -> str:
+    """Save a tiny QwenImagePipeline (tiny VAE, no text encoder) to ``root``; returns its path."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    if os.path.exists(os.path.join(root, "model_index.json")):
+        return root
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    # the scheduler settings of Qwen/Qwen-Image (dynamic exponential shift)
+    sched = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, shift_terminal=0.02, time_shift_type="exponential"
+    )
+    pipe = QwenImagePipeline(
+        scheduler=sched, vae=vae, text_encoder=None, tokenizer=None, transformer=tiny_qwen_transformer()
+    )
+    pipe.save_pretrained(root)
+    return root
+
+
+#: prompt lengths of the tiny Qwen-Image dataset's classes (padded to TEXT_LEN + 2 with a mask) and its negative
+QWEN_LENGTHS, QWEN_NEG_LENGTH = (3, 6, 4), 2
+
+
+def make_qwen_dataset(root: str, n: int = 16, noise: bool = False) -> str:
+    """``make_dataset`` for Qwen-Image: latents ``[4, 4, 4]`` and a class table of prompt embeddings padded with
+    zeros to ``TEXT_LEN + 2`` tokens, with ``prompt_embeds_mask`` (prompts of ``QWEN_LENGTHS`` tokens) and a
+    negative prompt of ``QWEN_NEG_LENGTH`` tokens, as prepare_data stores QwenImagePipeline.encode_prompt's output."""
+    from rcm_diffusers.distill.data import write_latent_dataset
+
+    if os.path.exists(os.path.join(root, "meta.json")):
+        return root
+    g = torch.Generator().manual_seed(0)
+    classes, L = len(QWEN_LENGTHS), TEXT_LEN + 2
+    label = torch.arange(n) % classes
+    shape = (4, 4, 4)
+    means = torch.randn(classes, *shape, generator=g)
+    lat = means[label] + 0.3 * torch.randn(n, *shape, generator=g)
+    mask = torch.zeros(classes, L)
+    for i, k in enumerate(QWEN_LENGTHS):
+        mask[i, :k] = 1.0
+    neg_mask = torch.zeros(1, L)
+    neg_mask[0, :QWEN_NEG_LENGTH] = 1.0
+    tables = {
+        "prompt_embeds": torch.randn(classes, L, TEXT_DIM, generator=g) * mask[..., None],
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": torch.randn(1, L, TEXT_DIM, generator=g) * neg_mask[..., None],
+        "negative_prompt_embeds_mask": neg_mask,
+    }
+    index = {
+        "prompt_embeds": "prompt_index",
+        "prompt_embeds_mask": "prompt_index",
+        "negative_prompt_embeds": None,
+        "negative_prompt_embeds_mask": None,
+    }
+    samples = {"latents": lat, "prompt_index": label}
+    if noise:
+        samples["noise"] = torch.randn(n, *shape, generator=g)
+    return write_latent_dataset(root, samples, family="qwen", tables=tables, table_index=index)

@@ -38,8 +38,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--pretrained",
         required=True,
-        help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline) "
-        "whose VAE, text encoder and transformer are used",
+        help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline, "
+        "QwenImagePipeline) whose VAE, text encoder and transformer are used",
     )
     ap.add_argument(
         "--output_dir", required=True, help="directory to write (meta.json, shard-*.safetensors, tables.safetensors)"
@@ -87,7 +87,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--negative_prompt",
         default=None,
-        help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux)",
+        help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux, ' ' for Qwen-Image)",
     )
     ap.add_argument(
         "--no_negative_prompt",
@@ -98,7 +98,8 @@ def parse_args(argv=None):
         "--max_sequence_length",
         type=int,
         default=0,
-        help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling)",
+        help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling; QwenImagePipeline "
+        "cuts them there)",
     )
     ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (docs/math.md §8: 100)")
     ap.add_argument(
@@ -108,7 +109,8 @@ def parse_args(argv=None):
         "--guidance_scale",
         type=float,
         default=5.0,
-        help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (docs/math.md §8: 5); 1 = no CFG",
+        help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (docs/math.md §8: 5; Qwen-Image: its "
+        "true_cfg_scale, with the pipeline's norm rescale); 1 = no CFG",
     )
     ap.add_argument(
         "--solver",
@@ -153,6 +155,12 @@ def parse_args(argv=None):
     return a
 
 
+#: the negative prompt stored when none is given: none for Flux (FluxPipeline samples without CFG); " " for
+#: Qwen-Image (QwenImagePipeline's docstring: "even an empty negative prompt like " " should enable classifier-free
+#: guidance computations"); "" otherwise
+_DEFAULT_NEGATIVE = {"flux": None, "qwen": " "}
+
+
 def main(argv=None):
     a = parse_args(argv)
     from diffusers import DiffusionPipeline
@@ -170,7 +178,7 @@ def main(argv=None):
     negative = (
         None
         if a.no_negative_prompt
-        else (a.negative_prompt if a.negative_prompt is not None else ("" if enc.family != "flux" else None))
+        else (a.negative_prompt if a.negative_prompt is not None else _DEFAULT_NEGATIVE.get(enc.family, ""))
     )
     common = dict(
         negative_prompt=negative,

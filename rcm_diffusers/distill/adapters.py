@@ -20,7 +20,7 @@ import copy
 
 import torch
 
-from ..models import _base_model, compute_dtype, velocity_fn
+from ..models import CFG_NORM_RESCALE, _base_model, compute_dtype, model_class_name, velocity_fn
 from ..trigflow import TrigFlowDenoiser
 
 __all__ = ["ROLES", "DEFAULT_LORA_TARGETS", "Networks", "add_rcm_adapters", "lora_parameters"]
@@ -45,6 +45,22 @@ DEFAULT_LORA_TARGETS = {
         "ff.net.2",
         "ff_context.net.0.proj",
         "ff_context.net.2",
+    ],
+    # QwenImageTransformerBlock: joint attention (image q/k/v/out, text add_q/k/v and to_add_out) and the image and
+    # text feed-forwards (the Linears of diffusers' own _tp_plan for the blocks)
+    "QwenImage": [
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "img_mlp.net.0.proj",
+        "img_mlp.net.2",
+        "txt_mlp.net.0.proj",
+        "txt_mlp.net.2",
     ],
 }
 
@@ -124,6 +140,8 @@ class Networks:
             role: TrigFlowDenoiser(velocity_fn(m, time_input), model_dtype=model_dtype) for role, m in modules.items()
         }
         self.has_fake = "fake" in modules
+        # the teacher's CFG is QwenImagePipeline's norm-rescaled one (distill.terms.teacher_F)
+        self.cfg_norm_rescale = model_class_name(modules["teacher"]) in CFG_NORM_RESCALE
 
     @classmethod
     def build(
@@ -215,6 +233,11 @@ class Networks:
         """TrigFlow velocity ``F_hat`` of ``role`` at ``(x_t, t)`` (docs/math.md §1)."""
         with self.role(role) as d:
             return d.F(x_t, t, **cond)
+
+    def v(self, role: str, x_t, t, cond):
+        """The raw model velocity ``v`` of ``role`` at TrigFlow ``(x_t, t)`` (``TrigFlowDenoiser.velocity``)."""
+        with self.role(role) as d:
+            return d.velocity(x_t, t, **cond)
 
     def x0(self, role: str, x_t, t, cond):
         """``x0_hat`` of ``role`` at ``(x_t, t)`` (docs/math.md §1)."""

@@ -204,12 +204,12 @@ def qad_passes(alpha: float, guided: bool) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-    """The shapes of a Wan or Flux transformer that its matrix products depend on."""
+    """The shapes of a Wan, Flux or Qwen-Image transformer that its matrix products depend on."""
 
-    family: str  # "wan" | "flux"
+    family: str  # "wan" | "flux" | "qwen"
     dim: int
     ffn_dim: int
-    layers: int  # Wan blocks / Flux double blocks
+    layers: int  # Wan blocks / Flux double blocks / Qwen-Image blocks (double-stream)
     single_layers: int  # Flux single blocks
     patch_in: int  # features per token into the patch embedding
     patch_out: int  # features per token out of the output projection
@@ -220,6 +220,12 @@ class Arch:
     @classmethod
     def from_config(cls, config: dict, class_name: str = "WanTransformer3DModel") -> "Arch":
         D = config["num_attention_heads"] * config["attention_head_dim"]
+        if class_name == "QwenImageTransformer2DModel":
+            c, nd, p = config["in_channels"], config["num_layers"], config.get("patch_size", 2)
+            # time embedder, the blocks' image and text modulations, output norm; feed-forwards 4 D (FeedForward)
+            per = [(256, D), (D, D)] + [(D, 6 * D)] * 2 * nd + [(D, 2 * D)]
+            out = p * p * (config.get("out_channels") or c)
+            return cls("qwen", D, 4 * D, nd, 0, c, out, config.get("joint_attention_dim", 3584), per_sample=tuple(per))
         if class_name.startswith("Flux"):
             c, nd, ns = config["in_channels"], config["num_layers"], config["num_single_layers"]
             # time (and guidance) embedders, pooled text embedder, block modulations, output norm
@@ -303,7 +309,7 @@ def _graph(a: Arch, L: int, T: int, I: int) -> tuple[list[_Lin], list[_Att]]:
             _Lin(D, D, T, False, False, False, False),
         ]
         return lins, atts
-    N = L + T  # Flux: the image and text streams attend jointly; the single blocks carry both
+    N = L + T  # Flux, Qwen-Image: the image and text streams attend jointly; Flux's single blocks carry both
     for k in range(a.layers):
         for n in (L, T):  # q, k, v (block 0: no input gradient), out and the feed-forward of each stream
             lins += [_Lin(D, D, n, True, k > 0, True)] * 3 + [_Lin(D, D, n, True, True, True)]
@@ -315,7 +321,7 @@ def _graph(a: Arch, L: int, T: int, I: int) -> tuple[list[_Lin], list[_Att]]:
         atts.append(_Att(N, N, D, True))
     lins += [
         _Lin(a.patch_in, D, L, False, False, True, False, True),
-        _Lin(D, a.patch_out, L, True, True, True, False),
+        _Lin(D, a.patch_out, L, a.family == "flux", True, True, False),  # Flux's LoRA targets "proj_out" too
         _Lin(a.text_dim, D, T, False, False, False, False, True),
     ]
     return lins, atts
@@ -507,9 +513,9 @@ def startup_report(cfg, world: int | None = None) -> str:
         class_name = config.get("_class_name") or index[sub][1]
         config = {k: v for k, v in config.items() if not k.startswith("_")}
         row = LatentDataset(cfg.data_dir).get([0])
-        family = "flux" if class_name.startswith("Flux") else "wan"
+        packed = class_name.startswith("Flux") or class_name == "QwenImageTransformer2DModel"
         lat = tuple(row["latents"].shape[1:])
-        if family == "flux":
+        if packed:
             tokens = (lat[-2] // 2) * (lat[-1] // 2)
         else:
             tokens = wan_tokens(*lat[-3:], patch=config["patch_size"])

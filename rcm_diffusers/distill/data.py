@@ -2,7 +2,7 @@
 
 On-disk format (a directory; training never runs a VAE or text encoder)::
 
-    meta.json            {"format": "rcm-latents", "version": 1, "family": "wan" | "wan_i2v" | "flux",
+    meta.json            {"format": "rcm-latents", "version": 1, "family": "wan" | "wan_i2v" | "flux" | "qwen",
                           "num_samples": N, "shards": [{"file": "shard-00000.safetensors", "num_samples": n}, ...],
                           "tables": {"prompt_embeds": "prompt_index", "negative_prompt_embeds": null, ...}}
     shard-XXXXX.safetensors   per-sample tensors, leading dim = samples in the shard
@@ -11,11 +11,15 @@ On-disk format (a directory; training never runs a VAE or text encoder)::
 Per-sample keys (float tensors are stored in the dtype written, cast to float32 on load):
 
 - ``latents``: clean latents ``x0``: Wan ``[C, T, H, W]`` (VAE-normalised as the pipeline does),
-  Flux ``[C, H, W]`` (unpacked, after the VAE shift/scale; packed into tokens at load).
+  Flux ``[C, H, W]`` (unpacked, after the VAE shift/scale; packed into tokens at load), Qwen-Image ``[C, H, W]``
+  (its VAE's one latent frame dropped, VAE-normalised as the pipeline does; packed 2 x 2 into tokens at load).
 - ``prompt_embeds`` ``[L, D]`` (Wan: T5 hidden states padded to the pipeline's length;
   Flux: T5 hidden states), or ``prompt_index`` (int64) into a ``prompt_embeds`` table.
 - ``negative_prompt_embeds`` ``[L, D]`` for CFG (usually one table row shared by all samples).
 - Flux: ``pooled_prompt_embeds`` ``[768]`` (+ ``negative_pooled_prompt_embeds`` for CFG).
+- Qwen-Image: ``prompt_embeds`` padded with zeros to a fixed length and ``prompt_embeds_mask`` ``[L]`` (float, 1 for
+  a token of the prompt, 0 for padding; + ``negative_prompt_embeds_mask``); a batch is cut to its longest prompt and
+  the mask dropped when no token is padding, as QwenImagePipeline.encode_prompt hands them to the transformer.
 - Wan I2V: ``condition`` ``[4 + C, T, H, W]`` (first-frame mask + image latents, as
   WanImageToVideoPipeline builds them) and optionally ``image_embeds`` ``[257, 1280]`` (CLIP).
 - ``noise`` (optional, same shape as ``latents``): the noise a teacher ODE sample started from (synthetic data);
@@ -57,6 +61,8 @@ __all__ = [
     "pair_inputs",
     "pack_flux_latents",
     "unpack_flux_latents",
+    "qwen_text",
+    "PACKED",
 ]
 
 FORMAT = "rcm-latents"
@@ -120,7 +126,7 @@ def write_latent_dataset(
 
 # ----------------------------------------------------------------------------- validation before any model loads
 
-FAMILIES = ("wan", "wan_i2v", "flux")
+FAMILIES = ("wan", "wan_i2v", "flux", "qwen")
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _INTS = {"I8", "U8", "I16", "I32", "I64", "U16", "U32", "U64"}
 
@@ -186,8 +192,8 @@ def _dims(model_config: dict | None, family: str) -> dict:
     cls = c.get("_class_name", "")
     out = {}
     if cls.startswith("Wan"):
-        if family == "flux":
-            raise DataError(f"the data is family 'flux' but the teacher is a {cls}")
+        if family not in ("wan", "wan_i2v"):
+            raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
         out["channels"] = c.get("out_channels") or c.get("in_channels")
         out["in_channels"] = c.get("in_channels")
         out["text_dim"] = c.get("text_dim")
@@ -201,6 +207,12 @@ def _dims(model_config: dict | None, family: str) -> dict:
         out["channels"] = ic // 4 if ic else None
         out["text_dim"] = c.get("joint_attention_dim")
         out["pooled_dim"] = c.get("pooled_projection_dim")
+    elif cls == "QwenImageTransformer2DModel":
+        if family != "qwen":
+            raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
+        ic = c.get("in_channels")
+        out["channels"] = ic // 4 if ic else None
+        out["text_dim"] = c.get("joint_attention_dim")
     return out
 
 
@@ -389,7 +401,8 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
     if dims.get("channels") and C != dims["channels"]:
         raise DataError(f"{root}: latents have {C} channels, the teacher's transformer takes {dims['channels']}")
     hw = lat[-2:]
-    p = (2, 2) if family == "flux" else dims.get("patch", (1, 1))  # Flux packs 2 x 2 latent pixels per token
+    # Flux and Qwen-Image pack 2 x 2 latent pixels per token
+    p = (2, 2) if family in ("flux", "qwen") else dims.get("patch", (1, 1))
     if any(h % q for h, q in zip(hw, p)):
         raise DataError(
             f"{root}: latent height x width {hw[0]} x {hw[1]} is not divisible by the patch size {p[0]} x {p[1]}"
@@ -432,6 +445,13 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
             f"{root}: latents have {C} channels, the teacher's transformer takes {dims['in_channels']} "
             "(an image-to-video teacher needs family 'wan_i2v' data with a condition)"
         )
+    if family == "qwen":
+        for k in ("prompt_embeds_mask", "negative_prompt_embeds_mask"):
+            emb = k[: -len("_mask")]
+            if k in per:
+                shape = need(k)
+                if emb not in per or tuple(shape) != tuple(per[emb][1][:1]):
+                    raise DataError(f"{root}: {k} {list(shape)} must be [L] with the L of {emb} per sample")
     if family == "flux":
         for k in ("pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
             if k in per or k == "pooled_prompt_embeds":
@@ -550,8 +570,12 @@ def pair_indices(num_pairs: int, batch_size: int, step: int, rank: int, world: i
 # ----------------------------------------------------------------------------- model inputs
 
 
+#: data families whose latents the transformer takes as 2 x 2-packed tokens
+PACKED = ("flux", "qwen")
+
+
 def pack_flux_latents(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]`` as FluxPipeline packs them."""
+    """``[B, C, H, W] -> [B, (H/2)(W/2), 4C]`` as FluxPipeline (and QwenImagePipeline) packs them."""
     B, C, H, W = latents.shape
     x = latents.view(B, C, H // 2, 2, W // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return x.reshape(B, (H // 2) * (W // 2), C * 4)
@@ -571,12 +595,36 @@ def _flux_img_ids(H: int, W: int) -> torch.Tensor:
     return ids.reshape(-1, 3)
 
 
+def qwen_text(embeds: torch.Tensor, mask: torch.Tensor | None) -> dict:
+    """Qwen-Image text conditions of a batch as QwenImagePipeline hands them to the transformer: ``embeds`` ``[B, L,
+    D]`` cut to the batch's longest prompt (the pipeline pads a batch of prompts to its longest) with
+    ``encoder_hidden_states_mask`` (long, 1 = prompt token), or no mask when no token is padding
+    (``encode_prompt`` drops an all-ones mask)."""
+    if mask is None:
+        return {"encoder_hidden_states": embeds}
+    m = mask > 0.5
+    pos = torch.arange(1, m.shape[1] + 1, device=m.device)
+    n = max(int((m * pos).max()), 1)
+    m = m[:, :n]
+    out = {"encoder_hidden_states": embeds[:, :n]}
+    if not bool(m.all()):
+        out["encoder_hidden_states_mask"] = m.long()
+    return out
+
+
 def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: float | None = None):
-    """``(x0, cond, uncond)``: float64 clean latents in the model's layout (Flux: packed tokens) and
+    """``(x0, cond, uncond)``: float64 clean latents in the model's layout (Flux, Qwen-Image: packed tokens) and
     the condition kwargs of ``rcm_diffusers.models.velocity_fn`` (``uncond`` is ``None`` without negatives)."""
 
     def md(x):
         return x.to(device=device, dtype=model_dtype)
+
+    def text(embeds, mask):
+        out = qwen_text(embeds, mask)
+        out["encoder_hidden_states"] = md(out["encoder_hidden_states"])
+        if "encoder_hidden_states_mask" in out:
+            out["encoder_hidden_states_mask"] = out["encoder_hidden_states_mask"].to(device)
+        return out
 
     x0 = batch["latents"].to(device=device, dtype=torch.float64)
     neg = batch.get("negative_prompt_embeds")
@@ -614,16 +662,25 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
                 "pooled_projections": md(batch.get("negative_pooled_prompt_embeds", batch["pooled_prompt_embeds"])),
             }
         return x0, cond, uncond
-    raise ValueError(f"unknown data family {family!r}; expected 'wan', 'wan_i2v' or 'flux'")
+    if family == "qwen":
+        H, W = x0.shape[-2:]
+        x0 = pack_flux_latents(x0)  # QwenImagePipeline._pack_latents: the same 2 x 2 packing as Flux
+        shapes = [[(1, H // 2, W // 2)]] * x0.shape[0]  # the pipeline's img_shapes
+        cond = {**text(batch["prompt_embeds"], batch.get("prompt_embeds_mask")), "img_shapes": shapes}
+        uncond = None
+        if neg is not None:
+            uncond = {**text(neg, batch.get("negative_prompt_embeds_mask")), "img_shapes": shapes}
+        return x0, cond, uncond
+    raise ValueError(f"unknown data family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
 def pair_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: float | None = None):
     """``(noise, target, cond)`` of an ODE-pair batch (docs/math.md §4.7): the float64 starting ``noise`` and the
-    teacher's ODE sample ``latents`` in the model's layout (Flux: both packed) and the condition kwargs of
+    teacher's ODE sample ``latents`` in the model's layout (Flux, Qwen-Image: both packed) and the condition kwargs of
     ``model_inputs``."""
     target, cond, _ = model_inputs(family, batch, device, model_dtype, flux_guidance)
     noise = batch["noise"].to(device=device, dtype=torch.float64)
-    return (pack_flux_latents(noise) if family == "flux" else noise), target, cond
+    return (pack_flux_latents(noise) if family in PACKED else noise), target, cond
 
 
 def video_noise_multiplier(x0: torch.Tensor, family: str) -> float:

@@ -1,7 +1,8 @@
 """The teachers the trainers support, matched by exact class (``model_index.json``: the pipeline's ``_class_name`` and
 every transformer entry), before any model loads.
 
-A class name is never matched by prefix: ``Flux2Pipeline`` is not FLUX.1, ``WanAnimatePipeline`` is not Wan 2.1/2.2;
+A class name is never matched by prefix: ``Flux2Pipeline`` is not FLUX.1, ``WanAnimatePipeline`` is not Wan 2.1/2.2,
+``QwenImageEditPipeline`` is not Qwen-Image text-to-image;
 their dimensions, conditioning and LoRA targets differ, and taking them for a supported family would fail only after
 the teacher has loaded, or not at all. A teacher outside ``FAMILIES`` is refused in one line that lists the supported
 ones. Adding a family is one entry here (and its data family in ``data.FAMILIES``).
@@ -33,6 +34,8 @@ FAMILIES = (
     Family("wan", ("WanPipeline", "WanImageToVideoPipeline"), ("WanTransformer3DModel",), ("wan", "wan_i2v")),
     # FLUX.1 [dev] / [schnell]
     Family("flux", ("FluxPipeline",), ("FluxTransformer2DModel",), ("flux",)),
+    # Qwen-Image text-to-image (QwenImageEditPipeline, QwenImageImg2ImgPipeline, ... are other teachers)
+    Family("qwen", ("QwenImagePipeline",), ("QwenImageTransformer2DModel",), ("qwen",)),
 )
 
 #: model_index.json keys of the transformers a pipeline holds (Wan 2.2: two experts)

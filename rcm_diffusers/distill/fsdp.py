@@ -82,7 +82,12 @@ def take_fsdp_request(environ=None) -> dict | None:
 
 
 #: transformer block classes sharded when the accelerate config names none
-DEFAULT_LAYER_CLASSES = ("WanTransformerBlock", "FluxTransformerBlock", "FluxSingleTransformerBlock")
+DEFAULT_LAYER_CLASSES = (
+    "WanTransformerBlock",
+    "FluxTransformerBlock",
+    "FluxSingleTransformerBlock",
+    "QwenImageTransformerBlock",
+)
 
 
 def shard_frozen_base(model: torch.nn.Module, layer_classes=(), reshard_after_forward: bool = True) -> torch.nn.Module:

@@ -164,7 +164,11 @@ def check_inputs(cfg) -> dict:
 
     watchdog.guard_launcher()
     index = model_index(cfg.pretrained)  # the teacher folder (or hub id) exists and is a diffusers pipeline
-    families.check_family(cfg, index)  # a supported teacher, matched by exact class, before any model loads
+    family = families.check_family(cfg, index)  # a supported teacher, matched by exact class, before any model loads
+    if family.name == "qwen" and hasattr(cfg, "calibration_batches"):  # QADConfig
+        user_error(
+            f"--pretrained {cfg.pretrained}: QAD (training/qad.py) supports Wan and FLUX.1 teachers, not Qwen-Image"
+        )
     if hasattr(cfg, "experts"):
         from .base_model import check_experts
 

@@ -29,6 +29,7 @@ from ..trigflow import F_from_x0_eps, _bcast, r_to_t, sample_p_D, shift_r, trigf
 __all__ = [
     "scale_from_reference_g",
     "guided",
+    "guided_norm_rescaled",
     "tangent_warmup_ratio",
     "scm_tangents",
     "scm_dF",
@@ -61,6 +62,17 @@ def guided(out_cond: torch.Tensor, out_uncond: torch.Tensor | None, guidance_sca
     if out_uncond is None or guidance_scale == 1.0:
         return out_cond
     return out_uncond + guidance_scale * (out_cond - out_uncond)
+
+
+def guided_norm_rescaled(v_cond: torch.Tensor, v_uncond: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
+    """QwenImagePipeline's true CFG of velocities ``[B, L, C]`` (packed tokens): ``c = v_u + s (v_c - v_u)``, rescaled
+    per token to the conditional velocity's norm over the channels, ``c ||v_c|| / ||c||`` (docs/math.md §4.1).
+    Not linear, so it is taken on ``v`` and ``F`` / ``x0`` follow from the guided ``v``. As the pipeline: no
+    guidance (``v_c``) without an unconditional velocity or at ``s <= 1``."""
+    if v_uncond is None or guidance_scale <= 1.0:
+        return v_cond
+    comb = v_uncond + guidance_scale * (v_cond - v_uncond)
+    return comb * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
 
 
 def per_sample_sum(x: torch.Tensor) -> torch.Tensor:

@@ -603,7 +603,7 @@ def train_setup(cfg, config: dict, class_name: str, latent_shape, text_tokens: i
     from .terms import needs_jvp
 
     patch = config.get("patch_size", 1)
-    if class_name.startswith("Flux"):
+    if class_name.startswith("Flux") or class_name == "QwenImageTransformer2DModel":  # 2 x 2-packed tokens
         tokens = math.prod(n // 2 for n in latent_shape[-2:])
     else:
         tokens = math.prod(n // p for n, p in zip(latent_shape[-3:], patch))

@@ -199,7 +199,7 @@ POLICIES = ("full", "selective")
 class TrainSetup:
     """One training configuration (per process, before any sharding)."""
 
-    family: str  # "wan" | "flux"
+    family: str  # "wan" | "flux" | "qwen" (Qwen-Image: Flux's double-block coefficients, no single blocks)
     dim: int  # model width D = heads * head_dim
     ffn_dim: int
     num_layers: int  # Wan blocks / Flux double blocks
@@ -261,14 +261,15 @@ class TrainSetup:
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact.
         ``one_card``: ``base_dtype``, ``blocks_to_swap``, ``activation_offload`` and the schedule fields."""
         flux = class_name.startswith("Flux")
+        qwen = class_name == "QwenImageTransformer2DModel"  # Flux's double block in all but names: both streams
         items = tuple(sorted((k, _hashable(v)) for k, v in config.items()))
         counts = _counts(class_name, items, lora_rank)
         one_card.setdefault("block_linears", _block_linears(class_name, items))
         D = config["num_attention_heads"] * config["attention_head_dim"]
         return cls(
-            family="flux" if flux else "wan",
+            family="flux" if flux else "qwen" if qwen else "wan",
             dim=D,
-            ffn_dim=4 * D if flux else config["ffn_dim"],
+            ffn_dim=4 * D if flux or qwen else config["ffn_dim"],
             num_layers=config["num_layers"],
             num_single_layers=config.get("num_single_layers", 0) if flux else 0,
             params=counts[0],
@@ -360,7 +361,7 @@ def _dtype_key(s: TrainSetup) -> str:
 
 def _stream_tokens(s: TrainSetup) -> int:
     """Tokens one rank's blocks carry: its video tokens (Wan), or image and text tokens (Flux's joint stream)."""
-    return _rank_tokens(s) + (s.text_tokens if s.family == "flux" else 0)
+    return _rank_tokens(s) + (s.text_tokens if s.family != "wan" else 0)
 
 
 def _rank_tokens(s: TrainSetup) -> int:
@@ -524,7 +525,7 @@ def jvp_bytes(s: TrainSetup, device: str = "cuda") -> float:
         ),
     ]
     if device == "cpu":
-        a, L = JVP_CPU_ATTENTION, s.tokens + (s.text_tokens if s.family == "flux" else 0)
+        a, L = JVP_CPU_ATTENTION, s.tokens + (s.text_tokens if s.family != "wan" else 0)
         heads = (D // s.head_dim) // s.context_parallel
         parts.append(
             s.batch * b * (a["per_D"] * _stream_tokens(s) * D + a["scores"] * heads * min(s.cpu_attention_chunk, L) * L)

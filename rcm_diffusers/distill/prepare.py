@@ -5,8 +5,9 @@ Two sources, one output format (:func:`rcm_diffusers.distill.data.write_latent_d
 - **real**: image/video + caption pairs, from a folder (``clip.gif`` + ``clip.txt``), a JSONL manifest
   (``{"file": ..., "caption": ...}`` per line) or a CSV manifest (columns ``file,caption``); media are
   encoded with ``pipe.vae.encode`` (distribution mode) and normalised as the pipeline denormalises at
-  decode time: Wan ``(z - latents_mean) / latents_std``, Flux ``(z - shift_factor) * scaling_factor``
-  (stored unpacked ``[C, H, W]``; the trainer packs). Captions go through ``pipe.encode_prompt``.
+  decode time: Wan and Qwen-Image ``(z - latents_mean) / latents_std``, Flux ``(z - shift_factor) * scaling_factor``
+  (Flux, Qwen-Image: stored unpacked ``[C, H, W]``; the trainer packs). Captions go through ``pipe.encode_prompt``
+  (Qwen-Image: padded with zeros to ``max_sequence_length`` tokens, with ``prompt_embeds_mask``).
 - **synthetic**: teacher samples from prompts, ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler``
   + CFG (docs/math.md §8: Euler 100 steps, shift 3, CFG 5). Sample ``i`` starts from
   ``randn(latent shape, generator=torch.Generator().manual_seed(seed + i))``, so it equals
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .data import FORMAT, _atomic_save, pack_flux_latents, unpack_flux_latents
+from .data import FORMAT, PACKED, _atomic_save, pack_flux_latents, unpack_flux_latents
 
 __all__ = [
     "IMAGE_EXTS",
@@ -183,7 +184,7 @@ def load_media(path: str, height: int, width: int, num_frames: int = 1, resize: 
 
 
 def family_of(pipe) -> str:
-    """Data family of a diffusers pipeline: ``wan``, ``wan_i2v`` or ``flux``."""
+    """Data family of a diffusers pipeline: ``wan``, ``wan_i2v``, ``flux`` or ``qwen``."""
     name = type(pipe).__name__
     if name == "WanImageToVideoPipeline":
         if getattr(pipe.config, "expand_timesteps", False):
@@ -196,7 +197,11 @@ def family_of(pipe) -> str:
         return "wan"
     if name.startswith("Flux"):
         return "flux"
-    raise ValueError(f"unsupported pipeline {name}; expected WanPipeline, WanImageToVideoPipeline or FluxPipeline")
+    if name == "QwenImagePipeline":
+        return "qwen"
+    raise ValueError(
+        f"unsupported pipeline {name}; expected WanPipeline, WanImageToVideoPipeline, FluxPipeline or QwenImagePipeline"
+    )
 
 
 class PipelineEncoder:
@@ -214,9 +219,9 @@ class PipelineEncoder:
     ):
         self.pipe, self.family, self.device, self.dtype = pipe, family_of(pipe), torch.device(device), dtype
         self.height, self.width, self.num_frames = height, width, num_frames
-        # 512 for both: what WanPipeline/FluxPipeline.__call__ pad prompts to at inference (encode_prompt's own
+        # 512 for all: what WanPipeline/FluxPipeline.__call__ pad prompts to at inference (encode_prompt's own
         # default of 226 would train on other padding than the pipeline samples with, and breaks the Wan I2V
-        # split that takes the last 512 context tokens as text)
+        # split that takes the last 512 context tokens as text); QwenImagePipeline.__call__ cuts prompts there
         self.max_sequence_length = max_sequence_length or 512
         vae = pipe.vae
         if self.family == "flux":
@@ -228,6 +233,18 @@ class PipelineEncoder:
                 )
             if num_frames != 1:
                 raise ValueError("Flux is an image model: use --num_frames 1")
+        elif self.family == "qwen":
+            self.sf = 2 ** len(vae.temperal_downsample)  # QwenImagePipeline.vae_scale_factor
+            if height % (2 * self.sf) or width % (2 * self.sf):
+                raise ValueError(
+                    f"Qwen-Image needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 packing); "
+                    f"got {height}x{width}"
+                )
+            if num_frames != 1:
+                raise ValueError("Qwen-Image is an image model: use --num_frames 1")
+            z = vae.config.z_dim
+            self.mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
+            self.std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
         else:
             self.sf, self.tf = vae.config.scale_factor_spatial, vae.config.scale_factor_temporal
             if height % self.sf or width % self.sf:
@@ -245,9 +262,9 @@ class PipelineEncoder:
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        """Per-sample latent shape in the dataset layout (Wan ``[C, T, h, w]``, Flux ``[C, h, w]``)."""
+        """Per-sample latent shape in the dataset layout (Wan ``[C, T, h, w]``, Flux / Qwen-Image ``[C, h, w]``)."""
         h, w = self.height // self.sf, self.width // self.sf
-        if self.family == "flux":
+        if self.family in PACKED:
             return (self.pipe.transformer.config.in_channels // 4, h, w)
         z = self.pipe.transformer.config.out_channels
         return (z, (self.num_frames - 1) // self.tf + 1, h, w)
@@ -265,6 +282,16 @@ class PipelineEncoder:
                 prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
             )
             return {"prompt_embeds": pe.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
+        if self.family == "qwen":
+            pe, mask = self.pipe.encode_prompt(
+                prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+            if mask is None:  # encode_prompt drops an all-ones mask
+                mask = torch.ones(pe.shape[:2])
+            pad = self.max_sequence_length - pe.shape[1]  # a fixed length, so that batches of captions stack
+            pe = torch.nn.functional.pad(pe.float().cpu(), (0, 0, 0, pad))
+            mask = torch.nn.functional.pad(mask.float().cpu(), (0, pad))
+            return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
         pe, _ = self.pipe.encode_prompt(
             prompt=prompts,
             do_classifier_free_guidance=False,
@@ -285,6 +312,8 @@ class PipelineEncoder:
             z = self._vae_encode(pixels[:, :, 0])
             c = self.pipe.vae.config
             return (z - c.shift_factor) * c.scaling_factor
+        if self.family == "qwen":  # [B, C, 1, h, w] -> [B, C, h, w]
+            return ((self._vae_encode(pixels[:, :, :1]) - self.mean) / self.std)[:, :, 0]
         return (self._vae_encode(pixels) - self.mean) / self.std
 
     @torch.no_grad()
@@ -501,16 +530,18 @@ def teacher_samples(
     """Teacher ODE samples ``x0`` in the dataset layout from conditions ``batch`` (docs/math.md §2.2, §8).
 
     Starting from ``noise`` ``[B, *latent_shape]`` (float32, dataset layout, e.g. ``seed_noise``; Flux packs it as
-    FluxPipeline does). Velocity ``v_u + s (v_c - v_u)`` (standard CFG scale ``s``; no CFG
-    without ``negative_prompt_embeds`` or at ``s = 1``), stepped by ``TrigFlowEulerScheduler`` /
+    FluxPipeline does; Qwen-Image likewise). Velocity ``v_u + s (v_c - v_u)`` (standard CFG scale ``s``; no CFG
+    without ``negative_prompt_embeds`` or at ``s = 1``; Qwen-Image: QwenImagePipeline's per-token norm rescale of it,
+    ``losses.guided_norm_rescaled``), stepped by ``TrigFlowEulerScheduler`` /
     ``TrigFlowUniPCScheduler`` (shift ``shift``, ``steps`` steps).
     """
     from ..models import compute_dtype, velocity_fn
     from .data import model_inputs
+    from .losses import guided_norm_rescaled
 
     dtype = compute_dtype(transformer)
     _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
-    x = (pack_flux_latents(noise) if family == "flux" else noise).to(device)
+    x = (pack_flux_latents(noise) if family in PACKED else noise).to(device)
     use_cfg = uncond is not None and guidance_scale != 1.0
     v_fn = velocity_fn(transformer)
     sch = _scheduler(solver, steps, shift, sigma_max)
@@ -519,10 +550,13 @@ def teacher_samples(
         v = v_fn(x.to(dtype), r, **cond)
         if use_cfg:
             v_u = v_fn(x.to(dtype), r, **uncond)
-            v = v_u + guidance_scale * (v - v_u)
+            if family == "qwen":
+                v = guided_norm_rescaled(v, v_u, guidance_scale)
+            else:
+                v = v_u + guidance_scale * (v - v_u)
         x = sch.step(v, ts, x, return_dict=False)[0]
     x = x.float().cpu()
-    return unpack_flux_latents(x, *noise.shape[-2:]) if family == "flux" else x
+    return unpack_flux_latents(x, *noise.shape[-2:]) if family in PACKED else x
 
 
 def prepare_synthetic(

@@ -44,7 +44,8 @@ class SampleDecoder:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, latent_hw: tuple[int, int] | None = None) -> torch.Tensor:
         """Pixels ``[B, 3, F, H, W]`` in [0, 1] from dataset-normalised latents (Wan ``[B, C, T, h, w]``:
-        ``z = x std + mean``; Flux packed tokens ``[B, L, 4C]``: unpack, ``z = x / scaling + shift``)."""
+        ``z = x std + mean``; Flux packed tokens ``[B, L, 4C]``: unpack, ``z = x / scaling + shift``; Qwen-Image
+        packed tokens: unpack to one latent frame, ``z = x std + mean``)."""
         vae, p = self.vae, next(self.vae.parameters())
         x = latents.float()
         if self.family == "flux":
@@ -53,6 +54,10 @@ class SampleDecoder:
             c = vae.config
             img = vae.decode((x / c.scaling_factor + c.shift_factor).to(p.device, p.dtype)).sample[:, :, None]
         else:
+            if self.family == "qwen":
+                if x.dim() == 3:
+                    x = unpack_flux_latents(x, *latent_hw)
+                x = x[:, :, None]  # AutoencoderKLQwenImage decodes [B, C, 1, h, w]
             z = vae.config.z_dim
             mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
             std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)

@@ -15,7 +15,7 @@ import torch
 
 from .. import rng
 from ..models import network_timestep
-from ..trigflow import r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise
+from ..trigflow import F_hat_from_v, r_to_t, sample_p_D, sample_p_G, t_to_r, trigflow_noise, x0_hat_from_v
 from . import losses as L
 from .alternation import StepPlan
 from .experts import sample_p_G_experts, switch_of
@@ -45,7 +45,15 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------- teacher with CFG
 
 
-def _teacher_guided(call, x_t, t, cond, uncond, guidance_scale: float):
+def _teacher_guided(nets, kind: str, x_t, t, cond, uncond, guidance_scale: float):
+    call = nets.F if kind == "F" else nets.x0
+    if getattr(nets, "cfg_norm_rescale", False) and uncond is not None:  # Qwen-Image: on the velocities
+        v = L.guided_norm_rescaled(
+            nets.v("teacher", x_t, t, cond),
+            nets.v("teacher", x_t, t, uncond) if guidance_scale > 1.0 else None,
+            guidance_scale,
+        )
+        return F_hat_from_v(x_t, v, t) if kind == "F" else x0_hat_from_v(x_t, v, t)
     out_c = call("teacher", x_t, t, cond)
     if uncond is None or guidance_scale == 1.0:  # skip the unconditional call
         return out_c
@@ -54,14 +62,15 @@ def _teacher_guided(call, x_t, t, cond, uncond, guidance_scale: float):
 
 @torch.no_grad()
 def teacher_F(nets, x_t, t, cond, uncond, guidance_scale: float):
-    """Guided teacher velocity ``F_u + s (F_c - F_u)`` (docs/math.md §4.1), float64, no grad."""
-    return _teacher_guided(nets.F, x_t, t, cond, uncond, guidance_scale)
+    """Guided teacher velocity ``F_u + s (F_c - F_u)`` (docs/math.md §4.1), float64, no grad; a teacher whose
+    pipeline rescales the guided velocity (``nets.cfg_norm_rescale``, Qwen-Image) ``F`` of that velocity."""
+    return _teacher_guided(nets, "F", x_t, t, cond, uncond, guidance_scale)
 
 
 @torch.no_grad()
 def teacher_x0(nets, x_t, t, cond, uncond, guidance_scale: float):
     """Guided teacher ``x0`` (CFG is linear, so it equals ``x0`` of the guided velocity) (docs/math.md §4.2)."""
-    return _teacher_guided(nets.x0, x_t, t, cond, uncond, guidance_scale)
+    return _teacher_guided(nets, "x0", x_t, t, cond, uncond, guidance_scale)
 
 
 def batch_reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -172,9 +172,20 @@ _DIFFUSERS_MARKERS = (
 )
 
 
+#: names only Qwen-Image's diffusers / ComfyUI layout has (its blocks are ``transformer_blocks.N`` as Flux's are)
+_QWEN_MARKERS = (".img_mlp.net.", ".txt_mlp.net.", ".img_mod.1.", ".txt_mod.1.")
+
+
 def detect_arch(state_dict) -> str:
-    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither."""
+    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither, and for a Qwen-Image
+    LoRA (its names are one layout in diffusers and ComfyUI alike: nothing to convert)."""
     keys = [_strip_prefix(k) for k in state_dict]
+    qwen = [k for k in keys if any(m in k for m in _QWEN_MARKERS)]
+    if qwen:
+        raise ValueError(
+            f"a Qwen-Image state dict ({qwen[0]}, ...): the converters cover Wan and Flux; a Qwen-Image LoRA of the "
+            "trainer loads as it is with QwenImagePipeline.load_lora_weights and ComfyUI's LoRA loader"
+        )
     if any(k.startswith(_FLUX_MARKERS) for k in keys):
         return "flux"
     if any(
