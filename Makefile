@@ -2,7 +2,7 @@
 #   make test   set up .venv, lint (ruff) and run the test suite (CPU, offline)
 #   make test-floors   the scheduler, pipeline and LoRA tests against the lowest declared versions (.ci/floors.txt)
 #   make demo   set up .venv and run the main job on the embedded default
-#   make demo-experts   two-expert (Wan 2.2-style) distillation on digits, 3 seeds (35-50 min on a shared 2-core host)
+#   make demo-experts   two-expert (Wan 2.2-style) distillation on digits, 3 seeds (45-55 min on a shared 2-core host)
 # CPU machines take the local CPU build of torch (pinned); on a GPU machine run
 #   make setup TORCH="torch"   (or pre-install your CUDA torch into .venv).
 VENV   ?= .venv
@@ -54,7 +54,7 @@ demo: setup
 
 # Wan 2.2-style two experts on digits: both experts in one rCM run vs one expert's LoRA on both, 3 seeds
 # each (training/configs/digits-experts.yaml), against the two-expert teacher: outputs/digits_experts/report.md.
-# Not part of `make demo` (35-50 min on a 2-core host, docs/benchmarks.md); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
+# Not part of `make demo` (45-55 min on a 2-core host, docs/benchmarks.md); DEMO_ARGS passes more (training/demo_experts_digits.py --help).
 demo-experts: setup
 	$(PY) training/demo_experts_digits.py $(DEMO_ARGS)
 

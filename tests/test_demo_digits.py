@@ -88,6 +88,10 @@ def test_run_state_and_config_mismatch(tmp_path):
     assert D.run_state(str(run), {**cfg, "sigma_max": 5000.0, "mid_t": [1.0]}) == "finished"  # nor does the sampler
     with pytest.raises(ValueError, match=r"max_steps: 10 -> 11.*--force"):
         D.run_state(str(run), {**cfg, "max_steps": 11})
+    # an option the run's env.json lacks counts as its default
+    assert D.run_state(str(run), {**cfg, "base_dtype": "weight_dtype"}) == "finished"
+    with pytest.raises(ValueError, match=r"base_dtype: 'weight_dtype' -> 'fp8'"):
+        D.run_state(str(run), {**cfg, "base_dtype": "fp8"})
     # the two-expert options change a two-expert run only
     for experts, same in (("one", True), ("both", False)):
         run2 = tmp_path / experts
@@ -239,8 +243,8 @@ def test_demo_with_ablations_end_to_end(tmp_path):
 
 def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
     """training/demo_experts_digits.py: the students are sampled with the config's sampler (sigma_max, mid_t per step
-    count): 1-3 steps take one high-noise expert step and then the low-noise expert, 4 steps two high-noise steps
-    and then two low-noise; the report carries the raw-pixel FD beside the classifier-feature FD."""
+    count): 1-4 steps take one high-noise expert step and then the low-noise expert; the report carries the raw-pixel
+    FD beside the classifier-feature FD."""
     import math
 
     import demo_experts_digits as E
@@ -260,7 +264,8 @@ def test_experts_demo_samples_with_its_config_and_reports_pixel_fd(tmp_path):
     t_b = math.atan(boundary_sigma(0.875))
     assert math.atan(c["sigma_max"]) > t_b
     high = {n: sum(t >= t_b for t in mid_t_for_steps(c["mid_t"], n)) for n in (1, 2, 3, 4)}
-    assert high == {1: 0, 2: 0, 3: 0, 4: 1}  # high-noise steps after the first
+    assert high == {1: 0, 2: 0, 3: 0, 4: 0}  # high-noise steps after the first
+    assert mid_t_for_steps(c["mid_t"], 2) == [0.8]
     teacher = {"fd": 5.0, "fd_pixel": 0.5, "accuracy": 0.97, "diversity": 1.0}
     rows = [
         {

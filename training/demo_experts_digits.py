@@ -14,7 +14,8 @@ layout, boundary 0.875; ``training/train_experts_digits.py`` makes it). Per seed
   then applied to both experts.
 
 Every student samples through the two-expert model with ``RCMScheduler`` (the pipeline's expert rule per step)
-at ``--student_steps``; the reference is the two-expert teacher at ``--ref_steps`` Euler steps. Writes
+at ``--student_steps``; the two-experts EMA also as a user samples it (rows "two-experts: user call": the stock
+``WanPipeline`` with ``load_rcm_lora``); the reference is the two-expert teacher at ``--ref_steps`` Euler steps. Writes
 ``OUT/report.md`` (mean ± sd over seeds of FD, FD / teacher FD and accuracy), ``OUT/results.json`` and
 ``OUT/samples.png``; FD is reported in the evaluator classifier's features and in raw pixels. Finished runs are
 reused (also under another student sampler: ``sigma_max`` / ``mid_t`` do not change training), interrupted ones
@@ -176,6 +177,41 @@ def teacher_reference(teacher_dir: str, labels: torch.Tensor, steps: int, out: s
     return x
 
 
+def user_call_rows(run, teacher_dir, emb, labels, steps, teacher, ev) -> list[dict]:
+    """Rows "two-experts: user call": the stock two-expert pipeline as a user loads it,
+    ``WanPipeline.from_pretrained(teacher)`` + ``load_rcm_lora(pipe, RUN/ema)`` (both experts' LoRAs and the run's
+    scheduler), sampled by ``pipe(...)`` itself (its expert switch, unscaled initial noise, its own re-noising). A run
+    reused under another sampler (``sigma_max``, ``mid_t``, ``time_input``: they do not change training) gets its
+    ``scheduler/`` folders written again with the config's, as the trainer would have written them."""
+    from rcm_diffusers.schedulers import RCMScheduler
+
+    c = run["config"]
+    sched = RCMScheduler(
+        sigma_max=c["sigma_max"], time_input=c["time_input"], **({"mid_t": c["mid_t"]} if c["mid_t"] else {})
+    )
+    for d in (run["dir"], os.path.join(run["dir"], "ema")):
+        old = RCMScheduler.from_pretrained(d, subfolder="scheduler").config
+        if any(old[k] != sched.config[k] for k in ("rcm_sigma_max", "mid_t", "time_input")):
+            sched.save_pretrained(os.path.join(d, "scheduler"))
+            print(f"[demo-experts] {d}/scheduler written with the config's sampler", flush=True)
+    pipe, _ = D.load_student_pipeline(teacher_dir, os.path.join(run["dir"], "ema"))
+    rows = []
+    for k in steps:
+        m = ev.evaluate(D.sample_pipeline(pipe, emb, labels, k, seed=1234), labels)
+        rows.append(
+            {
+                "method": "two-experts: user call",
+                "weights": "ema",
+                "seed": run["seed"],
+                "steps": k,
+                **m,
+                "fd_ratio": m["fd"] / teacher["fd"],
+                "fd_pixel_ratio": m["fd_pixel"] / teacher["fd_pixel"],
+            }
+        )
+    return rows
+
+
 def evaluate(runs, a) -> list[dict]:
     torch.set_num_threads(1)
     ev = D.Evaluator()
@@ -218,6 +254,8 @@ def evaluate(runs, a) -> list[dict]:
                 )
                 if r["seed"] == runs[0]["seed"] and variant == "ema":
                     grid.append((f"{r['method']} {k}", x[:10]))
+        if r["method"] == "two-experts":
+            rows += user_call_rows(r, teacher_dir, emb, labels, steps, teacher, ev)
     D.save_grid(os.path.join(a.out, "samples.png"), grid)
     return teacher, rows
 

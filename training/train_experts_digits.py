@@ -6,7 +6,9 @@ high-noise expert is fine-tuned on RF times ``r >= boundary`` only, the low-nois
 (same rectified-flow loss as ``train_teacher_digits.py``, docs/math.md §1; the class table stays frozen so
 the shipped latent dataset serves both teachers). The result is a diffusers ``WanPipeline`` folder with
 ``transformer`` (high noise), ``transformer_2`` (low noise) and ``boundary_ratio`` -- the layout of
-Wan2.2-T2V-A14B-Diffusers, ~7 MB. Seeded; one CPU thread gives the same file on any run.
+Wan2.2-T2V-A14B-Diffusers, ~7 MB, and that teacher's ODE pairs for the regression term
+(``digits_ode_pairs_2expert``; ``--pairs_only`` writes just those). Seeded; one CPU thread gives the same file on
+any run.
 """
 
 from __future__ import annotations
@@ -65,12 +67,29 @@ def main(argv=None):
         "--threads", type=int, default=1, help="torch CPU threads (1: reproducible and fastest on a busy 2-core box)"
     )
     p.add_argument("--eval_samples", type=int, default=1000, help="samples for the closing FD check (0 = skip)")
+    p.add_argument(
+        "--pairs_out",
+        default="auto",
+        help="the two-expert teacher's ODE pairs for the regression term (noise -> 32-step UniPC sample through both "
+        "experts, 8192 of them); 'auto' = the shipped digits_ode_pairs_2expert when --out is the shipped two-expert "
+        "teacher, else none; '' = skip",
+    )
+    p.add_argument(
+        "--pairs_only", action="store_true", help="only write --pairs_out from the existing teacher at --out"
+    )
     a = p.parse_args(argv)
+    if a.pairs_out == "auto":  # pairs belong to the teacher they come from
+        a.pairs_out = D.ODE_PAIRS2_DIR if os.path.abspath(a.out) == os.path.abspath(D.TEACHER2_DIR) else ""
     if not 0.0 < a.boundary < 1.0:
         p.error(f"--boundary must lie in (0, 1), got {a.boundary}")
     if a.threads:
         torch.set_num_threads(a.threads)
 
+    if a.pairs_only:
+        if not a.pairs_out:
+            p.error("--pairs_only needs --pairs_out")
+        print(f"ODE pairs of {a.out} -> {D.write_ode_pairs(a.pairs_out, a.out)}")
+        return
     data = D.load_digits_split()
     x_tr, y_tr = data["x_train"], data["y_train"]
     base, emb = D.load_teacher(a.base)
@@ -94,6 +113,8 @@ def main(argv=None):
     }
     D.save_teacher(a.out, high, emb, extra_meta=meta, transformer_2=low, boundary_ratio=a.boundary)
     print(f"two experts, {a.steps} steps each in {train_s:.0f} s -> {a.out}")
+    if a.pairs_out:
+        print(f"ODE pairs (regression term) -> {D.write_ode_pairs(a.pairs_out, a.out)}")
     if a.eval_samples:
         ev = D.Evaluator()
         labels = torch.arange(a.eval_samples) % D.NUM_CLASSES

@@ -123,15 +123,19 @@ def run_state(run_dir: str, config: dict | None = None) -> str:
     """``"missing"``, ``"partial"`` (started, no final export) or ``"finished"`` (``final.json`` and the student
     LoRA or transformer written); raises ``ValueError`` naming the keys when ``config`` (a ``RCMConfig`` as dict)
     differs from the run's ``env.json`` in anything that changes the training (the two-expert options do not change a
-    one-expert run)."""
+    one-expert run; an option the run's ``env.json`` lacks counts as its default)."""
     env = os.path.join(run_dir, "env.json")
     if not os.path.exists(env):
         return "missing" if not os.path.exists(os.path.join(run_dir, "final.json")) else "partial"
     if config is not None:
+        from ..distill.config import RCMConfig
+
         with open(env) as f:
-            old = json.load(f).get("config", {})
+            saved = json.load(f).get("config", {})
+        # an option newer than the run counts as its default there (the behaviour before the option existed)
+        old = {n: f.get_default(call_default_factory=True) for n, f in RCMConfig.model_fields.items()} | saved
         neutral = _RUN_NEUTRAL | (_TWO_EXPERT_ONLY if old.get("experts") == config.get("experts") == "one" else set())
-        diff = sorted(k for k in set(config) | set(old) if k not in neutral and old.get(k) != config.get(k))
+        diff = sorted(k for k in set(config) | set(saved) if k not in neutral and old.get(k) != config.get(k))
         if diff:
             raise ValueError(
                 f"{run_dir} holds a run with a different config "

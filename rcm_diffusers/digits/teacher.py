@@ -249,6 +249,7 @@ def load_student_pipeline(path: str = TEACHER_DIR, lora_dir: str | None = None, 
 
 
 ODE_PAIRS_DIR = os.path.join(ASSETS, "digits_ode_pairs")
+ODE_PAIRS2_DIR = os.path.join(ASSETS, "digits_ode_pairs_2expert")  # the two-expert teacher's
 
 
 @torch.no_grad()
@@ -260,7 +261,8 @@ def write_ode_pairs(
     seed: int = 0,
     batch_size: int = 512,
 ) -> str:
-    """ODE pairs of the digits teacher for the regression term (docs/math.md §4.7), in the trainer's latent format:
+    """ODE pairs of a digits teacher (one network or two experts, as ``load_teacher`` loads ``teacher_dir``) for the
+    regression term (docs/math.md §4.7), in the trainer's latent format:
     pair ``i`` has class ``i % 10``, ``noise`` = ``randn([1, 1, 8, 8], generator=manual_seed(seed + i))`` and
     ``latents`` = the teacher's ODE solution from it (``distill.prepare.teacher_samples``: UniPC, ``steps`` steps,
     shift 1, ``sigma_max`` 5000, no CFG), plus the class table of ``write_latent_dataset_for``."""
