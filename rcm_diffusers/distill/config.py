@@ -378,6 +378,17 @@ class RCMConfig(CommonOptions):
         resume="fixed",
         why="the adapters were trained on the old base's weights",
     )
+    base_weights: str = opt(
+        "",
+        "a safetensors file whose Wan block Linear weights are already quantized (ComfyUI's fp8_scaled or plain "
+        "float8_e4m3fn files, original or diffusers key names; a QAD export's fp8 or int8 layers): they are held "
+        "as stored, with their scales, never as a weight_dtype copy; every other tensor of the file loads in "
+        "weight_dtype over the teacher folder's ('' = none). base_dtype weight_dtype keeps the file's format; "
+        "another base_dtype must be the file's (refused otherwise). One network (not two experts)",
+        group="memory",
+        resume="fixed",
+        why="the adapters were trained on that file's weights",
+    )
     blocks_to_swap: int = opt(
         0,
         "frozen Linear weights of this many transformer blocks per network (the last ones) "
@@ -580,7 +591,7 @@ class RCMConfig(CommonOptions):
                 "keeps the checkpointed block inputs on the host: set gradient_checkpointing true too",
             )
         if self.mode == "full":
-            for key in ("base_dtype", "blocks_to_swap", "activation_offload"):
+            for key in ("base_dtype", "base_weights", "blocks_to_swap", "activation_offload"):
                 if getattr(self, key) != type(self).model_fields[key].default:
                     _bad(self, key, "applies to the frozen base of mode shared; mode full trains every weight")
         if self.dcm_skipping_interval_steps >= self.dcm_total_steps:

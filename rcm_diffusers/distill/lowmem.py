@@ -8,7 +8,9 @@ Three mechanisms for shared-base LoRA runs (``mode shared``), each an option of 
   ``fp8`` (FP8 E4M3, one float32 scale per row and block of ``FP8_BLOCK`` inputs) or ``int8`` (symmetric, one float32
   scale per output channel), quantized with ``rcm_diffusers.quant.formats`` (the rules ComfyUI runs, docs/math.md
   §7), and dequantized to the compute dtype in each call. Biases, norms, modulation tables, the embeddings and the
-  output head stay in ``weight_dtype``; the LoRA adapters, their gradients and AdamW stay in float32.
+  output head stay in ``weight_dtype``; the LoRA adapters, their gradients and AdamW stay in float32. With
+  ``base_weights`` (``distill.base_weights``) the stores come already quantized from a file (FP8 E4M3 with one scale
+  per tensor or none, or INT8 per channel) and are used as stored (``apply_low_memory(stores=...)``).
 * ``blocks_to_swap N`` (``BlockSwap``): the frozen Linear weights of the last ``N`` blocks of each network live in host
   memory (pinned on CUDA) and are copied to the device just before the block runs, the next one prefetched on a side
   stream; at most ``PREFETCH_BLOCKS`` swapped blocks are on the device at once. Copies go host -> device only: the
@@ -107,11 +109,15 @@ def dequantize_weight(values: torch.Tensor, scale: torch.Tensor | None, fmt: str
     """The weight ``[out, in]`` in ``dtype`` from ``quantize_weight``'s ``(values, scale)``: ``values * scale``
     (``quant.formats.dequantize``) computed in ``dtype``: the values are exact in bfloat16 (E4M3's 3 mantissa bits,
     INT8's 7), the scale is rounded to ``dtype`` once (2^-9 relative in bfloat16, against FP8's 2^-4), and the product
-    once. One ``dtype`` tensor is the whole working set (no float32 copy of the largest Linear)."""
+    once. One ``dtype`` tensor is the whole working set (no float32 copy of the largest Linear). An ``fp8`` weight
+    read from a file (``base_weights``) has unpadded values ``[out, in]`` and one 0-d scale for the whole tensor, or
+    none: ``values.to(dtype) * scale.to(dtype)`` (``values.to(dtype)``), as ComfyUI computes its scaled FP8 layers."""
     if fmt == "weight_dtype":
         return values if values.dtype == dtype else values.to(dtype)
     out, k = shape
     w = values.to(dtype)
+    if fmt == "fp8" and (scale is None or scale.dim() == 0):  # per tensor (or unscaled), from a file
+        return w if scale is None else w.mul_(scale.to(dtype))
     if fmt == "fp8":
         w = w.view(out, -1, FP8_BLOCK).mul_(scale.to(dtype)).view(out, -1)
         if w.shape[1] != k:
@@ -157,7 +163,9 @@ def _in_backward() -> bool:
 
 class WeightStore:
     """The frozen weight of one ``FrozenLinear``: ``host`` (the weight, in its format; ``None`` for a resident layer)
-    and ``dev`` (the ``(values, scale)`` on the device, or ``None`` while a swapped block is not loaded).
+    and ``dev`` (the ``(values, scale)`` on the device, or ``None`` while a swapped block is not loaded). ``fp8``
+    scales are per row and block (``quantize_weight``) or, for weights read from a file, one 0-d scale per tensor
+    (or ``None``); ``int8`` scales are per output channel (``dequantize_weight``).
     ``swap`` / ``key`` name the ``BlockSwap`` and block that load it."""
 
     __slots__ = ("fmt", "shape", "dtype", "host", "dev", "swap", "key")
@@ -226,14 +234,21 @@ class FrozenLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight lives in a ``WeightStore`` (quantized, and / or on the host); the bias
     stays a frozen parameter in its own dtype. Not a parameter: optimizers, DDP, EMA and checkpoints never see it."""
 
-    def __init__(self, linear: nn.Linear, fmt: str, device=None, host: bool = False, pin: bool = False):
+    def __init__(self, linear: nn.Linear, fmt: str, device=None, host: bool = False, pin: bool = False, stored=None):
+        """``stored``: ``(values, scale)`` already in ``fmt`` (read from a ``base_weights`` file); ``linear.weight``
+        is then only read for its dtype (a placeholder, never quantized)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         dtype = linear.weight.dtype
-        w = linear.weight.detach()
-        if device is not None and not (host and fmt == "weight_dtype"):  # quantize where the arithmetic is fast
-            w = w.to(device)  # (one layer at a time on the device)
-        v, s = quantize_weight(w, fmt)
+        if stored is not None:
+            v, s = stored
+            if device is not None and not host:
+                v, s = v.to(device), (None if s is None else s.to(device))
+        else:
+            w = linear.weight.detach()
+            if device is not None and not (host and fmt == "weight_dtype"):  # quantize where the arithmetic is fast
+                w = w.to(device)  # (one layer at a time on the device)
+            v, s = quantize_weight(w, fmt)
         self.store = WeightStore(v, s, fmt, (self.out_features, self.in_features), dtype)
         if host:  # a swapped block: the weight lives on the host from the start, the device never holds all of them
             self.store.host = tuple(None if t is None else _host_copy(t, pin) for t in self.store.dev)
@@ -536,11 +551,15 @@ def apply_low_memory(
     activation_offload: bool = False,
     device=None,
     swap_window: int = PREFETCH_BLOCKS,
+    stores: dict | None = None,
 ) -> LowMemory | None:
     """Install the low-memory mechanisms on ``model`` (a diffusers transformer or a ``WanExpertSwitch``, adapters
     already added) and move it to ``device``: block Linears to ``FrozenLinear`` of ``base_dtype`` (all blocks when
     quantized; only the swapped ones for ``weight_dtype``), the last ``blocks_to_swap`` blocks of each network to the
-    host, saved-tensor hooks for ``activation_offload``. ``None`` when nothing was asked."""
+    host, saved-tensor hooks for ``activation_offload``. ``None`` when nothing was asked.
+
+    ``stores``: ``{diffusers Linear name: (values, scale)}`` of every block Linear, already in ``base_dtype`` (one
+    network; ``distill.base_weights``): those are used as they are, the Linears' weights (placeholders) are not."""
     check_base_dtype(base_dtype, device or "cpu")
     if base_dtype == "weight_dtype" and blocks_to_swap == 0 and not activation_offload:
         if device is not None:
@@ -554,14 +573,26 @@ def apply_low_memory(
     swapped = [list(range(len(b) - blocks_to_swap, len(b))) for b in chains]
     dev = torch.device(device) if device is not None else torch.device("cpu")
     layers = []
-    for blocks, idx in zip(chains, swapped):
+    left = dict(stores) if stores is not None else None
+    if left is not None and (len(nets) != 1 or base_dtype == "weight_dtype"):
+        raise ValueError("stores: one network, in a quantized base_dtype")
+    for net, blocks, idx in zip(nets, chains, swapped):
+        where = {id(m): n for n, m in net.named_modules()} if left is not None else {}
         for i, block in enumerate(blocks):
             if base_dtype == "weight_dtype" and i not in idx:
                 continue
-            for _, parent, attr, lin in frozen_linears(block):
-                fl = FrozenLinear(lin, base_dtype, dev, host=i in idx, pin=dev.type == "cuda")
+            for name, parent, attr, lin in frozen_linears(block):
+                stored = None
+                if left is not None:
+                    key = f"{where[id(block)]}.{name}".replace(".base_layer", "")
+                    if key not in left:
+                        raise ValueError(f"stores: no weight for {key}")
+                    stored = left.pop(key)
+                fl = FrozenLinear(lin, base_dtype, dev, host=i in idx, pin=dev.type == "cuda", stored=stored)
                 setattr(parent, attr, fl)
                 layers.append(fl)
+    if left:
+        raise ValueError(f"stores: {len(left)} weight(s) match no block Linear, e.g. {next(iter(left))}")
     model.to(dev)  # parameters (adapters, biases, norms, embeddings); the stores are not parameters
     swap = None
     if blocks_to_swap:
@@ -594,6 +625,11 @@ def _card() -> tuple[str, float | None, str]:
     return "cpu", None, "cpu"
 
 
+#: HunyuanVideo-1.5's context tokens besides the Qwen2.5-VL prompt: 256 ByT5 tokens (HunyuanVideo15Pipeline's
+#: tokenizer_2_max_length) and 729 image tokens (all zero and masked in text-to-video), in every joint attention
+HUNYUAN15_CONTEXT_EXTRA = 256 + 729
+
+
 def train_setup(cfg, config: dict, class_name: str, latent_shape, text_tokens: int, experts: int):
     """The memory model's ``TrainSetup`` of an rCM run (``memory.TrainSetup``) from its config, the teacher's
     transformer config and one sample's latent shape ``[C, (F,) H, W]``."""
@@ -603,8 +639,14 @@ def train_setup(cfg, config: dict, class_name: str, latent_shape, text_tokens: i
     from .terms import needs_jvp
 
     patch = config.get("patch_size", 1)
-    if class_name.startswith("Flux") or class_name == "QwenImageTransformer2DModel":  # 2 x 2-packed tokens
+    if class_name == "Flux2Transformer2DModel":  # patchified latents: one token per latent pixel
+        tokens = math.prod(latent_shape[-2:])
+    elif class_name.startswith("Flux") or class_name == "QwenImageTransformer2DModel":  # 2 x 2-packed tokens
         tokens = math.prod(n // 2 for n in latent_shape[-2:])
+    elif class_name == "HunyuanVideo15Transformer3DModel":  # [C, F, H, W], patch (patch_size_t, p, p)
+        pt = config.get("patch_size_t", 1)
+        tokens = math.prod(n // q for n, q in zip(latent_shape[-3:], (pt, patch, patch)))
+        text_tokens += HUNYUAN15_CONTEXT_EXTRA  # the ByT5 and (zero, masked) image tokens join the attention too
     else:
         tokens = math.prod(n // p for n, p in zip(latent_shape[-3:], patch))
     fd = cfg.fd_type if needs_jvp(cfg) else 2
@@ -636,6 +678,33 @@ def train_setup(cfg, config: dict, class_name: str, latent_shape, text_tokens: i
     return s
 
 
+def _check_base_weights(cfg, config: dict, class_name: str, two: bool, kind: str) -> str:
+    """The format of ``cfg.base_weights``'s block Linears (``base_weights.scan_base_weights``: the header only),
+    refusing (one line, exit status 2) a file that cannot serve, two experts, and a ``base_dtype`` other than
+    ``weight_dtype`` or the file's."""
+    import diffusers
+
+    from .base_weights import BaseWeightsError, scan_base_weights
+    from .errors import user_error
+
+    if two:
+        user_error(
+            f"--base_weights {cfg.base_weights}: one network's file, and {cfg.pretrained} trains two experts; "
+            "add --experts one (and --transformer_subfolder for the expert the file holds)"
+        )
+    try:
+        bw = scan_base_weights(cfg.base_weights, getattr(diffusers, class_name), config)
+        check_base_dtype(bw.fmt, kind)
+    except (BaseWeightsError, ValueError) as e:
+        user_error(str(e))
+    if cfg.base_dtype not in ("weight_dtype", bw.fmt):
+        user_error(
+            f"--base_dtype {cfg.base_dtype} with --base_weights {cfg.base_weights}, whose block Linears are "
+            f"{bw.fmt}: the file's format is kept; use --base_dtype {bw.fmt} or weight_dtype"
+        )
+    return bw.fmt
+
+
 def startup_check(cfg, log=print) -> None:
     """Before the run folder is touched: refuse (one line, exit status 2) a ``base_dtype`` the device cannot run,
     ``blocks_to_swap`` beyond the model's blocks, the one-card options with FSDP2 or context parallelism; print the
@@ -649,6 +718,7 @@ def startup_check(cfg, log=print) -> None:
     from .inputs import model_index
 
     one_card = cfg.base_dtype != "weight_dtype" or cfg.blocks_to_swap > 0 or cfg.activation_offload
+    one_card = one_card or bool(getattr(cfg, "base_weights", ""))
     kind, total, name = _card()
     try:
         check_base_dtype(cfg.base_dtype, kind)
@@ -656,13 +726,13 @@ def startup_check(cfg, log=print) -> None:
         user_error(str(e))
     if one_card and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes"):
         user_error(
-            "base_dtype / blocks_to_swap / activation_offload are for one card; FSDP2 shards the frozen base "
-            "over the processes instead: use one or the other"
+            "base_dtype / base_weights / blocks_to_swap / activation_offload are for one card; FSDP2 shards the "
+            "frozen base over the processes instead: use one or the other"
         )
     if one_card and cfg.context_parallel_size > 1:
         user_error(
-            "base_dtype / blocks_to_swap / activation_offload are for one card; context_parallel_size > 1 runs "
-            "a sample on several: use one or the other"
+            "base_dtype / base_weights / blocks_to_swap / activation_offload are for one card; "
+            "context_parallel_size > 1 runs a sample on several: use one or the other"
         )
     index = model_index(cfg.pretrained)
     from .experts import HIGH, index_boundary_ratio
@@ -679,10 +749,16 @@ def startup_check(cfg, log=print) -> None:
 
             config = dict(getattr(diffusers, index[sub][1]).load_config(cfg.pretrained, subfolder=sub))
     except Exception as e:  # noqa: BLE001 - offline, no such repository: the loader reports it later
+        if getattr(cfg, "base_weights", ""):
+            user_error(
+                f"--base_weights: cannot check it without {cfg.pretrained}/{sub}/config.json ({type(e).__name__})"
+            )
         log(f"memory: no prediction ({sub}/config.json: {type(e).__name__})")
         return
     class_name = config.get("_class_name") or index[sub][1]
     config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if getattr(cfg, "base_weights", ""):  # the file's format is the base's: the check below plans with it
+        cfg = cfg.model_copy(update={"base_dtype": _check_base_weights(cfg, config, class_name, two, kind)})
     n_blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
     if cfg.blocks_to_swap > n_blocks:
         user_error(
@@ -720,7 +796,8 @@ def startup_check(cfg, log=print) -> None:
         return
     rank = cfg.lora_rank
     ranks = [r for r in (rank, rank // 2, rank // 4, rank // 8) if r >= 4] or [rank]
-    best = cheapest_fitting(s, capacity, card, formats=[cfg.base_dtype, "fp8", "int8"], ranks=ranks)
+    fmts = [cfg.base_dtype] if getattr(cfg, "base_weights", "") else [cfg.base_dtype, "fp8", "int8"]
+    best = cheapest_fitting(s, capacity, card, formats=fmts, ranks=ranks)
     head = (
         f"memory: the predicted peak {pred['total'] / GiB:.1f} GiB does not fit 90 % of {where} "
         f"({0.9 * capacity / GiB:.1f} GiB)"

@@ -92,10 +92,18 @@ class RCMTrainer:
         self.pipeline_cls = getattr(diffusers, index["_class_name"])
         transformer_cls = getattr(diffusers, index[cfg.transformer_subfolder][1])
         # one card (distill.lowmem): the base is loaded on the host and only what stays resident goes to the device
-        one_card = cfg.base_dtype != "weight_dtype" or cfg.blocks_to_swap > 0 or cfg.activation_offload
-        self.transformer = load_transformer(
-            transformer_cls, cfg, index, DTYPES[cfg.weight_dtype], torch.device("cpu") if one_card else device, log
+        one_card = (
+            cfg.base_dtype != "weight_dtype" or cfg.blocks_to_swap > 0 or cfg.activation_offload or cfg.base_weights
         )
+        stores, base_dtype = None, cfg.base_dtype
+        if cfg.base_weights:  # block Linears already quantized in a file: never loaded in weight_dtype
+            from .base_weights import load_base
+
+            self.transformer, stores, base_dtype = load_base(transformer_cls, cfg, DTYPES[cfg.weight_dtype], log)
+        else:
+            self.transformer = load_transformer(
+                transformer_cls, cfg, index, DTYPES[cfg.weight_dtype], torch.device("cpu") if one_card else device, log
+            )
         nets, trainable = Networks.build(
             self.transformer,
             cfg.mode,
@@ -111,10 +119,11 @@ class RCMTrainer:
 
             self.lowmem = apply_low_memory(
                 self.transformer,
-                base_dtype=cfg.base_dtype,
+                base_dtype=base_dtype,
                 blocks_to_swap=cfg.blocks_to_swap,
                 activation_offload=cfg.activation_offload,
                 device=device,
+                stores=stores,
             )
             log(f"one card: {self.lowmem.describe()}")
         if cfg.gradient_checkpointing:  # selective recomputes the rank-r LoRA up-projections
