@@ -143,7 +143,7 @@ def _check_output(out, inputs, overwrite: bool) -> None:
 def _cmd_convert(a) -> int:
     from .checkpoint import CheckpointReader
     from .describe import _is_lora
-    from .io import check_lora, load_lora, save_lora
+    from .io import check_lora, load_comfyui_as_is, load_lora, save_lora
     from .keys import detect_arch
     from .pipeline import WEIGHT_NAME, expert_lora_files
 
@@ -179,6 +179,9 @@ def _cmd_convert(a) -> int:
         print(f"wrote {out}: model checkpoint, {len(reader)} tensors ({a.format})")
         return 0
 
+    as_is = load_comfyui_as_is(a.input) if a.arch is None else None
+    if as_is is not None:  # Qwen-Image, FLUX.2: stock ComfyUI maps the diffusers names themselves
+        return _convert_as_is(a, *as_is)
     sd, meta = load_lora(a.input, arch=a.arch)
     # the check inspect warns about and merge refuses (rank >= 1, matching factors, finite values), plus the shapes
     # against the target architecture where it is known: a LoRA that fails it is not written
@@ -193,6 +196,31 @@ def _cmd_convert(a) -> int:
     print(
         f"wrote {a.output}: {info['n_lora_modules']} LoRA modules, {info['n_full_deltas']} full deltas "
         f"({a.format}); not applied by the target loader: {len(info['not_applied'])}"
+    )
+    return 0
+
+
+FAMILY_NAMES = {"qwen_image": "Qwen-Image", "flux2": "FLUX.2"}
+
+
+def _convert_as_is(a, family: str, sd: dict, meta: dict) -> int:
+    """A Qwen-Image / FLUX.2 LoRA: ComfyUI's file keeps the diffusers names (``transformer.``), adds ``.alpha``."""
+    from .io import METADATA_KEY, atomic_save_safetensors, check_lora
+
+    name = FAMILY_NAMES[family]
+    if a.format != "comfyui":
+        raise ValueError(
+            f"{a.input} is a {name} LoRA in diffusers names already: the diffusers pipeline loads it as it is "
+            "(--format comfyui writes the file for ComfyUI's LoRA loader)"
+        )
+    check_lora(sd, f"{a.input} (nothing was written)")
+    n = sum(k.endswith(".lora_A.weight") for k in sd)
+    summary = {"arch": family, "format": "comfyui", "n_lora_modules": n, "n_full_deltas": 0, "not_applied": []}
+    summary.update({k: v for k, v in meta.items() if k in ("base_model", "made_by")})
+    atomic_save_safetensors(sd, a.output, {"format": "pt", METADATA_KEY: json.dumps(summary, sort_keys=True)})
+    print(
+        f"wrote {a.output}: {n} LoRA modules, 0 full deltas ({a.format}; {name}: the transformer.* names stock "
+        "ComfyUI maps, with .alpha); not applied by the target loader: 0"
     )
     return 0
 

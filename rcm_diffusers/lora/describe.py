@@ -33,12 +33,21 @@ def lora_layout(keys) -> str:
     return "diffusers/peft (transformer.*, lora_A/lora_B)"
 
 
+def _lora_counts(out: dict, sd: dict) -> None:
+    from .keys import lora_modules
+
+    groups = lora_modules(sd)
+    out["n_lora_modules"] = sum("lora_A.weight" in g for g in groups.values())
+    out["n_full_deltas"] = sum(k in ("diff", "diff_b") for g in groups.values() for k in g)
+    out["ranks"] = dict(Counter(g["lora_A.weight"].shape[0] for g in groups.values() if "lora_A.weight" in g))
+
+
 def inspect_file(path, prefer: str | None = None) -> dict:
     """Layout, architecture, dtypes, prefixes, networks/EMA and metadata of a LoRA or checkpoint.
 
     A LoRA is fully validated (every key must be explained: ValueError lists those that are not).
     """
-    from .io import load_lora, lora_problems, read_metadata
+    from .io import load_comfyui_as_is, load_lora, lora_problems, read_metadata
 
     path = Path(path)
     reader = CheckpointReader(path, prefer)
@@ -46,17 +55,23 @@ def inspect_file(path, prefer: str | None = None) -> dict:
     raw = reader.raw_keys()
     if _is_lora(raw):
         out["kind"] = "LoRA"
+        as_is = load_comfyui_as_is(path)
+        if as_is is not None:  # Qwen-Image, FLUX.2: stock ComfyUI maps the diffusers names themselves
+            family, sd, _ = as_is
+            out["layout"] = lora_layout(raw)
+            out["arch"] = family
+            out["comfyui"] = "stock LoraLoader maps every key (rcm-lora convert --format comfyui adds .alpha)"
+            if path.suffix == ".safetensors":
+                out["metadata"] = {k: (json.loads(v) if k == "rcm_lora" else v) for k, v in read_metadata(path).items()}
+            _lora_counts(out, sd)
+            out["problems"] = lora_problems(sd)
+            return out
         out["layout"] = lora_layout(raw)
         out["arch"] = detect_arch(dict.fromkeys(raw))
         if path.suffix == ".safetensors":
             out["metadata"] = {k: (json.loads(v) if k == "rcm_lora" else v) for k, v in read_metadata(path).items()}
         sd, _ = load_lora(path)  # validates every key
-        from .keys import lora_modules
-
-        groups = lora_modules(sd)
-        out["n_lora_modules"] = sum("lora_A.weight" in g for g in groups.values())
-        out["n_full_deltas"] = sum(k in ("diff", "diff_b") for g in groups.values() for k in g)
-        out["ranks"] = dict(Counter(g["lora_A.weight"].shape[0] for g in groups.values() if "lora_A.weight" in g))
+        _lora_counts(out, sd)
         out["problems"] = lora_problems(sd, out["arch"])  # what convert refuses (inspect warns)
         return out
     out["kind"] = "model checkpoint"

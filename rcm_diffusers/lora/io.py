@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .keys import comfyui_file_forms, detect_arch, from_any, lora_modules, to_comfy_keys
@@ -370,8 +370,6 @@ def check_lora(state_dict, what: str = "the LoRA", arch: str | None = None) -> N
 
 def read_metadata(path) -> dict[str, str]:
     """The raw safetensors header metadata of ``path`` (empty dict when none)."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
 
@@ -392,6 +390,39 @@ def _alphas_from_adapter_metadata(tensors: dict, raw: str) -> dict:
         if key.endswith(".lora_B.bias"):
             out[key[: -len("lora_B.bias")] + "diff_b"] = out.pop(key)
     return out
+
+
+def load_comfyui_as_is(path):
+    """``(family, state_dict, rcm_metadata)`` of a Qwen-Image or FLUX.2 LoRA file, the families whose diffusers names
+    stock ComfyUI maps as they are (:func:`keys.comfyui_as_is_family`; alphas of diffusers' header come back as
+    ``.alpha`` keys), or None for a file of any other family. The state dict is in the names ComfyUI maps
+    (:func:`keys.comfyui_as_is`, ValueError listing keys it would not load)."""
+    from .keys import comfyui_as_is, comfyui_as_is_family
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"LoRA file not found: {path}")
+    meta: dict[str, str] = {}
+    if path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+        if comfyui_as_is_family(dict.fromkeys(names)) is None:
+            return None
+        tensors, meta = load_file(str(path)), read_metadata(path)
+    else:
+        from .checkpoint import load_state_dict
+
+        tensors = load_state_dict(path, unwrap=False)
+    family = comfyui_as_is_family(tensors)
+    if family is None:
+        return None
+    if DIFFUSERS_METADATA_KEY in meta:
+        tensors = _alphas_from_adapter_metadata(tensors, meta[DIFFUSERS_METADATA_KEY])
+    info = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
+    return family, comfyui_as_is(tensors, family), info
 
 
 def load_lora(path, format: str = "diffusers", arch: str | None = None):

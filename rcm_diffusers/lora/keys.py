@@ -30,7 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .names import FLUX_FUSED, FLUX_MLP_RATIO, FLUX_PAIRS, FLUX_SCALE_NORMS, FLUX_SWAP_ROWS, WAN_PAIRS, WAN_PARAMS
+from .names import (
+    COMFYUI_AS_IS,
+    FLUX_FUSED,
+    FLUX_MLP_RATIO,
+    FLUX_PAIRS,
+    FLUX_SCALE_NORMS,
+    FLUX_SWAP_ROWS,
+    WAN_PAIRS,
+    WAN_PARAMS,
+)
 
 __all__ = [
     "ARCHS",
@@ -43,6 +52,9 @@ __all__ = [
     "check_against_model",
     "model_mismatches",
     "lora_modules",
+    "rename_target",
+    "comfyui_as_is_family",
+    "comfyui_as_is",
 ]
 
 ARCHS = ("wan", "flux")
@@ -100,6 +112,13 @@ def _map(target: str, arch: str, direction: str):
         if m:
             return rule.dst.replace("{i}", m.group("i")) if "i" in m.groupdict() else rule.dst, rule.is_param
     return None
+
+
+def rename_target(target: str, arch: str, to: str) -> str | None:
+    """One module or parameter path (no suffix) in the other naming: ``to`` "diffusers" or "original"; ``None``
+    when no rule of ``arch`` matches it (Flux's fused modules included: they have no one-to-one name)."""
+    mapped = _map(target, arch, "to_diffusers" if to == "diffusers" else "to_original")
+    return None if mapped is None else mapped[0]
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -175,16 +194,47 @@ _DIFFUSERS_MARKERS = (
 #: names only Qwen-Image's diffusers / ComfyUI layout has (its blocks are ``transformer_blocks.N`` as Flux's are)
 _QWEN_MARKERS = (".img_mlp.net.", ".txt_mlp.net.", ".img_mod.1.", ".txt_mod.1.")
 
+#: names only FLUX.2's diffusers layout has (SwiGLU feed-forwards, fused single-block projection)
+_FLUX2_MARKERS = (
+    ".ff.linear_in",
+    ".ff.linear_out",
+    ".ff_context.linear_in",
+    ".ff_context.linear_out",
+    ".to_qkv_mlp_proj",
+)
+
+
+#: names only HunyuanVideo-1.5's diffusers layout has (its double-stream blocks are named as Flux's: to_q, add_q_proj,
+#: ff.net.0.proj, ff_context.net.2; the trainer's default targets include the text token refiner)
+_HUNYUAN15_MARKERS = (".token_refiner.refiner_blocks.",)
+
 
 def detect_arch(state_dict) -> str:
-    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither, and for a Qwen-Image
-    LoRA (its names are one layout in diffusers and ComfyUI alike: nothing to convert)."""
+    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither, for a Qwen-Image or FLUX.2
+    LoRA (stock ComfyUI maps their diffusers names as they are: :func:`comfyui_as_is`) and for a HunyuanVideo-1.5
+    one (stock ComfyUI maps none of its diffusers names)."""
     keys = [_strip_prefix(k) for k in state_dict]
     qwen = [k for k in keys if any(m in k for m in _QWEN_MARKERS)]
     if qwen:
         raise ValueError(
             f"a Qwen-Image state dict ({qwen[0]}, ...): the converters cover Wan and Flux; a Qwen-Image LoRA of the "
-            "trainer loads as it is with QwenImagePipeline.load_lora_weights and ComfyUI's LoRA loader"
+            "trainer loads as it is with QwenImagePipeline.load_lora_weights and ComfyUI's LoRA loader "
+            "(rcm-lora convert --format comfyui adds its alphas as .alpha keys)"
+        )
+    flux2 = [k for k in keys if any(m in k for m in _FLUX2_MARKERS)]
+    if flux2:
+        raise ValueError(
+            f"a FLUX.2 state dict ({flux2[0]}, ...): the converters cover Wan and FLUX.1; a FLUX.2 LoRA of the trainer "
+            "loads as it is with Flux2Pipeline.load_lora_weights and ComfyUI's LoRA loader (rcm-lora convert --format "
+            "comfyui adds its alphas as .alpha keys)"
+        )
+    hy15 = [k for k in keys if any(m in k for m in _HUNYUAN15_MARKERS)]
+    if hy15:
+        raise ValueError(
+            f"a HunyuanVideo-1.5 state dict ({hy15[0]}, ...): the converters cover Wan and FLUX.1; a HunyuanVideo-1.5 "
+            'LoRA of the trainer loads as it is with pipe.transformer.load_lora_adapter(..., prefix="transformer"); '
+            "stock ComfyUI maps none of its diffusers names (its HunyuanVideo LoRA map takes the original fused names, "
+            "double_blocks.N.img_attn_qkv, ...) and rcm-lora has no converter to them"
         )
     if any(k.startswith(_FLUX_MARKERS) for k in keys):
         return "flux"
@@ -599,6 +649,55 @@ def _check_known_original(groups: dict, arch: str) -> None:
         unmatched += [f"{target}.{s}" if s else target for s in group]
     if unmatched:
         raise _unmatched_error(unmatched, arch, "original")
+
+
+# ----------------------------------------------------------------------------- families ComfyUI maps as they are
+
+
+def comfyui_as_is_family(state_dict) -> str | None:
+    """ "qwen_image" or "flux2" for a LoRA of a family whose diffusers names stock ComfyUI's LoRA loader maps as they
+    are (``names.COMFYUI_AS_IS``), from the key names (any prefix); None for any other."""
+    keys = [_strip_prefix(k) for k in state_dict]
+    for family, markers in (("qwen_image", _QWEN_MARKERS), ("flux2", _FLUX2_MARKERS)):
+        if any(m in k for k in keys for m in markers):
+            return family
+    return None
+
+
+def comfyui_as_is(state_dict, family: str) -> dict[str, torch.Tensor]:
+    """A Qwen-Image / FLUX.2 LoRA (``transformer.``, ``diffusion_model.`` or no prefix; lora_A/B or lora_down/up) in
+    the names stock ComfyUI maps for it: ``transformer.<diffusers target>.lora_A.weight`` / ``.lora_B.weight`` and
+    ``.alpha`` (ComfyUI scales by alpha / rank, and reads no peft header; alpha = rank where the input has none).
+
+    ValueError lists every key ComfyUI's map has no entry for (``names.COMFYUI_AS_IS``), and full deltas (``.diff``,
+    bias deltas), which are not taken here: nothing is dropped silently."""
+    patterns = [re.compile(p) for p in COMFYUI_AS_IS[family]]
+    unmatched, out = [], {}
+    for target, group in _group(state_dict).items():
+        if not any(p.fullmatch(target) for p in patterns):
+            unmatched += [f"{target}.{s}" if s else target for s in group]
+            continue
+        extra = sorted(set(group) - {"lora_A.weight", "lora_B.weight", "alpha"})
+        if extra:
+            unmatched += [f"{target}.{s}" if s else target for s in extra]
+            continue
+        A, B = group.get("lora_A.weight"), group.get("lora_B.weight")
+        if A is None or B is None:
+            raise ValueError(f"{target}: lora_A without lora_B (or the reverse); the LoRA file is incomplete")
+        out[f"transformer.{target}.lora_A.weight"] = A
+        out[f"transformer.{target}.lora_B.weight"] = B
+        alpha = group.get("alpha")
+        out[f"transformer.{target}.alpha"] = (
+            torch.tensor(float(A.shape[0])) if alpha is None else alpha.reshape(()).to(torch.float32)
+        )
+    if unmatched:
+        name = {"qwen_image": "Qwen-Image", "flux2": "FLUX.2"}[family]
+        raise ValueError(
+            f"{len(unmatched)} key(s) of this {name} LoRA have no entry in stock ComfyUI's LoRA key map "
+            f"(comfy/lora.py model_lora_keys_unet) or are not LoRA pairs: {sorted(unmatched)[:10]}"
+            f"{' ...' if len(unmatched) > 10 else ''}"
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------- front doors

@@ -104,3 +104,27 @@ FLUX_FUSED = [
     ),
 ]
 FLUX_MLP_RATIO = 4.0
+
+
+# Qwen-Image and FLUX.2 LoRA targets (diffusers module paths, regular expressions) that stock ComfyUI's LoRA loader
+# maps as ``transformer.<target>`` (comfy/lora.py ``model_lora_keys_unet``, ComfyUI 0.29 / upstream 4f874c5).
+# Qwen-Image: its ``QwenImage`` branch maps ``transformer.<name>`` for every weight of ComfyUI's own Qwen-Image
+# model, whose module names are diffusers' (comfy/ldm/qwen_image/model.py). FLUX.2: ``Flux2`` is a ``Flux`` there,
+# so the Flux branch maps ``transformer.<diffusers name>`` through comfy/utils.py ``flux_to_diffusers``, which names
+# FLUX.2's SwiGLU feed-forwards and fused single-block projections and writes q/k/v (add_q/k/v) as row slices of
+# the fused ``img_attn.qkv`` (``txt_attn.qkv``). FLUX.2's shared modulation and time/guidance embedding
+# (``double_stream_modulation_*``, ``single_stream_modulation``, ``time_guidance_embed``) are not in that map.
+COMFYUI_AS_IS = {
+    "qwen_image": (
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(img|txt)_mlp\.net\.(0\.proj|2)",
+        r"transformer_blocks\.\d+\.(img|txt)_mod\.1",
+        r"img_in|txt_in|proj_out|norm_out\.linear|time_text_embed\.timestep_embedder\.linear_[12]",
+    ),
+    "flux2": (
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
+        r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
+        r"x_embedder|context_embedder|proj_out",
+    ),
+}
