@@ -114,6 +114,10 @@ def main() -> None:
         ("Wan2.2-I2V-A14B (both experts in one run)", "wan2.2-i2v-a14b", "720p x 81", 21 * 45 * 80, 512),
         ("FLUX.1-dev", "flux.1-dev", "1024 x 1024", 64 * 64, 512),
         ("Qwen-Image", "qwen-image", "1024 x 1024", 64 * 64, 512),
+        ("FLUX.2-dev", "flux.2-dev", "1024 x 1024", 64 * 64, 512),
+        # context: 1000 Qwen2.5-VL + 256 ByT5 + 729 (masked) image tokens, as HunyuanVideo15Pipeline passes them
+        ("HunyuanVideo-1.5 T2V", "hunyuanvideo-1.5-t2v-480p", "480p x 121", 31 * 30 * 53, 1985),
+        ("HunyuanVideo-1.5 T2V", "hunyuanvideo-1.5-t2v-480p", "720p x 121", 31 * 45 * 80, 1985),
     ]
     print(
         "| model | shape (tokens) | mode | weights | trainable + grads + AdamW + EMA "

@@ -1,8 +1,8 @@
 """Model adapters: call a diffusers transformer as a rectified-flow velocity ``v(x_r, r, **cond)``.
 
 Each supported transformer takes its time in its own scale (docs/math.md §1): the Wan transformer
-is called with ``r * 1000``; the Flux and Qwen-Image transformers with ``r`` (they multiply by 1000 inside:
-FluxPipeline and QwenImagePipeline pass ``timestep / 1000``).
+is called with ``r * 1000``; the Flux, FLUX.2 and Qwen-Image transformers with ``r`` (they multiply by 1000 inside:
+FluxPipeline, Flux2Pipeline and QwenImagePipeline pass ``timestep / 1000``).
 ``TrigFlowDenoiser(velocity_fn(transformer))`` then gives the TrigFlow ``F(x_t, t)`` used
 by every loss and sampler of the package.
 """
@@ -32,6 +32,8 @@ TIMESTEP_SCALE = {
     "WanExpertSwitch": 1000.0,  # rcm_diffusers.distill.experts: Wan 2.2's two experts as one module
     "FluxTransformer2DModel": 1.0,
     "QwenImageTransformer2DModel": 1.0,  # QwenImagePipeline passes timestep / 1000; its Timesteps embed at scale 1000
+    "HunyuanVideo15Transformer3DModel": 1000.0,  # HunyuanVideo15Pipeline passes the scheduler's timestep (sigma * 1000)
+    "Flux2Transformer2DModel": 1.0,  # Flux2Pipeline passes timestep / 1000 (and guidance as is); x 1000 inside
 }
 
 
@@ -106,6 +108,10 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
     is padding, as QwenImagePipeline.encode_prompt leaves it) and ``img_shapes`` (``[[(1, h/2, w/2)]] * B``);
     ``x_r`` is the packed latent ``[B, L, 4C]``. Its output is the flow-matching velocity ``eps - x0`` (the
     pipeline's FlowMatchEulerDiscreteScheduler steps ``x + (sigma_next - sigma) v``), the same convention as Flux.
+    FLUX.2 conditions: ``encoder_hidden_states``, ``txt_ids`` ``[B, L, 4]``, ``img_ids`` ``[B, h w, 4]`` (the (t, h, w,
+    l) position ids of Flux2Pipeline), optional ``guidance`` (float32 ``[B]``, the guidance-distilled embedding's
+    value; no pooled text); ``x_r`` is the patchified latent flattened to tokens ``[B, h w, 4C]``; output ``eps - x0``
+    as Flux.
     """
     scale = timestep_scale(transformer)
     if time_input not in TIME_INPUTS:
@@ -130,6 +136,9 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
             )[0]
 
         return v_wan
+
+    if name == "HunyuanVideo15Transformer3DModel":
+        return _v_hunyuan15(transformer, scale, time_input)
 
     if name == "QwenImageTransformer2DModel":
 
@@ -165,7 +174,64 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
             **kw,
         )[0]
 
+    if name == "Flux2Transformer2DModel":
+
+        def v_flux2(x_r, r, encoder_hidden_states, txt_ids, img_ids, guidance=None, **kw):
+            ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
+            if ts.dim() == 0:
+                ts = ts.expand(x_r.shape[0])
+            return transformer(
+                hidden_states=x_r,
+                timestep=ts,
+                guidance=guidance,
+                encoder_hidden_states=encoder_hidden_states,
+                txt_ids=txt_ids,
+                img_ids=img_ids,
+                return_dict=False,
+                **kw,
+            )[0]
+
+        return v_flux2
+
     return v_flux
+
+
+#: HunyuanVideo15Pipeline.vision_num_semantic_tokens: the (all-zero, in text-to-video) image tokens it passes
+HUNYUAN15_IMAGE_TOKENS = 729
+
+
+def _v_hunyuan15(transformer, scale: float, time_input: str):
+    """HunyuanVideo-1.5 text-to-video as HunyuanVideo15Pipeline calls it: ``x_r`` ``[B, C, F, H, W]`` concatenated on
+    the channel dim with the zero condition latents ``[B, C, F, H, W]`` and zero mask ``[B, 1, F, H, W]``
+    (``prepare_cond_latents_and_mask``), ``image_embeds`` zeros ``[B, 729, image_embed_dim]`` (the transformer then
+    masks those tokens out), ``timestep = r * 1000`` in the latents' dtype; conditions ``encoder_hidden_states`` /
+    ``encoder_attention_mask`` (Qwen2.5-VL) and ``encoder_hidden_states_2`` / ``encoder_attention_mask_2`` (ByT5),
+    the masks as the pipeline passes them (float, 1 = token). The output is the flow-matching velocity ``eps - x0``
+    (FlowMatchEulerDiscreteScheduler steps ``x + (sigma_next - sigma) v``)."""
+    image_dim = _base_model(transformer).config.image_embed_dim
+
+    def v_hunyuan15(
+        x_r, r, encoder_hidden_states, encoder_attention_mask, encoder_hidden_states_2, encoder_attention_mask_2, **kw
+    ):
+        B, C, T, H, W = x_r.shape
+        zeros = x_r.new_zeros(B, C + 1, T, H, W)  # condition latents and mask, both zero for text-to-video
+        image_embeds = x_r.new_zeros(B, HUNYUAN15_IMAGE_TOKENS, image_dim)
+        ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
+        if ts.dim() == 0:
+            ts = ts.expand(B)
+        return transformer(
+            hidden_states=torch.cat([x_r, zeros], dim=1),
+            image_embeds=image_embeds,
+            timestep=ts,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            encoder_hidden_states_2=encoder_hidden_states_2,
+            encoder_attention_mask_2=encoder_attention_mask_2,
+            return_dict=False,
+            **kw,
+        )[0]
+
+    return v_hunyuan15
 
 
 def compute_dtype(module) -> torch.dtype:
@@ -203,6 +269,8 @@ BLOCK_CLASSES = (
     "FluxTransformerBlock",
     "FluxSingleTransformerBlock",
     "QwenImageTransformerBlock",
+    "Flux2TransformerBlock",
+    "Flux2SingleTransformerBlock",
 )
 
 

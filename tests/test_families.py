@@ -1,6 +1,6 @@
 """The trainers' teacher families, matched by exact class before any model loads (rcm_diffusers.distill.families):
-FLUX.2, Wan Animate and Qwen-Image Edit are not taken for FLUX.1 / Wan / Qwen-Image, and an unsupported teacher is
-refused in one line that lists the supported ones."""
+FLUX.2 [klein], Wan Animate and Qwen-Image Edit are not taken for FLUX.2 [dev] / Wan / Qwen-Image, and an unsupported
+teacher is refused in one line that lists the supported ones."""
 
 import json
 from types import SimpleNamespace
@@ -15,7 +15,8 @@ from rcm_diffusers.distill.families import UnsupportedTeacher, family_of, suppor
 
 SUPPORTED = (
     "supported: WanPipeline / WanImageToVideoPipeline (WanTransformer3DModel), FluxPipeline (FluxTransformer2DModel), "
-    "QwenImagePipeline (QwenImageTransformer2DModel)"
+    "QwenImagePipeline (QwenImageTransformer2DModel), Flux2Pipeline (Flux2Transformer2DModel), "
+    "HunyuanVideo15Pipeline (HunyuanVideo15Transformer3DModel)"
 )
 
 
@@ -35,6 +36,8 @@ def _index(pipeline, transformer, transformer_2=None):
         (_index("WanImageToVideoPipeline", "WanTransformer3DModel", "WanTransformer3DModel"), "wan"),  # Wan 2.2 experts
         (_index("FluxPipeline", "FluxTransformer2DModel"), "flux"),
         (_index("QwenImagePipeline", "QwenImageTransformer2DModel"), "qwen"),
+        (_index("HunyuanVideo15Pipeline", "HunyuanVideo15Transformer3DModel"), "hunyuan15"),
+        (_index("Flux2Pipeline", "Flux2Transformer2DModel"), "flux2"),
     ],
 )
 def test_supported_teachers_by_exact_class(index, family):
@@ -45,9 +48,10 @@ def test_supported_teachers_by_exact_class(index, family):
     "index, match",
     [
         (
-            _index("Flux2Pipeline", "Flux2Transformer2DModel"),
-            "a Flux2Pipeline with Flux2Transformer2DModel is not a supported",
+            _index("Flux2KleinPipeline", "Flux2Transformer2DModel"),
+            "a Flux2KleinPipeline with Flux2Transformer2DModel is not a supported",
         ),
+        (_index("Flux2Pipeline", "FluxTransformer2DModel"), "a Flux2Pipeline with FluxTransformer2DModel"),
         (
             _index("WanAnimatePipeline", "WanAnimateTransformer3DModel"),
             "a WanAnimatePipeline with WanAnimateTransformer3DModel",
@@ -63,6 +67,10 @@ def test_supported_teachers_by_exact_class(index, family):
             "a QwenImageEditPipeline with QwenImageTransformer2DModel",
         ),
         (
+            _index("HunyuanVideo15ImageToVideoPipeline", "HunyuanVideo15Transformer3DModel"),
+            "a HunyuanVideo15ImageToVideoPipeline with HunyuanVideo15Transformer3DModel is not a supported",
+        ),
+        (
             _index("WanPipeline", "WanTransformer3DModel", "WanAnimateTransformer3DModel"),
             "with WanAnimateTransformer3DModel",
         ),
@@ -76,7 +84,7 @@ def test_other_teachers_are_refused_naming_the_supported_ones(index, match):
 
 
 def test_prefixes_do_not_match():
-    for name in ("Flux2Pipeline", "FluxKontextPipeline", "WanAnimatePipeline", "WanVACEPipeline"):
+    for name in ("Flux2Pipeline", "Flux2KleinPipeline", "FluxKontextPipeline", "WanAnimatePipeline", "WanVACEPipeline"):
         with pytest.raises(UnsupportedTeacher):
             family_of(name, ["FluxTransformer2DModel" if name.startswith("Flux") else "WanTransformer3DModel"])
     assert supported() in SUPPORTED
@@ -109,9 +117,9 @@ def _data(root):
 
 @pytest.mark.parametrize(
     "pipeline, transformer",
-    [("Flux2Pipeline", "Flux2Transformer2DModel"), ("WanAnimatePipeline", "WanAnimateTransformer3DModel")],
+    [("Flux2KleinPipeline", "Flux2Transformer2DModel"), ("WanAnimatePipeline", "WanAnimateTransformer3DModel")],
 )
-def test_check_inputs_refuses_flux2_and_wan_animate_in_one_line(tmp_path, capsys, pipeline, transformer):
+def test_check_inputs_refuses_flux2_klein_and_wan_animate_in_one_line(tmp_path, capsys, pipeline, transformer):
     teacher = _fake_teacher(tmp_path / "teacher", pipeline, transformer)
     cfg = SimpleNamespace(
         pretrained=str(teacher), data_dir=str(tmp_path / "no_data"), transformer_subfolder="transformer", experts="auto"
@@ -124,8 +132,8 @@ def test_check_inputs_refuses_flux2_and_wan_animate_in_one_line(tmp_path, capsys
     assert err.strip().endswith(SUPPORTED)
 
 
-def test_rcm_script_refuses_a_flux2_folder_before_the_teacher_loads(tmp_path):
-    teacher = _fake_teacher(tmp_path / "flux2", "Flux2Pipeline", "Flux2Transformer2DModel")
+def test_rcm_script_refuses_a_flux2_klein_folder_before_the_teacher_loads(tmp_path):
+    teacher = _fake_teacher(tmp_path / "flux2_klein", "Flux2KleinPipeline", "Flux2Transformer2DModel")
     out = tmp_path / "run"
     p = run_script(
         ["--pretrained", str(teacher), "--data_dir", str(_data(tmp_path / "data")), "--output_dir", str(out)]
@@ -133,6 +141,6 @@ def test_rcm_script_refuses_a_flux2_folder_before_the_teacher_loads(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert (
         p.stderr.strip().count("\n") == 0
-        and "a Flux2Pipeline with Flux2Transformer2DModel is not a supported" in p.stderr
+        and "a Flux2KleinPipeline with Flux2Transformer2DModel is not a supported" in p.stderr
     )
     assert p.stderr.strip().endswith(SUPPORTED) and not out.exists()

@@ -16,7 +16,7 @@ from rcm_diffusers.arch import arch_config, arch_meta, arch_names, build_transfo
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: parameter counts of the diffusers transformers built from the shipped configs (meta device); the
-#: published sizes are 1.3B, 14B, 14B + 14B (two experts), 5B, 14B (I2V: + image branch), 12B, 20B
+#: published sizes are 1.3B, 14B, 14B + 14B (two experts), 5B, 14B (I2V: + image branch), 12B, 20B, 32B, 8.3B
 PARAMS = {
     "wan2.1-t2v-1.3b": 1_418_996_800,
     "wan2.1-t2v-14b": 14_288_491_584,
@@ -25,6 +25,8 @@ PARAMS = {
     "wan2.2-ti2v-5b": 4_999_787_712,
     "flux.1-dev": 11_901_408_320,
     "qwen-image": 20_430_401_088,
+    "flux.2-dev": 32_223_281_152,
+    "hunyuanvideo-1.5-t2v-480p": 8_326_608_160,  # published: 8.3B
 }
 
 
@@ -39,6 +41,8 @@ def test_arch_configs_build_with_published_sizes():
                 "WanTransformer3DModel",
                 "FluxTransformer2DModel",
                 "QwenImageTransformer2DModel",
+                "Flux2Transformer2DModel",
+                "HunyuanVideo15Transformer3DModel",
             )
             and m["hub_id"]
         )

@@ -388,3 +388,83 @@ def make_qwen_dataset(root: str, n: int = 16, noise: bool = False) -> str:
     if noise:
         samples["noise"] = torch.randn(n, *shape, generator=g)
     return write_latent_dataset(root, samples, family="qwen", tables=tables, table_index=index)
+
+
+def tiny_flux2_transformer(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """1 double + 1 single block, 2-head FLUX.2 transformer with the guidance embedding of FLUX.2 [dev] (4 VAE
+    channels patchified 2 x 2 into 16, text width ``TEXT_DIM``)."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    m = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        timestep_guidance_channels=16,
+        mlp_ratio=2.0,
+        axes_dims_rope=(2, 2, 2, 2),
+        guidance_embeds=True,
+    )
+    return m if dtype == torch.float32 else m.to(dtype)
+
+
+def tiny_flux2_vae(seed: int = 0):
+    """A one-level AutoencoderKLFlux2 (x1, 4 latent channels) with non-trivial batch-norm statistics."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        block_out_channels=(8,),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, 16))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 16))
+    return vae.eval()
+
+
+def make_tiny_flux2(root: str) -> str:
+    """Save a tiny Flux2Pipeline (tiny VAE, no text encoder) to ``root``; returns its path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+
+    if os.path.exists(os.path.join(root, "model_index.json")):
+        return root
+    # the scheduler settings of black-forest-labs/FLUX.2-dev (dynamic exponential shift, mu from the pipeline)
+    sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential", shift=3.0)
+    pipe = Flux2Pipeline(
+        scheduler=sched, vae=tiny_flux2_vae(), text_encoder=None, tokenizer=None, transformer=tiny_flux2_transformer()
+    )
+    pipe.save_pretrained(root)
+    return root
+
+
+def make_flux2_dataset(root: str, n: int = 16, noise: bool = False) -> str:
+    """``make_dataset`` for FLUX.2: patchified latents ``[16, 4, 4]`` and a class table of prompt embeddings of
+    ``TEXT_LEN`` tokens (no mask, no pooled text, no negative: Flux2Pipeline samples without CFG)."""
+    from rcm_diffusers.distill.data import write_latent_dataset
+
+    if os.path.exists(os.path.join(root, "meta.json")):
+        return root
+    g = torch.Generator().manual_seed(0)
+    classes = 3
+    label = torch.arange(n) % classes
+    shape = (16, 4, 4)
+    means = torch.randn(classes, *shape, generator=g)
+    lat = means[label] + 0.3 * torch.randn(n, *shape, generator=g)
+    tables = {"prompt_embeds": torch.randn(classes, TEXT_LEN, TEXT_DIM, generator=g)}
+    samples = {"latents": lat, "prompt_index": label}
+    if noise:
+        samples["noise"] = torch.randn(n, *shape, generator=g)
+    return write_latent_dataset(
+        root, samples, family="flux2", tables=tables, table_index={"prompt_embeds": "prompt_index"}
+    )

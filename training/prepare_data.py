@@ -39,7 +39,7 @@ def parse_args(argv=None):
         "--pretrained",
         required=True,
         help="diffusers pipeline directory or hub id (WanPipeline, WanImageToVideoPipeline, FluxPipeline, "
-        "QwenImagePipeline) whose VAE, text encoder and transformer are used",
+        "QwenImagePipeline, Flux2Pipeline, HunyuanVideo15Pipeline) whose VAE, text encoder(s) and transformer are used",
     )
     ap.add_argument(
         "--output_dir", required=True, help="directory to write (meta.json, shard-*.safetensors, tables.safetensors)"
@@ -87,7 +87,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--negative_prompt",
         default=None,
-        help="negative prompt stored for the teacher's CFG (default: '' for Wan, none for Flux, ' ' for Qwen-Image)",
+        help="negative prompt stored for the teacher's CFG (default: '' for Wan and HunyuanVideo-1.5, none for Flux "
+        "and FLUX.2, ' ' for Qwen-Image)",
     )
     ap.add_argument(
         "--no_negative_prompt",
@@ -99,7 +100,7 @@ def parse_args(argv=None):
         type=int,
         default=0,
         help="text tokens (0 = 512, what WanPipeline and FluxPipeline pad prompts to when sampling; QwenImagePipeline "
-        "cuts them there)",
+        "cuts them there; HunyuanVideo15Pipeline: its own fixed 1000 + 256, this option is not used)",
     )
     ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (docs/math.md §8: 100)")
     ap.add_argument(
@@ -124,7 +125,13 @@ def parse_args(argv=None):
         default=5000.0,
         help="--synthetic: EDM sigma of the first grid point (r_max = sigma_max / (1 + sigma_max))",
     )
-    ap.add_argument("--flux_guidance", type=float, default=3.5, help="--synthetic, Flux-dev: guidance-embedding value")
+    ap.add_argument(
+        "--flux_guidance",
+        type=float,
+        default=None,
+        help="--synthetic, a guidance-distilled teacher: guidance-embedding value (default: the pipeline's default "
+        "guidance_scale, 3.5 for FluxPipeline, 4.0 for Flux2Pipeline)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: base seed")
     ap.add_argument("--batch_size", type=int, default=4, help="samples per VAE / text-encoder / teacher batch")
     ap.add_argument(
@@ -155,10 +162,14 @@ def parse_args(argv=None):
     return a
 
 
-#: the negative prompt stored when none is given: none for Flux (FluxPipeline samples without CFG); " " for
+#: the negative prompt stored when none is given: none for Flux and FLUX.2 (their pipelines sample without CFG); " " for
 #: Qwen-Image (QwenImagePipeline's docstring: "even an empty negative prompt like " " should enable classifier-free
-#: guidance computations"); "" otherwise
-_DEFAULT_NEGATIVE = {"flux": None, "qwen": " "}
+#: guidance computations"); "" otherwise (HunyuanVideo15Pipeline: no negative_prompt encodes "")
+_DEFAULT_NEGATIVE = {"flux": None, "qwen": " ", "flux2": None}
+
+#: the guidance-embedding value of a guidance-distilled teacher when none is given: its pipeline's default
+#: guidance_scale (FluxPipeline 3.5, Flux2Pipeline 4.0)
+_DEFAULT_FLUX_GUIDANCE = {"flux": 3.5, "flux2": 4.0}
 
 
 def main(argv=None):
@@ -200,7 +211,7 @@ def main(argv=None):
             guidance_scale=a.guidance_scale,
             solver=a.solver,
             sigma_max=a.sigma_max,
-            flux_guidance=a.flux_guidance,
+            flux_guidance=a.flux_guidance if a.flux_guidance is not None else _DEFAULT_FLUX_GUIDANCE.get(enc.family),
             images=images,
             **common,
         )

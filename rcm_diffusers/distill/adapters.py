@@ -62,15 +62,62 @@ DEFAULT_LORA_TARGETS = {
         "txt_mlp.net.0.proj",
         "txt_mlp.net.2",
     ],
+    # Flux2TransformerBlock: joint attention (q/k/v/out, add_q/k/v, to_add_out) and both SwiGLU feed-forwards;
+    # Flux2SingleTransformerBlock: the fused q/k/v + MLP-in projection and the fused attention + MLP-out projection
+    # (diffusers' _tp_plan of the blocks). "to_out" is a ModuleList in the double blocks: only its Linears are taken
+    "Flux2": [
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.linear_in",
+        "ff.linear_out",
+        "ff_context.linear_in",
+        "ff_context.linear_out",
+        "to_qkv_mlp_proj",
+        "to_out",
+    ],
+    # HunyuanVideo15TransformerBlock: joint attention (video q/k/v/out, text add_q/k/v and to_add_out) and the video
+    # and text feed-forwards; the same names take the text token refiner's attention and feed-forward
+    # (context_embedder.token_refiner.refiner_blocks.N: to_q/k/v, to_out.0, ff.net.0.proj, ff.net.2)
+    "HunyuanVideo15": [
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ],
 }
 
 
 def default_lora_targets(transformer) -> list[str]:
     """The LoRA targets of the transformer's family (``DEFAULT_LORA_TARGETS``)."""
-    name = type(_base_model(transformer)).__name__
-    for prefix, targets in DEFAULT_LORA_TARGETS.items():
-        if name.startswith(prefix):
-            return list(targets)
+    base = _base_model(transformer)
+    name = type(base).__name__
+    prefixes = [p for p in DEFAULT_LORA_TARGETS if name.startswith(p)]
+    if prefixes:
+        targets = DEFAULT_LORA_TARGETS[max(prefixes, key=len)]  # "Flux2" before "Flux"
+        # a name that is a Linear in some blocks and a container in others (FLUX.2's "to_out"): its Linears by full name
+        mods = dict(base.named_modules())
+        out = []
+        for t in targets:
+            hits = [n for n in mods if n == t or n.endswith("." + t)]
+            if any(isinstance(mods[n], torch.nn.ModuleList) for n in hits):
+                out += [n for n in hits if not isinstance(mods[n], torch.nn.ModuleList)]
+            else:
+                out.append(t)
+        return out
     raise ValueError(f"no default LoRA targets for {name!r}; pass lora_target_modules explicitly")
 
 

@@ -206,7 +206,7 @@ def qad_passes(alpha: float, guided: bool) -> dict:
 class Arch:
     """The shapes of a Wan, Flux or Qwen-Image transformer that its matrix products depend on."""
 
-    family: str  # "wan" | "flux" | "qwen"
+    family: str  # "wan" | "flux" | "qwen" | "flux2"
     dim: int
     ffn_dim: int
     layers: int  # Wan blocks / Flux double blocks / Qwen-Image blocks (double-stream)
@@ -226,6 +226,23 @@ class Arch:
             per = [(256, D), (D, D)] + [(D, 6 * D)] * 2 * nd + [(D, 2 * D)]
             out = p * p * (config.get("out_channels") or c)
             return cls("qwen", D, 4 * D, nd, 0, c, out, config.get("joint_attention_dim", 3584), per_sample=tuple(per))
+        if class_name == "HunyuanVideo15Transformer3DModel":  # Qwen-Image's double-stream block, video patches
+            nd, p, pt = config["num_layers"], config.get("patch_size", 1), config.get("patch_size_t", 1)
+            # time embedder, the blocks' video and text modulations, output norm (the text token refiner and the
+            # ByT5 / image projections run on the context only: left out); feed-forwards 4 D
+            per = [(256, D), (D, D)] + [(D, 6 * D)] * 2 * nd + [(D, 2 * D)]
+            c_in, c_out = config["in_channels"] * p * p * pt, config["out_channels"] * p * p * pt
+            return cls("qwen", D, 4 * D, nd, 0, c_in, c_out, config.get("text_embed_dim", 3584), per_sample=tuple(per))
+        if class_name == "Flux2Transformer2DModel":
+            c, nd, ns = config["in_channels"], config["num_layers"], config["num_single_layers"]
+            F, g = int(D * config.get("mlp_ratio", 3.0)), config.get("timestep_guidance_channels", 256)
+            # time (and guidance) embedders, the three shared modulations (image, text, single), output norm; no
+            # pooled text; SwiGLU feed-forwards F = mlp_ratio D wide
+            per = [(g, D), (D, D)] * (2 if config.get("guidance_embeds", True) else 1)
+            per += [(D, 6 * D), (D, 6 * D), (D, 3 * D), (D, 2 * D)]
+            out = config.get("out_channels") or c
+            text = config.get("joint_attention_dim", 15360)
+            return cls("flux2", D, F, nd, ns, c, out, text, per_sample=tuple(per))
         if class_name.startswith("Flux"):
             c, nd, ns = config["in_channels"], config["num_layers"], config["num_single_layers"]
             # time (and guidance) embedders, pooled text embedder, block modulations, output norm
@@ -310,6 +327,21 @@ def _graph(a: Arch, L: int, T: int, I: int) -> tuple[list[_Lin], list[_Att]]:
         ]
         return lins, atts
     N = L + T  # Flux, Qwen-Image: the image and text streams attend jointly; Flux's single blocks carry both
+    if a.family == "flux2":  # SwiGLU feed-forwards (D -> 2F, F -> D); single blocks: fused q, k, v + MLP in, out
+        for k in range(a.layers):
+            for n in (L, T):
+                lins += [_Lin(D, D, n, True, k > 0, True)] * 3 + [_Lin(D, D, n, True, True, True)]
+                lins += [_Lin(D, 2 * F, n, True, True, True), _Lin(F, D, n, True, True, True)]
+            atts.append(_Att(N, N, D, True))
+        for _ in range(a.single_layers):
+            lins += [_Lin(D, 3 * D + 2 * F, N, True, True, True), _Lin(D + F, D, N, True, True, True)]
+            atts.append(_Att(N, N, D, True))
+        lins += [
+            _Lin(a.patch_in, D, L, False, False, True, False, True),
+            _Lin(D, a.patch_out, L, False, True, True, False),
+            _Lin(a.text_dim, D, T, False, False, False, False, True),
+        ]
+        return lins, atts
     for k in range(a.layers):
         for n in (L, T):  # q, k, v (block 0: no input gradient), out and the feed-forward of each stream
             lins += [_Lin(D, D, n, True, k > 0, True)] * 3 + [_Lin(D, D, n, True, True, True)]
@@ -499,6 +531,7 @@ def startup_report(cfg, world: int | None = None) -> str:
     import json
     import os
 
+    from ..models import HUNYUAN15_IMAGE_TOKENS
     from .data import LatentDataset
     from .experts import HIGH, index_boundary_ratio
 
@@ -515,11 +548,18 @@ def startup_report(cfg, world: int | None = None) -> str:
         row = LatentDataset(cfg.data_dir).get([0])
         packed = class_name.startswith("Flux") or class_name == "QwenImageTransformer2DModel"
         lat = tuple(row["latents"].shape[1:])
-        if packed:
+        if class_name == "HunyuanVideo15Transformer3DModel":  # [C, F, H, W] in (patch_size_t, p, p) patches
+            p, pt = config.get("patch_size", 1), config.get("patch_size_t", 1)
+            tokens = (lat[-3] // pt) * (lat[-2] // p) * (lat[-1] // p)
+        elif class_name == "Flux2Transformer2DModel":  # patchified latents: one token per latent pixel
+            tokens = lat[-2] * lat[-1]
+        elif packed:
             tokens = (lat[-2] // 2) * (lat[-1] // 2)
         else:
             tokens = wan_tokens(*lat[-3:], patch=config["patch_size"])
         text = int(row["prompt_embeds"].shape[-2])
+        if class_name == "HunyuanVideo15Transformer3DModel":  # + ByT5 and the (masked) image tokens in the attention
+            text += int(row["prompt_embeds_2"].shape[-2]) + HUNYUAN15_IMAGE_TOKENS
         run = run_cost(
             cfg,
             Arch.from_config(config, class_name),

@@ -2,7 +2,8 @@
 
 On-disk format (a directory; training never runs a VAE or text encoder)::
 
-    meta.json            {"format": "rcm-latents", "version": 1, "family": "wan" | "wan_i2v" | "flux" | "qwen",
+    meta.json            {"format": "rcm-latents", "version": 1,
+                          "family": "wan" | "wan_i2v" | "flux" | "qwen" | "flux2",
                           "num_samples": N, "shards": [{"file": "shard-00000.safetensors", "num_samples": n}, ...],
                           "tables": {"prompt_embeds": "prompt_index", "negative_prompt_embeds": null, ...}}
     shard-XXXXX.safetensors   per-sample tensors, leading dim = samples in the shard
@@ -12,11 +13,15 @@ Per-sample keys (float tensors are stored in the dtype written, cast to float32 
 
 - ``latents``: clean latents ``x0``: Wan ``[C, T, H, W]`` (VAE-normalised as the pipeline does),
   Flux ``[C, H, W]`` (unpacked, after the VAE shift/scale; packed into tokens at load), Qwen-Image ``[C, H, W]``
-  (its VAE's one latent frame dropped, VAE-normalised as the pipeline does; packed 2 x 2 into tokens at load).
+  (its VAE's one latent frame dropped, VAE-normalised as the pipeline does; packed 2 x 2 into tokens at load),
+  FLUX.2 ``[4C, H/2, W/2]`` (patchified 2 x 2 and batch-norm-normalised as Flux2Pipeline does, the layout its
+  ``prepare_latents`` draws noise in; one token per pixel at load).
 - ``prompt_embeds`` ``[L, D]`` (Wan: T5 hidden states padded to the pipeline's length;
   Flux: T5 hidden states), or ``prompt_index`` (int64) into a ``prompt_embeds`` table.
 - ``negative_prompt_embeds`` ``[L, D]`` for CFG (usually one table row shared by all samples).
 - Flux: ``pooled_prompt_embeds`` ``[768]`` (+ ``negative_pooled_prompt_embeds`` for CFG).
+- FLUX.2: ``prompt_embeds`` ``[L, D]`` (Flux2Pipeline.encode_prompt: the text encoder's stacked hidden states,
+  padded to ``max_sequence_length``; no mask, no pooled text).
 - Qwen-Image: ``prompt_embeds`` padded with zeros to a fixed length and ``prompt_embeds_mask`` ``[L]`` (float, 1 for
   a token of the prompt, 0 for padding; + ``negative_prompt_embeds_mask``); a batch is cut to its longest prompt and
   the mask dropped when no token is padding, as QwenImagePipeline.encode_prompt hands them to the transformer.
@@ -62,7 +67,10 @@ __all__ = [
     "pack_flux_latents",
     "unpack_flux_latents",
     "qwen_text",
+    "hunyuan15_text",
     "PACKED",
+    "pack_latents",
+    "unpack_latents",
 ]
 
 FORMAT = "rcm-latents"
@@ -126,7 +134,7 @@ def write_latent_dataset(
 
 # ----------------------------------------------------------------------------- validation before any model loads
 
-FAMILIES = ("wan", "wan_i2v", "flux", "qwen")
+FAMILIES = ("wan", "wan_i2v", "flux", "qwen", "flux2", "hunyuan15")
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _INTS = {"I8", "U8", "I16", "I32", "I64", "U16", "U32", "U64"}
 
@@ -200,6 +208,11 @@ def _dims(model_config: dict | None, family: str) -> dict:
         out["image_dim"] = c.get("image_dim")
         p = c.get("patch_size") or (1, 2, 2)
         out["patch"] = tuple(p)[-2:]
+    elif cls == "Flux2Transformer2DModel":
+        if family != "flux2":
+            raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
+        out["channels"] = c.get("in_channels")  # the patchified latent: 4 x the VAE's channels, one token a pixel
+        out["text_dim"] = c.get("joint_attention_dim")
     elif cls.startswith("Flux"):
         if family != "flux":
             raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
@@ -207,6 +220,15 @@ def _dims(model_config: dict | None, family: str) -> dict:
         out["channels"] = ic // 4 if ic else None
         out["text_dim"] = c.get("joint_attention_dim")
         out["pooled_dim"] = c.get("pooled_projection_dim")
+    elif cls == "HunyuanVideo15Transformer3DModel":
+        if family != "hunyuan15":
+            raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
+        out["channels"] = c.get("out_channels")
+        out["in_channels"] = c.get("in_channels")
+        out["text_dim"] = c.get("text_embed_dim")
+        out["text_2_dim"] = c.get("text_embed_2_dim")
+        p = c.get("patch_size") or 1
+        out["patch"] = (p, p)
     elif cls == "QwenImageTransformer2DModel":
         if family != "qwen":
             raise DataError(f"the data is family {family!r} but the teacher is a {cls}")
@@ -390,8 +412,9 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
         return shape
 
     lat = need("latents")
-    want = 4 if family.startswith("wan") else 3
-    layout = "[C, T, H, W]" if family.startswith("wan") else "[C, H, W]"
+    video = family.startswith("wan") or family == "hunyuan15"
+    want = 4 if video else 3
+    layout = "[C, T, H, W]" if video else "[C, H, W]"
     if len(lat) != want:
         raise DataError(
             f"{root}: latents are {len(lat) + 1}-D [N, {', '.join(map(str, lat))}]; family {family!r} "
@@ -445,6 +468,8 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
             f"{root}: latents have {C} channels, the teacher's transformer takes {dims['in_channels']} "
             "(an image-to-video teacher needs family 'wan_i2v' data with a condition)"
         )
+    if family == "hunyuan15":
+        _check_hunyuan15(root, per, dims, C, need)
     if family == "qwen":
         for k in ("prompt_embeds_mask", "negative_prompt_embeds_mask"):
             emb = k[: -len("_mask")]
@@ -458,6 +483,27 @@ def _check_layout(root: str, family: str, per: dict, dims: dict) -> None:
                 shape = need(k)
                 if len(shape) != 1 or (dims.get("pooled_dim") and shape[0] != dims["pooled_dim"]):
                     raise DataError(f"{root}: {k} {list(shape)} must be [{dims.get('pooled_dim') or 'D'}] per sample")
+
+
+def _check_hunyuan15(root: str, per: dict, dims: dict, C: int, need) -> None:
+    """HunyuanVideo-1.5: both text encoders' embeddings with their masks (the negative ones too, when there), and the
+    transformer's input channels ``2 C + 1`` (latents, zero condition latents, zero mask)."""
+    if dims.get("in_channels") and 2 * C + 1 != dims["in_channels"]:
+        raise DataError(
+            f"{root}: latents have {C} channels, the teacher's transformer takes {dims['in_channels']} inputs "
+            f"(HunyuanVideo15Pipeline feeds 2 C + 1: latents, condition latents and mask)"
+        )
+    for neg in ("", "negative_"):
+        if neg and f"{neg}prompt_embeds" not in per:
+            continue
+        for emb in (f"{neg}prompt_embeds", f"{neg}prompt_embeds_2"):
+            shape = need(emb)
+            width = dims.get("text_2_dim" if emb.endswith("_2") else "text_dim")
+            if len(shape) != 2 or (width and shape[1] != width):
+                raise DataError(f"{root}: {emb} {list(shape)} must be [L, {width or 'D'}] per sample")
+            mask = emb.replace("prompt_embeds", "prompt_embeds_mask")
+            if tuple(need(mask)) != tuple(shape[:1]):
+                raise DataError(f"{root}: {mask} {list(per[mask][1])} must be [L] with the L of {emb} per sample")
 
 
 class LatentDataset:
@@ -588,6 +634,35 @@ def unpack_flux_latents(tokens: torch.Tensor, H: int, W: int) -> torch.Tensor:
     return x.reshape(B, D // 4, H, W)
 
 
+def pack_latents(family: str, latents: torch.Tensor) -> torch.Tensor:
+    """Dataset-layout latents ``[B, C, H, W]`` as the transformer's tokens: 2 x 2-packed (``PACKED`` families), one
+    token per latent pixel for FLUX.2 (``[B, H W, C]``, Flux2Pipeline._pack_latents of its patchified latents), the
+    latents themselves otherwise."""
+    if family in PACKED:
+        return pack_flux_latents(latents)
+    if family == "flux2":
+        return latents.flatten(2).transpose(1, 2)
+    return latents
+
+
+def unpack_latents(family: str, tokens: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """Inverse of ``pack_latents`` for dataset latents of height x width ``H x W``."""
+    if family in PACKED:
+        return unpack_flux_latents(tokens, H, W)
+    if family == "flux2":
+        return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, H, W)
+    return tokens
+
+
+def flux2_ids(B: int, H: int, W: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2 position ids ``(img_ids [B, H W, 4], txt_ids [B, L, 4])`` (int64, (t, h, w, l)) as Flux2Pipeline builds
+    them: image tokens ``(0, h, w, 0)`` row-major, text tokens ``(0, 0, 0, l)``."""
+    a = torch.arange
+    img = torch.cartesian_prod(a(1), a(H), a(W), a(1)).unsqueeze(0).expand(B, -1, -1)
+    txt = torch.cartesian_prod(a(1), a(1), a(1), a(L)).unsqueeze(0).expand(B, -1, -1)
+    return img, txt
+
+
 def _flux_img_ids(H: int, W: int) -> torch.Tensor:
     ids = torch.zeros(H // 2, W // 2, 3)
     ids[..., 1] = torch.arange(H // 2)[:, None]
@@ -610,6 +685,18 @@ def qwen_text(embeds: torch.Tensor, mask: torch.Tensor | None) -> dict:
     if not bool(m.all()):
         out["encoder_hidden_states_mask"] = m.long()
     return out
+
+
+def hunyuan15_text(batch: dict, prefix: str, md) -> dict:
+    """HunyuanVideo-1.5 text conditions as HunyuanVideo15Pipeline hands them to the transformer: the Qwen2.5-VL
+    ``{prefix}prompt_embeds`` and ByT5 ``{prefix}prompt_embeds_2`` at their full padded lengths with their masks, all
+    in the transformer's dtype (``encode_prompt`` casts the masks too; ``md``)."""
+    return {
+        "encoder_hidden_states": md(batch[f"{prefix}prompt_embeds"]),
+        "encoder_attention_mask": md(batch[f"{prefix}prompt_embeds_mask"]),
+        "encoder_hidden_states_2": md(batch[f"{prefix}prompt_embeds_2"]),
+        "encoder_attention_mask_2": md(batch[f"{prefix}prompt_embeds_mask_2"]),
+    }
 
 
 def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: float | None = None):
@@ -662,6 +749,24 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
                 "pooled_projections": md(batch.get("negative_pooled_prompt_embeds", batch["pooled_prompt_embeds"])),
             }
         return x0, cond, uncond
+    if family == "flux2":
+        # Flux2Pipeline: patchified, batch-norm-normalised latents [B, 4C, h, w] flattened to tokens; int64 (t, h, w,
+        # l) ids; the guidance embedding's value in float32 (FLUX.2 [dev] is guidance-distilled); no pooled text
+        H, W = x0.shape[-2:]
+        x0 = pack_latents(family, x0)
+        img_ids, txt_ids = flux2_ids(x0.shape[0], H, W, batch["prompt_embeds"].shape[1])
+        cond = {
+            "encoder_hidden_states": md(batch["prompt_embeds"]),
+            "txt_ids": txt_ids.to(device),
+            "img_ids": img_ids.to(device),
+        }
+        if flux_guidance is not None:
+            cond["guidance"] = torch.full((x0.shape[0],), float(flux_guidance), device=device, dtype=torch.float32)
+        uncond = None
+        if neg is not None:
+            _, neg_ids = flux2_ids(x0.shape[0], H, W, neg.shape[1])
+            uncond = {**cond, "encoder_hidden_states": md(neg), "txt_ids": neg_ids.to(device)}
+        return x0, cond, uncond
     if family == "qwen":
         H, W = x0.shape[-2:]
         x0 = pack_flux_latents(x0)  # QwenImagePipeline._pack_latents: the same 2 x 2 packing as Flux
@@ -671,6 +776,9 @@ def model_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: f
         if neg is not None:
             uncond = {**text(neg, batch.get("negative_prompt_embeds_mask")), "img_shapes": shapes}
         return x0, cond, uncond
+    if family == "hunyuan15":
+        cond = hunyuan15_text(batch, "", md)
+        return x0, cond, (None if neg is None else hunyuan15_text(batch, "negative_", md))
     raise ValueError(f"unknown data family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -680,12 +788,13 @@ def pair_inputs(family: str, batch: dict, device, model_dtype, flux_guidance: fl
     ``model_inputs``."""
     target, cond, _ = model_inputs(family, batch, device, model_dtype, flux_guidance)
     noise = batch["noise"].to(device=device, dtype=torch.float64)
-    return (pack_flux_latents(noise) if family in PACKED else noise), target, cond
+    return pack_latents(family, noise), target, cond
 
 
 def video_noise_multiplier(x0: torch.Tensor, family: str) -> float:
     """``sqrt(latent frames)`` for Wan video latents ``[B, C, T, H, W]``, 1 otherwise (docs/math.md §3)."""
-    return math.sqrt(x0.shape[2]) if family.startswith("wan") and x0.dim() == 5 else 1.0
+    video = family.startswith("wan") or family == "hunyuan15"
+    return math.sqrt(x0.shape[2]) if video and x0.dim() == 5 else 1.0
 
 
 def batch_rows(obj, start: int, stop: int, batch: int):

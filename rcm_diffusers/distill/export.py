@@ -71,4 +71,8 @@ def save_student_lora(pipeline_cls, out_dir: str, transformer, lora_config, weig
     meta = lora_config.to_dict()
     meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
     os.makedirs(out_dir, exist_ok=True)
+    if not hasattr(pipeline_cls, "save_lora_weights"):
+        # HunyuanVideo15Pipeline has no LoRA loader mixin (diffusers 0.42): the transformer-only file of a
+        # one-transformer loader, which the pipeline's transformer reads with load_lora_adapter(prefix="transformer")
+        from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin as pipeline_cls
     pipeline_cls.save_lora_weights(out_dir, transformer_lora_layers=sd, transformer_lora_adapter_metadata=meta)

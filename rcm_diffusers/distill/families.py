@@ -1,8 +1,9 @@
 """The teachers the trainers support, matched by exact class (``model_index.json``: the pipeline's ``_class_name`` and
 every transformer entry), before any model loads.
 
-A class name is never matched by prefix: ``Flux2Pipeline`` is not FLUX.1, ``WanAnimatePipeline`` is not Wan 2.1/2.2,
-``QwenImageEditPipeline`` is not Qwen-Image text-to-image;
+A class name is never matched by prefix: ``Flux2Pipeline`` is not FLUX.1, ``Flux2KleinPipeline`` is not FLUX.2
+[dev], ``WanAnimatePipeline`` is not Wan 2.1/2.2, ``QwenImageEditPipeline`` is not Qwen-Image text-to-image,
+``HunyuanVideo15ImageToVideoPipeline`` is not HunyuanVideo-1.5 text-to-video;
 their dimensions, conditioning and LoRA targets differ, and taking them for a supported family would fail only after
 the teacher has loaded, or not at all. A teacher outside ``FAMILIES`` is refused in one line that lists the supported
 ones. Adding a family is one entry here (and its data family in ``data.FAMILIES``).
@@ -36,6 +37,12 @@ FAMILIES = (
     Family("flux", ("FluxPipeline",), ("FluxTransformer2DModel",), ("flux",)),
     # Qwen-Image text-to-image (QwenImageEditPipeline, QwenImageImg2ImgPipeline, ... are other teachers)
     Family("qwen", ("QwenImagePipeline",), ("QwenImageTransformer2DModel",), ("qwen",)),
+    # FLUX.2 [dev] text-to-image (Flux2KleinPipeline: the same transformer class with another text encoder, true CFG
+    # and no guidance embedding, is another teacher)
+    Family("flux2", ("Flux2Pipeline",), ("Flux2Transformer2DModel",), ("flux2",)),
+    # HunyuanVideo-1.5 text-to-video (HunyuanVideo15ImageToVideoPipeline, the same transformer class with image
+    # conditions, is another teacher)
+    Family("hunyuan15", ("HunyuanVideo15Pipeline",), ("HunyuanVideo15Transformer3DModel",), ("hunyuan15",)),
 )
 
 #: model_index.json keys of the transformers a pipeline holds (Wan 2.2: two experts)

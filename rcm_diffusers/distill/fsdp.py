@@ -87,6 +87,9 @@ DEFAULT_LAYER_CLASSES = (
     "FluxTransformerBlock",
     "FluxSingleTransformerBlock",
     "QwenImageTransformerBlock",
+    "Flux2TransformerBlock",
+    "Flux2SingleTransformerBlock",
+    "HunyuanVideo15TransformerBlock",
 )
 
 

@@ -169,6 +169,13 @@ def check_inputs(cfg) -> dict:
         user_error(
             f"--pretrained {cfg.pretrained}: QAD (training/qad.py) supports Wan and FLUX.1 teachers, not Qwen-Image"
         )
+    if family.name == "flux2" and hasattr(cfg, "calibration_batches"):  # QADConfig
+        user_error(f"--pretrained {cfg.pretrained}: QAD (training/qad.py) supports Wan and FLUX.1 teachers, not FLUX.2")
+    if family.name == "hunyuan15" and hasattr(cfg, "calibration_batches"):  # QADConfig
+        user_error(
+            f"--pretrained {cfg.pretrained}: QAD (training/qad.py) supports Wan and FLUX.1 teachers, "
+            "not HunyuanVideo-1.5"
+        )
     if hasattr(cfg, "experts"):
         from .base_model import check_experts
 

@@ -260,8 +260,10 @@ class TrainSetup:
     ) -> "TrainSetup":
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact.
         ``one_card``: ``base_dtype``, ``blocks_to_swap``, ``activation_offload`` and the schedule fields."""
-        flux = class_name.startswith("Flux")
+        flux = class_name.startswith("Flux")  # FLUX.2 too: FLUX.1's block coefficients, not measured on FLUX.2's
         qwen = class_name == "QwenImageTransformer2DModel"  # Flux's double block in all but names: both streams
+        # HunyuanVideo-1.5: the same double-stream block (both streams modulated, joint attention, 4 D GELU MLPs)
+        qwen = qwen or class_name == "HunyuanVideo15Transformer3DModel"
         items = tuple(sorted((k, _hashable(v)) for k, v in config.items()))
         counts = _counts(class_name, items, lora_rank)
         one_card.setdefault("block_linears", _block_linears(class_name, items))
@@ -289,7 +291,7 @@ class TrainSetup:
             checkpointing_policy=checkpointing_policy,
             lora_rank=lora_rank if mode == "shared" else 0,
             head_dim=config["attention_head_dim"],
-            text_dim=config.get("text_dim", config.get("joint_attention_dim", 4096)),
+            text_dim=config.get("text_dim", config.get("joint_attention_dim", config.get("text_embed_dim", 4096))),
             **one_card,
         )
 

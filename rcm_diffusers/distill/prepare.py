@@ -5,9 +5,11 @@ Two sources, one output format (:func:`rcm_diffusers.distill.data.write_latent_d
 - **real**: image/video + caption pairs, from a folder (``clip.gif`` + ``clip.txt``), a JSONL manifest
   (``{"file": ..., "caption": ...}`` per line) or a CSV manifest (columns ``file,caption``); media are
   encoded with ``pipe.vae.encode`` (distribution mode) and normalised as the pipeline denormalises at
-  decode time: Wan and Qwen-Image ``(z - latents_mean) / latents_std``, Flux ``(z - shift_factor) * scaling_factor``
+  decode time: Wan and Qwen-Image ``(z - latents_mean) / latents_std``, Flux ``(z - shift_factor) * scaling_factor``,
+  HunyuanVideo-1.5 ``z * scaling_factor``
   (Flux, Qwen-Image: stored unpacked ``[C, H, W]``; the trainer packs). Captions go through ``pipe.encode_prompt``
-  (Qwen-Image: padded with zeros to ``max_sequence_length`` tokens, with ``prompt_embeds_mask``).
+  (Qwen-Image: padded with zeros to ``max_sequence_length`` tokens, with ``prompt_embeds_mask``; HunyuanVideo-1.5:
+  both encoders at the pipeline's fixed lengths, ``prompt_embeds(_2)`` with ``prompt_embeds_mask(_2)``).
 - **synthetic**: teacher samples from prompts, ``TrigFlowEulerScheduler`` / ``TrigFlowUniPCScheduler``
   + CFG (docs/math.md §8: Euler 100 steps, shift 3, CFG 5). Sample ``i`` starts from
   ``randn(latent shape, generator=torch.Generator().manual_seed(seed + i))``, so it equals
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .data import FORMAT, PACKED, _atomic_save, pack_flux_latents, unpack_flux_latents
+from .data import FORMAT, PACKED, _atomic_save, pack_latents, unpack_latents
 
 __all__ = [
     "IMAGE_EXTS",
@@ -184,7 +186,7 @@ def load_media(path: str, height: int, width: int, num_frames: int = 1, resize: 
 
 
 def family_of(pipe) -> str:
-    """Data family of a diffusers pipeline: ``wan``, ``wan_i2v``, ``flux`` or ``qwen``."""
+    """Data family of a diffusers pipeline: ``wan``, ``wan_i2v``, ``flux``, ``qwen`` or ``flux2``."""
     name = type(pipe).__name__
     if name == "WanImageToVideoPipeline":
         if getattr(pipe.config, "expand_timesteps", False):
@@ -195,12 +197,19 @@ def family_of(pipe) -> str:
         return "wan_i2v"
     if name.startswith("Wan"):
         return "wan"
+    if name == "Flux2Pipeline":
+        return "flux2"
+    if name.startswith("Flux2"):  # Flux2KleinPipeline & co.: another text encoder and true CFG
+        raise ValueError(f"unsupported pipeline {name}; of the FLUX.2 pipelines the trainer takes Flux2Pipeline")
     if name.startswith("Flux"):
         return "flux"
     if name == "QwenImagePipeline":
         return "qwen"
+    if name == "HunyuanVideo15Pipeline":  # text-to-video only (not HunyuanVideo15ImageToVideoPipeline)
+        return "hunyuan15"
     raise ValueError(
-        f"unsupported pipeline {name}; expected WanPipeline, WanImageToVideoPipeline, FluxPipeline or QwenImagePipeline"
+        f"unsupported pipeline {name}; expected WanPipeline, WanImageToVideoPipeline, FluxPipeline, "
+        "QwenImagePipeline, Flux2Pipeline or HunyuanVideo15Pipeline"
     )
 
 
@@ -233,6 +242,23 @@ class PipelineEncoder:
                 )
             if num_frames != 1:
                 raise ValueError("Flux is an image model: use --num_frames 1")
+        elif self.family == "flux2":
+            self.sf = 2 ** (len(vae.config.block_out_channels) - 1)  # Flux2Pipeline.vae_scale_factor
+            if height % (2 * self.sf) or width % (2 * self.sf):
+                raise ValueError(
+                    f"FLUX.2 needs height/width divisible by {2 * self.sf} (VAE x{self.sf}, 2x2 patchify); "
+                    f"got {height}x{width}"
+                )
+            if num_frames != 1:
+                raise ValueError("FLUX.2 is an image model: use --num_frames 1")
+        elif self.family == "hunyuan15":  # HunyuanVideo15Pipeline.vae_scale_factor_spatial / _temporal
+            self.sf, self.tf = vae.spatial_compression_ratio, vae.temporal_compression_ratio
+            if height % self.sf or width % self.sf:
+                raise ValueError(f"HunyuanVideo-1.5 needs height/width divisible by {self.sf}; got {height}x{width}")
+            if (num_frames - 1) % self.tf:
+                raise ValueError(
+                    f"HunyuanVideo-1.5 needs num_frames = {self.tf} k + 1 (1, 5, ..., 121); got {num_frames}"
+                )
         elif self.family == "qwen":
             self.sf = 2 ** len(vae.temperal_downsample)  # QwenImagePipeline.vae_scale_factor
             if height % (2 * self.sf) or width % (2 * self.sf):
@@ -264,6 +290,8 @@ class PipelineEncoder:
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample latent shape in the dataset layout (Wan ``[C, T, h, w]``, Flux / Qwen-Image ``[C, h, w]``)."""
         h, w = self.height // self.sf, self.width // self.sf
+        if self.family == "flux2":  # patchified 2 x 2: [4 C, h / 2, w / 2], the transformer's in_channels
+            return (self.pipe.transformer.config.in_channels, h // 2, w // 2)
         if self.family in PACKED:
             return (self.pipe.transformer.config.in_channels // 4, h, w)
         z = self.pipe.transformer.config.out_channels
@@ -282,6 +310,23 @@ class PipelineEncoder:
                 prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
             )
             return {"prompt_embeds": pe.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
+        if self.family == "flux2":  # padded to max_sequence_length by its tokenizer; text_ids are rebuilt at load
+            pe, _ = self.pipe.encode_prompt(
+                prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+            return {"prompt_embeds": pe.float().cpu()}
+        if self.family == "hunyuan15":  # both encoders at the pipeline's own fixed lengths (1000, 256), with masks
+            if self.pipe.text_encoder_2 is None or self.pipe.tokenizer_2 is None:
+                raise ValueError("the pipeline has no ByT5 text_encoder_2/tokenizer_2; load one that has")
+            pe, mask, pe2, mask2 = self.pipe.encode_prompt(
+                prompt=prompts, device=self.device, dtype=torch.float32, batch_size=len(prompts)
+            )
+            return {
+                "prompt_embeds": pe.float().cpu(),
+                "prompt_embeds_mask": mask.float().cpu(),
+                "prompt_embeds_2": pe2.float().cpu(),
+                "prompt_embeds_mask_2": mask2.float().cpu(),
+            }
         if self.family == "qwen":
             pe, mask = self.pipe.encode_prompt(
                 prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
@@ -312,8 +357,16 @@ class PipelineEncoder:
             z = self._vae_encode(pixels[:, :, 0])
             c = self.pipe.vae.config
             return (z - c.shift_factor) * c.scaling_factor
+        if self.family == "flux2":  # Flux2Pipeline._encode_vae_image: patchify 2 x 2, then the VAE's batch-norm stats
+            vae = self.pipe.vae
+            z = self.pipe._patchify_latents(self._vae_encode(pixels[:, :, 0]))
+            mean = vae.bn.running_mean.detach().float().cpu().view(1, -1, 1, 1)
+            std = torch.sqrt(vae.bn.running_var.detach().float().cpu().view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+            return (z - mean) / std
         if self.family == "qwen":  # [B, C, 1, h, w] -> [B, C, h, w]
             return ((self._vae_encode(pixels[:, :, :1]) - self.mean) / self.std)[:, :, 0]
+        if self.family == "hunyuan15":  # HunyuanVideo15Pipeline decodes latents / scaling_factor (no shift)
+            return self._vae_encode(pixels) * self.pipe.vae.config.scaling_factor
         return (self._vae_encode(pixels) - self.mean) / self.std
 
     @torch.no_grad()
@@ -541,7 +594,7 @@ def teacher_samples(
 
     dtype = compute_dtype(transformer)
     _, cond, uncond = model_inputs(family, {**batch, "latents": noise}, device, dtype, flux_guidance)
-    x = (pack_flux_latents(noise) if family in PACKED else noise).to(device)
+    x = pack_latents(family, noise).to(device)
     use_cfg = uncond is not None and guidance_scale != 1.0
     v_fn = velocity_fn(transformer)
     sch = _scheduler(solver, steps, shift, sigma_max)
@@ -556,7 +609,7 @@ def teacher_samples(
                 v = v_u + guidance_scale * (v - v_u)
         x = sch.step(v, ts, x, return_dict=False)[0]
     x = x.float().cpu()
-    return unpack_flux_latents(x, *noise.shape[-2:]) if family in PACKED else x
+    return unpack_latents(family, x, *noise.shape[-2:])
 
 
 def prepare_synthetic(

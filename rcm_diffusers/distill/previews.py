@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from .data import unpack_flux_latents
+from .data import unpack_flux_latents, unpack_latents
 
 __all__ = ["SampleDecoder", "grid_frames", "save_grid", "sample_student", "write_samples"]
 
@@ -22,7 +22,9 @@ class SampleDecoder:
 
     def __init__(self, vae, family: str):
         c = vae.config
-        if family != "flux" and (len(c.latents_mean) != c.z_dim or len(c.latents_std) != c.z_dim):
+        if family not in ("flux", "flux2", "hunyuan15") and (
+            len(c.latents_mean) != c.z_dim or len(c.latents_std) != c.z_dim
+        ):
             raise ValueError(
                 f"VAE latents_mean/std have {len(c.latents_mean)}/{len(c.latents_std)} entries, z_dim is {c.z_dim}: "
                 "fix the VAE config (sample grids decode with them)"
@@ -48,7 +50,19 @@ class SampleDecoder:
         packed tokens: unpack to one latent frame, ``z = x std + mean``)."""
         vae, p = self.vae, next(self.vae.parameters())
         x = latents.float()
-        if self.family == "flux":
+        if self.family == "flux2":  # tokens -> [B, 4C, h, w], the batch-norm stats undone, unpatchified
+            if x.dim() == 3:
+                x = unpack_latents("flux2", x, *latent_hw)
+            bn = vae.bn
+            mean = bn.running_mean.detach().float().cpu().view(1, -1, 1, 1)
+            std = torch.sqrt(bn.running_var.detach().float().cpu().view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+            B, C4, h, w = x.shape
+            z = (x * std + mean).view(B, C4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+            z = z.reshape(B, C4 // 4, 2 * h, 2 * w)
+            img = vae.decode(z.to(p.device, p.dtype)).sample[:, :, None]
+        elif self.family == "hunyuan15":  # [B, C, T, h, w]; HunyuanVideo15Pipeline decodes latents / scaling_factor
+            img = vae.decode((x / vae.config.scaling_factor).to(p.device, p.dtype)).sample
+        elif self.family == "flux":
             if x.dim() == 3:
                 x = unpack_flux_latents(x, *latent_hw)
             c = vae.config
