@@ -262,8 +262,8 @@ def _record_transformer(pipe):
 
 def test_hunyuan15_lora_loads_in_stock_transformer_as_its_fused_delta(hy, fd0_run):
     """HunyuanVideo15Pipeline has no load_lora_weights (diffusers 0.42): the exported file loads with the stock
-    transformer's own ``load_lora_adapter(OUT, prefix="transformer")`` and changes the pipeline's output by the trained
-    delta, equal to fusing it by hand to float32 round-off."""
+    transformer's own ``load_lora_adapter(OUT, prefix="transformer")`` (and so through ``load_rcm_lora``) and changes
+    the pipeline's output by the trained delta, equal to fusing it by hand to float32 round-off."""
     from diffusers import ClassifierFreeGuidance
 
     pipe_dir, data_dir, _ = hy
@@ -289,6 +289,14 @@ def test_hunyuan15_lora_loads_in_stock_transformer_as_its_fused_delta(hy, fd0_ru
     ref = sample(fused)
     assert (lora - base).abs().max() > 1e-3  # the trained delta shows
     assert (lora - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max()))
+    from rcm_diffusers import load_rcm_lora  # the same file through load_rcm_lora: the same samples
+
+    pipe = _stock_pipe(pipe_dir)
+    assert load_rcm_lora(pipe, str(fd0_run), scheduler=False) == {"transformer": str(fd0_run / WEIGHTS)}
+    assert torch.equal(sample(pipe), lora)
+    pipe = _stock_pipe(pipe_dir)
+    load_rcm_lora(pipe, str(fd0_run), weight=0.0, scheduler=False)  # strength 0: the base
+    assert torch.equal(sample(pipe), base)
     with pytest.raises(ValueError, match="a HunyuanVideo-1.5 state dict"):  # rcm-lora: not taken for a Flux LoRA
         detect_arch(sd)
 

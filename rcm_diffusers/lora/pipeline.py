@@ -54,7 +54,8 @@ def load_rcm_lora(
     sampler the student was trained for, ``RCMScheduler.from_lora(path, pipe.scheduler.config)`` (the run's
     ``scheduler/``; without one, ``from_config`` defaults and a warning); ``scheduler=False`` leaves it alone.
     Low-memory pipelines (docs/sampling.md, "Low-memory pipelines"): GGUF, torchao, group offload and model CPU
-    offload (put back on the device it had) work; layerwise casting must come after this call.
+    offload (put back on the device it had) work; layerwise casting must come after this call. A pipeline without
+    ``load_lora_weights`` (diffusers' HunyuanVideo-1.5) gets the file through its transformer's ``load_lora_adapter``.
     Returns ``{component: file}`` of the LoRA files loaded."""
     files = expert_lora_files(path)
     two_expert_pipe = getattr(pipe, "transformer_2", None) is not None
@@ -81,6 +82,11 @@ def load_rcm_lora(
     try:
         for component, f in files.items():
             d, name = os.path.split(f)
+            if not hasattr(pipe, "load_lora_weights"):  # a pipeline without diffusers' LoRA mixin (HunyuanVideo-1.5)
+                getattr(pipe, component).load_lora_adapter(
+                    d or ".", weight_name=name, adapter_name=adapter_name, prefix="transformer"
+                )
+                continue
             pipe.load_lora_weights(
                 d or ".",
                 weight_name=name,
@@ -90,7 +96,11 @@ def load_rcm_lora(
     finally:
         restore_offload()
     if weight != 1.0:
-        pipe.set_adapters([adapter_name], [weight])
+        if hasattr(pipe, "set_adapters"):
+            pipe.set_adapters([adapter_name], [weight])
+        else:
+            for component in files:
+                getattr(pipe, component).set_adapters([adapter_name], [weight])
     if scheduler:
         from ..schedulers import RCMScheduler
 
