@@ -123,9 +123,7 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
         def v_wan(x_r, r, encoder_hidden_states, encoder_hidden_states_image=None, condition=None, **kw):
             if condition is not None:
                 x_r = torch.cat([x_r, condition.to(x_r.dtype)], dim=1)
-            ts = network_timestep(r, scale, time_input).to(x_r.device)
-            if ts.dim() == 0:
-                ts = ts.expand(x_r.shape[0])
+            ts = _batch_timestep(r, x_r, scale, time_input, x_r.device)
             return transformer(
                 hidden_states=x_r,
                 timestep=ts,
@@ -143,9 +141,7 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
     if name == "QwenImageTransformer2DModel":
 
         def v_qwen(x_r, r, encoder_hidden_states, img_shapes, encoder_hidden_states_mask=None, **kw):
-            ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
-            if ts.dim() == 0:
-                ts = ts.expand(x_r.shape[0])
+            ts = _batch_timestep(r, x_r, scale, time_input, x_r.device, x_r.dtype)
             return transformer(
                 hidden_states=x_r,
                 timestep=ts,
@@ -159,9 +155,7 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
         return v_qwen
 
     def v_flux(x_r, r, encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance=None, **kw):
-        ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
-        if ts.dim() == 0:
-            ts = ts.expand(x_r.shape[0])
+        ts = _batch_timestep(r, x_r, scale, time_input, x_r.device, x_r.dtype)
         return transformer(
             hidden_states=x_r,
             timestep=ts,
@@ -177,9 +171,7 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
     if name == "Flux2Transformer2DModel":
 
         def v_flux2(x_r, r, encoder_hidden_states, txt_ids, img_ids, guidance=None, **kw):
-            ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
-            if ts.dim() == 0:
-                ts = ts.expand(x_r.shape[0])
+            ts = _batch_timestep(r, x_r, scale, time_input, x_r.device, x_r.dtype)
             return transformer(
                 hidden_states=x_r,
                 timestep=ts,
@@ -194,6 +186,13 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
         return v_flux2
 
     return v_flux
+
+
+def _batch_timestep(r, x_r, scale: float, time_input: str, device, dtype=None) -> torch.Tensor:
+    """``network_timestep(r)`` on ``device`` (and in ``dtype`` when given), one per sample of ``x_r``: a scalar ``r``
+    is expanded over the batch."""
+    ts = network_timestep(r, scale, time_input).to(device=device, dtype=dtype)
+    return ts.expand(x_r.shape[0]) if ts.dim() == 0 else ts
 
 
 #: HunyuanVideo15Pipeline.vision_num_semantic_tokens: the (all-zero, in text-to-video) image tokens it passes
@@ -216,9 +215,7 @@ def _v_hunyuan15(transformer, scale: float, time_input: str):
         B, C, T, H, W = x_r.shape
         zeros = x_r.new_zeros(B, C + 1, T, H, W)  # condition latents and mask, both zero for text-to-video
         image_embeds = x_r.new_zeros(B, HUNYUAN15_IMAGE_TOKENS, image_dim)
-        ts = network_timestep(r, scale, time_input).to(device=x_r.device, dtype=x_r.dtype)
-        if ts.dim() == 0:
-            ts = ts.expand(B)
+        ts = _batch_timestep(r, x_r, scale, time_input, x_r.device, x_r.dtype)
         return transformer(
             hidden_states=torch.cat([x_r, zeros], dim=1),
             image_embeds=image_embeds,
