@@ -461,3 +461,75 @@ def test_trainer_reads_prepared_data_and_writes_grid(env, ds_img, tmp_path):
     # synthetic data is made before training (training/prepare_data.py --synthetic), not a trainer option
     with pytest.raises(SystemExit, match=r"^error: unknown config option\(s\): --synthetic true; see --help$"):
         rcm.main(["--pretrained", str(root / "pipe"), "--data_dir", str(ds_img), "--synthetic", "true"])
+
+
+def _bare(cls, **components):
+    """A stock pipeline object holding only ``components`` (the others None): enough for its config and defaults."""
+    import inspect
+
+    names = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+    return cls(**{**dict.fromkeys(names), **components})
+
+
+@pytest.mark.parametrize(
+    "pipeline, family, latent_shape, tokens, guidance",
+    [
+        ("FluxPipeline", "flux", (16, 128, 128), 64 * 64, 1.0),  # 1024 x 1024: 2x2-packed latent pixels
+        ("FluxPipeline", "flux", (16, 64, 96), 32 * 48, 1.0),  # 512 x 768
+        ("QwenImagePipeline", "qwen", (16, 64, 64), 32 * 32, 4.0),  # QwenImagePipeline true_cfg_scale default
+        ("Flux2Pipeline", "flux2", (128, 64, 64), 64 * 64, 1.0),  # one token per patchified latent pixel
+    ],
+)
+def test_synthetic_defaults_shift_is_the_pipelines_dynamic_shift(pipeline, family, latent_shape, tokens, guidance):
+    """Under dynamic shifting the default shift gives the grid the stock scheduler makes with the pipeline's ``mu``
+    at this token count: FlowMatchEulerDiscreteScheduler(shift=s) == the dynamic scheduler at ``mu``, to float32
+    round-off; FLUX.1 / Qwen-Image's mu is the linear interpolation 0.5 -> 1.15 over 256 -> 4096 tokens (written
+    out here), FLUX.2's is its pipeline's ``compute_empirical_mu``."""
+    import math
+    from types import SimpleNamespace
+
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler as FM
+
+    from rcm_diffusers.distill.prepare import synthetic_defaults
+
+    dyn = FM(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = _bare(getattr(diffusers, pipeline), scheduler=dyn)
+    got = synthetic_defaults(SimpleNamespace(pipe=pipe, family=family, latent_shape=latent_shape), steps=50)
+    if family == "flux2":
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        mu = compute_empirical_mu(tokens, 50)
+    else:
+        mu = 0.5 + (tokens - 256) * (1.15 - 0.5) / (4096 - 256)
+    assert got == {"shift": pytest.approx(math.exp(mu), rel=1e-12), "guidance_scale": guidance}
+    sigmas = np.linspace(1.0, 1 / 50, 50)
+    dyn.set_timesteps(sigmas=sigmas, mu=mu)
+    static = FM(shift=got["shift"])
+    static.set_timesteps(sigmas=sigmas)
+    torch.testing.assert_close(static.sigmas, dyn.sigmas, rtol=1e-6, atol=1e-6)
+    assert (static.sigmas[1:-1] - torch.from_numpy(sigmas[1:]).float()).abs().max() > 0.05  # the shift moved it
+
+
+def test_synthetic_defaults_wan_and_explicit_values_win(env, tmp_path):
+    """Wan: the scheduler's flow_shift and WanPipeline's guidance_scale default 5; prepare_data takes them when
+    --shift / --guidance_scale are not given, says so, records them, and takes given values as given."""
+    from types import SimpleNamespace
+
+    import diffusers
+
+    from rcm_diffusers.distill.prepare import synthetic_defaults
+
+    sch = diffusers.UniPCMultistepScheduler(flow_shift=7.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    pipe = _bare(diffusers.WanPipeline, scheduler=sch)
+    got = synthetic_defaults(SimpleNamespace(pipe=pipe, family="wan", latent_shape=(16, 21, 60, 104)), steps=100)
+    assert got == {"shift": 7.0, "guidance_scale": 5.0}
+    root, _ = env
+    (root / "p_def.txt").write_text("a red cat\n")
+    common = ["--synthetic", "--prompts", str(root / "p_def.txt"), "--steps", "2", "--batch_size", "1"]
+    _prepare(env, *common, "--output_dir", str(tmp_path / "d"))
+    meta = LatentDataset(str(tmp_path / "d")).meta
+    assert (meta["shift"], meta["guidance_scale"]) == (3.0, 5.0)  # the tiny pipeline's FlowMatch shift 3
+    _prepare(env, *common, "--shift", "2", "--guidance_scale", "1.5", "--output_dir", str(tmp_path / "e"))
+    meta = LatentDataset(str(tmp_path / "e")).meta
+    assert (meta["shift"], meta["guidance_scale"]) == (2.0, 1.5)

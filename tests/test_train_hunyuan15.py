@@ -495,3 +495,41 @@ def test_hunyuan15_prepare_latents_text_synthetic_and_decode(hy):
         output_type="latent",
     ).frames
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_hunyuan15_synthetic_defaults_and_guider_checks(hy, tmp_path, capsys):
+    """prepare_data's defaults for HunyuanVideo-1.5 are its pipeline's: the scheduler's shift 5 and the guider's
+    scale 6. A guider the trainer's plain CFG cannot reproduce (guidance_rescale, a start/stop window, another
+    guider class) is refused in one line by the trainer before any model loads, and by prepare_data."""
+    import shutil
+
+    from diffusers import ClassifierFreeGuidance
+
+    from rcm_diffusers.distill import inputs
+    from rcm_diffusers.distill.config import RCMConfig
+    from rcm_diffusers.distill.prepare import PipelineEncoder, synthetic_defaults
+
+    pipe = _stock_pipe(hy[0])
+    enc = PipelineEncoder(pipe, 64, 64, num_frames=5)
+    assert synthetic_defaults(enc, steps=100) == {"shift": 5.0, "guidance_scale": 6.0}
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=6.0, guidance_rescale=0.7)
+    with pytest.raises(ValueError, match="ClassifierFreeGuidance has guidance_rescale=0.7"):
+        synthetic_defaults(enc, steps=100)
+
+    cfg = dict(data_dir=hy[1], output_dir=str(tmp_path / "run"))
+    inputs.check_inputs(RCMConfig(pretrained=hy[0], **cfg))  # the stock guider passes
+    capsys.readouterr()
+    for change, said in (
+        ({"guidance_rescale": 0.7}, "guidance_rescale=0.7"),
+        ({"stop": 0.5}, "stop=0.5"),
+        ({"_class_name": "AdaptiveProjectedGuidance"}, "guider is AdaptiveProjectedGuidance"),
+    ):
+        teacher = tmp_path / f"teacher_{said.split('=')[0].split()[-1]}"
+        shutil.copytree(hy[0], teacher)
+        path = teacher / "guider" / "guider_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+        with pytest.raises(SystemExit) as e:
+            inputs.check_inputs(RCMConfig(pretrained=str(teacher), **cfg))
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and said in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

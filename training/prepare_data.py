@@ -5,7 +5,7 @@ Real pairs (folder of media + same-stem .txt captions, or a .jsonl/.csv manifest
     python training/prepare_data.py --pretrained Wan-AI/Wan2.1-T2V-1.3B-Diffusers --source data/raw \\
         --output_dir data/wan2.1-t2v-480p --height 480 --width 832 --num_frames 81
 
-Synthetic teacher samples (TrigFlow Euler 100 steps, shift 3, CFG 5 by default)::
+Synthetic teacher samples (TrigFlow Euler 100 steps at the pipeline's own shift and CFG by default)::
 
     python training/prepare_data.py --pretrained Wan-AI/Wan2.1-T2V-1.3B-Diffusers --synthetic \\
         --prompts prompts.txt --num_samples 10000 --output_dir data/wan-synthetic \\
@@ -104,14 +104,19 @@ def parse_args(argv=None):
     )
     ap.add_argument("--steps", type=int, default=100, help="--synthetic: teacher ODE steps (docs/math.md §8: 100)")
     ap.add_argument(
-        "--shift", type=float, default=3.0, help="--synthetic: flow shift of the teacher grid (docs/math.md §8: 3)"
+        "--shift",
+        type=float,
+        default=None,
+        help="--synthetic: flow shift of the teacher grid (default: what the teacher's pipeline uses at this size: "
+        "its scheduler's shift, or its resolution-dependent shift under dynamic shifting; docs/math.md §8)",
     )
     ap.add_argument(
         "--guidance_scale",
         type=float,
-        default=5.0,
-        help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u) (docs/math.md §8: 5; Qwen-Image: its "
-        "true_cfg_scale, with the pipeline's norm rescale); 1 = no CFG",
+        default=None,
+        help="--synthetic: standard CFG scale s, v_u + s (v_c - v_u); Qwen-Image: its true_cfg_scale, with the "
+        "pipeline's norm rescale; 1 = no CFG (default: the pipeline's own: Wan 5, Qwen-Image 4, HunyuanVideo-1.5 "
+        "its guider's scale, FLUX.1 / FLUX.2 1)",
     )
     ap.add_argument(
         "--solver",
@@ -200,6 +205,11 @@ def main(argv=None):
         progress=not a.no_progress,
     )
     if a.synthetic:
+        chosen = P.synthetic_defaults(enc, a.steps)
+        for k in ("shift", "guidance_scale"):
+            if getattr(a, k) is None:
+                setattr(a, k, chosen[k])
+                print(f"--{k} {chosen[k]:g} (the {type(pipe).__name__}'s own at this size)")
         out = P.prepare_synthetic(
             enc,
             prompts,

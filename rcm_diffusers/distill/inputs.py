@@ -72,8 +72,8 @@ def _teacher_config(pretrained: str, sub: str) -> dict | None:
     return c if isinstance(c, dict) else None
 
 
-def _hub_config(pretrained: str, sub: str) -> dict | None:
-    """``<sub>/config.json`` of a hub-id teacher through huggingface_hub (its cache; ``HF_HUB_OFFLINE`` is honoured),
+def _hub_config(pretrained: str, sub: str, name: str = "config.json") -> dict | None:
+    """``<sub>/<name>`` of a hub-id teacher through huggingface_hub (its cache; ``HF_HUB_OFFLINE`` is honoured),
     so the settings it fixes are checked before the run folder; ``None`` when it cannot be had (the loader reports)."""
     p = os.path.expanduser(pretrained)
     if os.path.exists(p) or p.count("/") != 1 or p.startswith((".", "/")):
@@ -81,11 +81,38 @@ def _hub_config(pretrained: str, sub: str) -> dict | None:
     try:
         from huggingface_hub import hf_hub_download
 
-        with open(hf_hub_download(p, f"{sub}/config.json")) as f:
+        with open(hf_hub_download(p, f"{sub}/{name}")) as f:
             c = json.load(f)
     except Exception:  # noqa: BLE001 - no network, no such repo: the loader says so later
         return None
     return c if isinstance(c, dict) else None
+
+
+def _check_teacher_guider(cfg, index: dict) -> None:
+    """A teacher whose pipeline holds a ``guider`` (HunyuanVideo-1.5) must use one the trainer's plain CFG reproduces
+    (``prepare.check_guider``), read from ``guider/guider_config.json`` (local folder or hub cache); one line
+    otherwise."""
+    if not index.get("guider"):
+        return
+    from diffusers.guiders.guider_utils import BaseGuidance
+
+    name = BaseGuidance.config_name  # guider_config.json
+    config = None
+    path = os.path.join(os.path.expanduser(cfg.pretrained), "guider", name)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            user_error(f"--pretrained {cfg.pretrained}: cannot read guider/{name} ({type(e).__name__}: {e})")
+    else:
+        config = _hub_config(cfg.pretrained, "guider", name)
+    from .prepare import check_guider
+
+    try:
+        check_guider(config if isinstance(config, dict) else None, f"--pretrained {cfg.pretrained}")
+    except ValueError as e:
+        user_error(str(e))
 
 
 def check_pairs(pairs: dict, data: dict, pairs_dir: str, data_dir: str) -> None:
@@ -176,6 +203,7 @@ def check_inputs(cfg) -> dict:
             f"--pretrained {cfg.pretrained}: QAD (training/qad.py) supports Wan and FLUX.1 teachers, "
             "not HunyuanVideo-1.5"
         )
+    _check_teacher_guider(cfg, index)
     if hasattr(cfg, "experts"):
         from .base_model import check_experts
 

@@ -46,6 +46,8 @@ __all__ = [
     "PipelineEncoder",
     "ShardWriter",
     "seed_noise",
+    "synthetic_defaults",
+    "check_guider",
     "teacher_samples",
     "prepare_real",
     "prepare_synthetic",
@@ -554,6 +556,77 @@ def _scheduler(solver: str, steps: int, shift: float, sigma_max: float):
     sch = cls(shift=shift, sigma_max=sigma_max)
     sch.set_timesteps(steps)
     return sch
+
+
+def check_guider(config: dict | None, where: str) -> None:
+    """A pipeline guider (HunyuanVideo15Pipeline's ``guider``, its ``config``) must be one the teacher's plain CFG
+    ``v_u + s (v_c - v_u)`` reproduces: ``ClassifierFreeGuidance`` over the whole trajectory, without
+    ``guidance_rescale`` or the original formulation; ValueError naming the setting otherwise. ``None``: no guider."""
+    if not config:
+        return
+    cls = config.get("_class_name", "ClassifierFreeGuidance")
+    if cls != "ClassifierFreeGuidance":
+        raise ValueError(
+            f"{where}: the pipeline's guider is {cls}; the teacher applies plain classifier-free guidance "
+            "(ClassifierFreeGuidance) only"
+        )
+    odd = {
+        k: config[k]
+        for k, default in (("guidance_rescale", 0.0), ("use_original_formulation", False), ("start", 0.0))
+        if k in config and config[k] != default
+    }
+    if "stop" in config and config["stop"] != 1.0:
+        odd["stop"] = config["stop"]
+    if odd:
+        got = ", ".join(f"{k}={v}" for k, v in odd.items())
+        raise ValueError(
+            f"{where}: the pipeline's ClassifierFreeGuidance has {got}; the teacher applies plain CFG "
+            "v_u + s (v_c - v_u) at every time, so its samples would differ from the pipeline's. Save the pipeline "
+            "with ClassifierFreeGuidance(guidance_scale=s) (guidance_rescale 0, start 0, stop 1)"
+        )
+
+
+def synthetic_defaults(enc: "PipelineEncoder", steps: int) -> dict[str, float]:
+    """The teacher's sampling settings its own pipeline uses at ``enc``'s size, for ``--synthetic`` runs that set
+    none: ``shift`` (the scheduler's ``shift`` / ``flow_shift``; with ``use_dynamic_shifting`` the pipeline's ``mu``
+    at this token count: FLUX.1 / Qwen-Image ``calculate_shift``, FLUX.2 ``compute_empirical_mu(tokens, steps)``;
+    ``shift = exp(mu)``, or ``mu`` for ``time_shift_type='linear'``) and ``guidance_scale`` (Wan: ``__call__``'s
+    ``guidance_scale`` default 5; Qwen-Image: ``true_cfg_scale`` 4; HunyuanVideo-1.5: its guider's scale; FLUX.1 /
+    FLUX.2: 1, guidance-distilled). A scheduler's ``shift_terminal`` (Qwen-Image's stretch of the last sigma) has no
+    counterpart in the TrigFlow schedulers and is not reproduced."""
+    import inspect
+    import math
+
+    pipe, fam = enc.pipe, enc.family
+    c = pipe.scheduler.config
+    if c.get("use_dynamic_shifting", False):
+        tokens = pack_latents(fam, torch.zeros(1, *enc.latent_shape)).shape[1]
+        module = inspect.getmodule(type(pipe))
+        if fam == "flux2":
+            mu = module.compute_empirical_mu(image_seq_len=tokens, num_steps=steps)
+        else:
+            mu = module.calculate_shift(
+                tokens,
+                c.get("base_image_seq_len", 256),
+                c.get("max_image_seq_len", 4096),
+                c.get("base_shift", 0.5),
+                c.get("max_shift", 1.15),
+            )
+        shift = float(mu) if c.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
+    else:
+        shift = float(c.get("flow_shift", None) or c.get("shift", 1.0))
+    params = inspect.signature(type(pipe).__call__).parameters
+    if fam in ("flux", "flux2"):
+        guidance = 1.0
+    elif fam == "qwen":
+        guidance = float(params["true_cfg_scale"].default)
+    elif fam == "hunyuan15":
+        guider = getattr(pipe, "guider", None)
+        check_guider(dict(guider.config) if guider is not None else None, "--synthetic")
+        guidance = float(guider.guidance_scale) if guider is not None and guider._enabled else 1.0
+    else:
+        guidance = float(params["guidance_scale"].default)
+    return {"shift": shift, "guidance_scale": guidance}
 
 
 def seed_noise(latent_shape, seeds: list[int]) -> torch.Tensor:
