@@ -268,6 +268,7 @@ BLOCK_CLASSES = (
     "QwenImageTransformerBlock",
     "Flux2TransformerBlock",
     "Flux2SingleTransformerBlock",
+    "HunyuanVideo15TransformerBlock",
 )
 
 

@@ -389,3 +389,42 @@ def test_bad_settings_one_line_exit_2_nothing_written(teachers, capsys, monkeypa
         s, base_dtype=words[1], blocks_to_swap=int(words[3]), activation_offload=words[5] == "true"
     )
     assert predict_training(named)["total"] <= 0.9 * budget
+
+
+@pytest.mark.parametrize("name", ["Wan 2.1", "FLUX.1", "Qwen-Image", "FLUX.2", "HunyuanVideo-1.5"])
+def test_every_trainer_family_runs_on_a_quantized_swapped_offloaded_base(name):
+    """Each trainer family's transformer (tiny, at the inputs its stock pipeline gives it: tests/flow_models.py): the
+    one-card options reach every block (each holds int8 Linears; one swapped block loaded host to device in a pass)
+    and the output with its gradient equals the plain base holding the dequantized weights, bit for bit."""
+    import copy
+
+    from flow_models import case, record_inputs
+
+    tr, args, kwargs = record_inputs(case(name))
+    orig, ref = copy.deepcopy(tr), copy.deepcopy(tr)
+    _dequantize_base(ref, "int8")
+    blocks = LM.transformer_blocks(tr)
+    c = tr.config
+    assert len(blocks) == c.num_layers + c.get("num_single_layers", 0) > 0, f"{type(tr).__name__}: {len(blocks)}"
+    tr.requires_grad_(False)
+    low = LM.apply_low_memory(tr, base_dtype="int8", blocks_to_swap=1, activation_offload=True, device="cpu")
+    assert all(any(isinstance(m, LM.FrozenLinear) for m in b.modules()) for b in blocks)
+    x_key = "hidden_states" if "hidden_states" in kwargs else None
+
+    def run(model):
+        kw = dict(kwargs)
+        x = (kw[x_key] if x_key else args[0]).detach().clone().requires_grad_(True)
+        if x_key:
+            kw[x_key] = x
+            out = model(*args, **kw)
+        else:
+            out = model(x, *args[1:], **kw)
+        y = out[0] if isinstance(out, (tuple, list)) else out.sample
+        (y.float() ** 2).sum().backward()
+        return y.detach(), x.grad
+
+    y_ref, g_ref = run(ref)
+    y, g = run(tr)
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
+    assert not torch.equal(y, run(orig)[0])  # int8 rounding reached the output: the base is quantized
+    assert low.swap.h2d_copies > 0 and low.activations.host_bytes > 0
