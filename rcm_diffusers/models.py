@@ -272,6 +272,12 @@ BLOCK_CLASSES = (
 )
 
 
+def named_transformer_blocks(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, block)`` of the transformer blocks (``BLOCK_CLASSES``) of one diffusers transformer, in the order its
+    forward runs them, named as in its ``named_modules()`` (e.g. ``blocks.3``, ``single_transformer_blocks.0``)."""
+    return [(n, m) for n, m in net.named_modules() if type(m).__name__ in BLOCK_CLASSES]
+
+
 def transformer_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of one diffusers transformer, in the order its forward runs them."""
-    return [m for m in net.modules() if type(m).__name__ in BLOCK_CLASSES]
+    return [m for _, m in named_transformer_blocks(net)]

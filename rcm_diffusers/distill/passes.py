@@ -59,14 +59,9 @@ def _first_blocks(model) -> list:
     """The first repeated block of each transformer in ``model`` (both experts of a ``WanExpertSwitch``)."""
     experts = getattr(model, "experts", None)
     nets = list(experts.values()) if isinstance(experts, dict) else [model]
-    out = []
-    for net in nets:
-        for attr in ("blocks", "transformer_blocks", "single_transformer_blocks"):
-            blocks = getattr(net, attr, None)
-            if blocks is not None and len(blocks):
-                out.append(blocks[0])
-                break
-    return out
+    from ..models import transformer_blocks
+
+    return [blocks[0] for blocks in map(transformer_blocks, nets) if blocks]
 
 
 class PassCounter:

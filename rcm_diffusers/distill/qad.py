@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import rng
-from ..models import _base_model
+from ..models import _base_model, named_transformer_blocks
 from ..trigflow import shift_r
 
 __all__ = ["GuidanceSchedule", "sample_r", "qad_loss", "transformer_blocks", "relative_error", "blockwise_warm_start"]
@@ -125,13 +125,11 @@ def qad_loss(
 
 
 def transformer_blocks(model) -> list[tuple[str, torch.nn.Module]]:
-    """The repeated blocks of a Wan (``blocks``) or Flux (``transformer_blocks`` then ``single_transformer_blocks``)
-    model."""
+    """``(name, block)`` of the repeated blocks of a Wan (``blocks.i``) or Flux (``transformer_blocks.i`` then
+    ``single_transformer_blocks.i``) model under its peft / accelerate wrappers
+    (``models.named_transformer_blocks``)."""
     base = _base_model(model)
-    out = []
-    for attr in ("blocks", "transformer_blocks", "single_transformer_blocks"):
-        for i, b in enumerate(getattr(base, attr, None) or []):
-            out.append((f"{attr}.{i}", b))
+    out = named_transformer_blocks(base)
     if not out:
         raise ValueError(f"no transformer blocks found on {type(base).__name__}")
     return out
