@@ -154,36 +154,23 @@ def velocity_fn(transformer, time_input: str = "float") -> Callable[..., torch.T
 
         return v_qwen
 
-    def v_flux(x_r, r, encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance=None, **kw):
+    # FLUX.1 and FLUX.2: the same call, FLUX.2 without pooled text (its transformer takes no pooled_projections)
+    pooled = name != "Flux2Transformer2DModel"
+
+    def v_flux(x_r, r, encoder_hidden_states, txt_ids, img_ids, pooled_projections=None, guidance=None, **kw):
+        if pooled:
+            kw["pooled_projections"] = pooled_projections
         ts = _batch_timestep(r, x_r, scale, time_input, x_r.device, x_r.dtype)
         return transformer(
             hidden_states=x_r,
             timestep=ts,
             guidance=guidance,
-            pooled_projections=pooled_projections,
             encoder_hidden_states=encoder_hidden_states,
             txt_ids=txt_ids,
             img_ids=img_ids,
             return_dict=False,
             **kw,
         )[0]
-
-    if name == "Flux2Transformer2DModel":
-
-        def v_flux2(x_r, r, encoder_hidden_states, txt_ids, img_ids, guidance=None, **kw):
-            ts = _batch_timestep(r, x_r, scale, time_input, x_r.device, x_r.dtype)
-            return transformer(
-                hidden_states=x_r,
-                timestep=ts,
-                guidance=guidance,
-                encoder_hidden_states=encoder_hidden_states,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-                **kw,
-            )[0]
-
-        return v_flux2
 
     return v_flux
 
