@@ -279,11 +279,25 @@ def _lora_loader(model, lora_name, strength_model):
         lora = rcm.load_lora_file(path, arch)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
-    try:
-        # names and logical shapes against the model's own weights (quantized layers included), then ComfyUI's key map
-        rcm.check_lora_against_model(lora, diffusion_model)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}; pick a LoRA made for this model size and variant.") from e
+    if arch in rcm.KEY_MAP_FAMILIES:
+        # FLUX.2, Qwen-Image, HunyuanVideo-1.5: the names ComfyUI's key map takes, each module against the logical
+        # shape of the weight (or the row slice of a fused weight) it lands on
+        import comfy.lora
+
+        key_map = comfy.lora.model_lora_keys_unet(model.model, {})
+        problems = rcm.lora_key_map_problems(lora, key_map, rcm.model_weight_shapes(diffusion_model))
+        if problems:
+            raise ValueError(
+                f"{where}: {len(problems)} LoRA module(s) do not match this {rcm.ARCH_NAMES[arch]} model: "
+                f"{'; '.join(problems[:20])}; pick a LoRA made for this model size and variant."
+            )
+    else:
+        try:
+            # names and logical shapes against the model's own weights (quantized layers included), then ComfyUI's
+            # key map
+            rcm.check_lora_against_model(lora, diffusion_model)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}; pick a LoRA made for this model size and variant.") from e
     warning = _wan_variant_warning(path, lora_name, diffusion_model) if arch == "wan" else None
     if warning:
         logging.warning(warning)
@@ -297,11 +311,11 @@ def _apply_lora(model, lora, arch, strength_model, where):
     import torch
 
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
-    missing = rcm.lora_targets_missing(lora, key_map)
+    missing = [] if arch in rcm.KEY_MAP_FAMILIES else rcm.lora_targets_missing(lora, key_map)  # checked before
     if missing:
         raise ValueError(
-            f"{where}: {len(missing)} LoRA target(s) have no weight in this {arch} model: {missing[:20]}; "
-            "pick a LoRA made for this model size and variant."
+            f"{where}: {len(missing)} LoRA target(s) have no weight in this {rcm.ARCH_NAMES[arch]} model: "
+            f"{missing[:20]}; pick a LoRA made for this model size and variant."
         )
     patches = comfy.lora.load_lora(lora, key_map)
     if strength_model == 0 or not patches:
@@ -351,20 +365,24 @@ LORA_LOADER = Node(
     node_id="RCMLoraLoader",
     display_name="rCM LoRA Loader",
     category="loaders",
-    description="Apply a Wan or Flux LoRA (diffusers, ComfyUI, LightX2V, Kijai or kohya layout; modulation "
-    "deltas included); fails, listing them, when keys do not match the model instead of skipping them.",
+    description="Apply a Wan, Flux, FLUX.2, Qwen-Image or HunyuanVideo-1.5 LoRA (Wan and Flux: diffusers, ComfyUI, "
+    "LightX2V, Kijai or kohya layout, modulation deltas included; FLUX.2, Qwen-Image and HunyuanVideo-1.5: the "
+    "trainer's diffusers file or its rcm-lora ComfyUI file); fails, listing them, when keys do not match the model "
+    "instead of skipping them, and refuses a LoRA made for another family.",
     inputs=[
         Input(
             "MODEL",
             "model",
-            tooltip="A Wan or Flux diffusion model (Load Diffusion Model); quantized files "
-            "(NVFP4, FP8, INT8, MXFP8) too.",
+            tooltip="A Wan, Flux, FLUX.2, Qwen-Image or HunyuanVideo-1.5 diffusion model (Load Diffusion Model); "
+            "quantized files (NVFP4, FP8, INT8, MXFP8) too.",
         ),
         Input(
             "COMBO",
             "lora_name",
             options=_lora_names,
-            tooltip="A LoRA file from models/loras: diffusers, ComfyUI, LightX2V, Kijai or kohya layout.",
+            tooltip="A LoRA file from models/loras, of the model's family: Wan and Flux in diffusers, ComfyUI, "
+            "LightX2V, Kijai or kohya layout; FLUX.2, Qwen-Image and HunyuanVideo-1.5 in diffusers names (as the "
+            "trainer saves them) or as rcm-lora convert --format comfyui writes them.",
         ),
         Input(
             "FLOAT",

@@ -45,8 +45,11 @@ __all__ = [
     "seeded_noise_sampler",
     "sample_rcm",
     "split_sigmas_at_boundary",
+    "ARCH_NAMES",
+    "KEY_MAP_FAMILIES",
     "model_arch",
     "load_lora_file",
+    "lora_key_map_problems",
     "lora_targets_missing",
     "split_parameter_patches",
     "check_stochastic",
@@ -343,32 +346,55 @@ def sample_rcm(
 
 # ----------------------------------------------------------------------------- LoRA glue
 
-#: ComfyUI model classes (``model_patcher.model``) -> architecture names of the key converter
-# (subclasses such as WAN22, WAN21_Vace or Chroma resolve through the MRO)
-_COMFY_ARCH = {"WAN21": "wan", "Flux": "flux"}
+#: ComfyUI model classes (``model_patcher.model``, comfy/model_base.py) -> LoRA families of the key converter
+# (subclasses such as WAN22, WAN21_Vace, Chroma or HunyuanVideo15_SR_Distilled resolve through the MRO; Flux2
+# subclasses Flux, and the MRO meets Flux2 first)
+_COMFY_ARCH = {
+    "WAN21": "wan",
+    "Flux2": "flux2",
+    "Flux": "flux",
+    "QwenImage": "qwen_image",
+    "HunyuanVideo15": "hunyuan_video15",
+}
+#: the family names messages use
+ARCH_NAMES = {
+    "wan": "Wan",
+    "flux": "Flux",
+    "flux2": "FLUX.2",
+    "qwen_image": "Qwen-Image",
+    "hunyuan_video15": "HunyuanVideo-1.5",
+}
+#: families whose LoRA the loader reads through :func:`rcm_diffusers.lora.io.load_comfyui_as_is` (keys named as
+#: ComfyUI's LoRA key map takes them; FLUX.2's land on row slices of fused weights) and checks against that key map
+KEY_MAP_FAMILIES = ("flux2", "qwen_image", "hunyuan_video15")
+_ALL_NAMES = "Wan, Flux, FLUX.2, Qwen-Image and HunyuanVideo-1.5"
 
 
 def model_arch(comfy_model) -> str:
-    """ "wan" or "flux" for a ComfyUI BaseModel (``model_patcher.model``); ValueError for anything else."""
+    """The LoRA family of a ComfyUI BaseModel (``model_patcher.model``): "wan", "flux" (FLUX.1, Chroma), "flux2",
+    "qwen_image" or "hunyuan_video15"; ValueError for anything else."""
     for cls in type(comfy_model).__mro__:
         if cls.__name__ in _COMFY_ARCH:
             return _COMFY_ARCH[cls.__name__]
     raise ValueError(
-        f"RCMLoraLoader supports Wan and Flux models; this model is {type(comfy_model).__name__}. "
+        f"RCMLoraLoader supports {_ALL_NAMES} models; this model is {type(comfy_model).__name__}. "
         "Use ComfyUI's LoraLoaderModelOnly for other architectures."
     )
 
 
 def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
-    """Read a Wan or Flux LoRA file into ComfyUI keys for a model of ``arch``.
+    """Read a LoRA file into ComfyUI keys for a model of family ``arch`` (:func:`model_arch`).
 
-    Layouts: diffusers/peft, ComfyUI (lora_up/down or lora_A/B, .alpha, .diff, .diff_b), LightX2V
-    (``.diff_m``), Kijai (``.modulation.diff``), kohya/musubi (``lora_unet_*``); ``.safetensors`` or
-    ``.pt`` (weights_only). Goes through the LoRA tooling (:func:`rcm_diffusers.lora.io.load_lora`, the
-    one key converter; it also restores alphas kept in a diffusers file's header). Raises
-    FileNotFoundError for a missing file, ValueError for an unreadable file, a LoRA of another
-    architecture, or keys no rule maps (listed). A ValueError is one sentence, the problem and what to do, about
-    "this LoRA" without its file name: the caller names the file once (the loader node: ``lora_name=...``).
+    Wan and Flux layouts: diffusers/peft, ComfyUI (lora_up/down or lora_A/B, .alpha, .diff, .diff_b), LightX2V
+    (``.diff_m``), Kijai (``.modulation.diff``), kohya/musubi (``lora_unet_*``), through the one key converter
+    (:func:`rcm_diffusers.lora.io.load_lora`). FLUX.2, Qwen-Image and HunyuanVideo-1.5: diffusers/peft names (the
+    trainer's export) or ``rcm-lora convert --format comfyui``'s file, through
+    :func:`rcm_diffusers.lora.io.load_comfyui_as_is` (FLUX.2 and Qwen-Image keep the diffusers names ComfyUI's key map
+    takes; HunyuanVideo-1.5 is renamed to ComfyUI's model names, q/k/v fused). Both restore alphas kept in a
+    diffusers file's header; ``.safetensors`` or ``.pt`` (weights_only). Raises FileNotFoundError for a missing file,
+    ValueError for an unreadable file, a LoRA of another family, or keys no rule maps (listed). A ValueError is one
+    sentence, the problem and what to do, about "this LoRA" without its file name: the caller names the file once
+    (the loader node: ``lora_name=...``).
     """
     from .lora import checkpoint as lora_checkpoint
     from .lora import io as lora_io
@@ -385,26 +411,75 @@ def load_lora_file(path: str, arch: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot read LoRA file: {e}") from e
     if not raw:
         raise ValueError("the LoRA file holds no tensors; is it complete?")
-    try:
-        lora_arch = lora_keys.detect_arch(raw)
-    except ValueError as e:
-        raise ValueError(
-            f"not a Wan or Flux LoRA: no key names a Wan or Flux layer (first keys: {sorted(raw)[:3]}); "
-            "pick a LoRA made for Wan or Flux."
-        ) from e
+    lora_arch = lora_keys.comfyui_as_is_family(raw)
+    if lora_arch is None:
+        try:
+            lora_arch = lora_keys.detect_arch(raw)
+        except ValueError as e:
+            raise ValueError(
+                f"not a LoRA of a family this loader takes: no key names a {_ALL_NAMES.replace(' and ', ' or ')} "
+                f"layer (first keys: {sorted(raw)[:3]}); pick a LoRA made for the model."
+            ) from e
+    name, lora_name = ARCH_NAMES[arch], ARCH_NAMES[lora_arch]
     if lora_arch != arch:
         raise ValueError(
-            f"this LoRA is for {lora_arch.capitalize()} but the model is {arch.capitalize()}; "
-            f"pick a {arch.capitalize()} LoRA or connect a {lora_arch.capitalize()} model."
+            f"this LoRA is for {lora_name} but the model is {name}; pick a {name} LoRA or connect a {lora_name} model."
         )
     try:
-        state_dict, _ = lora_io.load_lora(path, format="comfyui", arch=arch)
+        if arch in KEY_MAP_FAMILIES:
+            _, state_dict, _ = lora_io.load_comfyui_as_is(path)
+        else:
+            state_dict, _ = lora_io.load_lora(path, format="comfyui", arch=arch)
     except ValueError as e:
-        raise ValueError(
-            f"{e}; pick a {arch.capitalize()} LoRA in a layout this loader reads (diffusers, ComfyUI, "
-            "LightX2V, Kijai or kohya)."
-        ) from e
+        layouts = (
+            "diffusers or rcm-lora's ComfyUI file"
+            if arch in KEY_MAP_FAMILIES
+            else "diffusers, ComfyUI, LightX2V, Kijai or kohya"
+        )
+        raise ValueError(f"{e}; pick a {name} LoRA in a layout this loader reads ({layouts}).") from e
     return state_dict
+
+
+def lora_key_map_problems(
+    comfy_state_dict: dict[str, torch.Tensor], key_map: dict, shapes: dict[str, tuple[int, ...]]
+) -> list[str]:
+    """What keeps ComfyUI's key map from applying a LoRA whose keys it takes as written (a :data:`KEY_MAP_FAMILIES`
+    file), one line each; empty when every module fits.
+
+    ``key_map`` is ``comfy.lora.model_lora_keys_unet(model)``: LoRA module name -> model weight, or
+    ``(weight, (dim, offset, size))`` for a slice of a fused weight (FLUX.2's q/k/v); ``shapes`` the model's logical
+    weight shapes (:func:`model_weight_shapes`). Each module must be in the key map, be a lora_A/lora_B pair (with an
+    optional ``.alpha``) of one rank, and its delta ``[out, in]`` must fit the weight or its slice.
+    """
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    problems = []
+    for key, v in comfy_state_dict.items():
+        suffix = next((s for s in ("lora_A.weight", "lora_B.weight", "alpha") if key.endswith("." + s)), None)
+        if suffix is None:
+            problems.append(f"{key}: not a lora_A/lora_B factor or alpha")
+            continue
+        groups.setdefault(key[: -len(suffix) - 1], {})[suffix] = v
+    for target, g in sorted(groups.items()):
+        entry = key_map.get(target)
+        if entry is None:
+            problems.append(f"{target}: no weight of this model")
+            continue
+        weight, part = (entry, None) if isinstance(entry, str) else (entry[0], entry[1])
+        w = shapes.get(weight.removeprefix("diffusion_model."))
+        A, B = g.get("lora_A.weight"), g.get("lora_B.weight")
+        if w is None:
+            problems.append(f"{target}: no weight of this model")
+        elif A is None or B is None:
+            problems.append(f"{target}: lora_A without lora_B (or the reverse)")
+        elif A.dim() < 2 or B.dim() < 2 or A.shape[0] != B.shape[1]:
+            problems.append(f"{target}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} are not one LoRA")
+        else:
+            rows = w[0] if part is None or part[0] != 0 else part[2]
+            delta = (B.shape[0], math.prod(A.shape[1:]))
+            if delta != (rows, math.prod(w[1:])):
+                where = "" if part is None else f" rows {part[1]}:{part[1] + part[2]} of"
+                problems.append(f"{target}: LoRA delta {delta} vs{where} weight {w}")
+    return problems
 
 
 def lora_targets_missing(comfy_state_dict: dict[str, torch.Tensor], key_map: dict) -> list[str]:

@@ -414,9 +414,35 @@ def test_flow_model_check_and_arch():
     class SDXL:
         pass
 
+    class Flux2(Flux):  # ComfyUI's FLUX.2 subclasses its Flux
+        pass
+
+    class Chroma(Flux):
+        pass
+
+    class QwenImage:
+        pass
+
+    class HunyuanVideo:
+        pass
+
+    class HunyuanVideo15(HunyuanVideo):
+        pass
+
+    class HunyuanVideo15_SR_Distilled(HunyuanVideo15):
+        pass
+
     assert comfy.model_arch(WAN22()) == "wan" and comfy.model_arch(Flux()) == "flux"
-    with pytest.raises(ValueError, match="supports Wan and Flux.*SDXL"):
-        comfy.model_arch(SDXL())
+    assert comfy.model_arch(Chroma()) == "flux" and comfy.model_arch(Flux2()) == "flux2"
+    assert comfy.model_arch(QwenImage()) == "qwen_image"
+    assert comfy.model_arch(HunyuanVideo15()) == comfy.model_arch(HunyuanVideo15_SR_Distilled()) == "hunyuan_video15"
+    for other in (SDXL(), HunyuanVideo()):  # HunyuanVideo 1.0: no rCM LoRA family
+        with pytest.raises(
+            ValueError,
+            match=f"supports Wan, Flux, FLUX.2, Qwen-Image and HunyuanVideo-1.5 models; "
+            f"this model is {type(other).__name__}",
+        ):
+            comfy.model_arch(other)
 
 
 # ----------------------------------------------------------------------------- LoRA glue
@@ -470,7 +496,7 @@ def test_load_lora_file_wrong_architecture_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match="this LoRA is for Flux but the model is Wan"):
         comfy.load_lora_file(str(tmp_path / "flux.safetensors"), "wan")
     save_file({"text_model.encoder.layers.0.q.lora_A.weight": torch.zeros(2, 8)}, tmp_path / "clip.safetensors")
-    with pytest.raises(ValueError, match="not a Wan or Flux LoRA"):
+    with pytest.raises(ValueError, match="not a LoRA of a family this loader takes"):
         comfy.load_lora_file(str(tmp_path / "clip.safetensors"), "wan")
     with pytest.raises(FileNotFoundError, match="models/loras"):
         comfy.load_lora_file(str(tmp_path / "nope.safetensors"), "wan")
@@ -478,6 +504,118 @@ def test_load_lora_file_wrong_architecture_and_bad_files(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="cannot read LoRA file"):
         comfy.load_lora_file(str(bad), "wan")
+
+
+def _pairs(targets, rank=2, dim=8, out=None, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for t in targets:
+        sd[f"transformer.{t}.lora_A.weight"] = torch.randn(rank, dim, generator=g)
+        sd[f"transformer.{t}.lora_B.weight"] = torch.randn(out or dim, rank, generator=g)
+    return sd
+
+
+FAMILY_LORAS = {  # the trainer's diffusers names of each family (a few modules each)
+    "flux": ["transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_mlp"],
+    "flux2": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.ff.linear_in"],
+    "qwen_image": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.img_mlp.net.0.proj"],
+    "hunyuan_video15": [
+        "transformer_blocks.0.attn.to_q",
+        "transformer_blocks.0.attn.to_k",
+        "transformer_blocks.0.attn.to_v",
+        "context_embedder.token_refiner.refiner_blocks.0.ff.net.2",
+    ],
+}
+
+
+def test_load_lora_file_new_families_and_cross_family_refusals(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    files = {}
+    for fam, targets in FAMILY_LORAS.items():
+        files[fam] = str(tmp_path / f"{fam}.safetensors")
+        header = {"lora_adapter_metadata": json.dumps({"r": 2, "lora_alpha": 4.0})}
+        save_file(_pairs(targets), files[fam], header)
+    flux2 = comfy.load_lora_file(files["flux2"], "flux2")  # diffusers names ComfyUI's Flux map takes, plus .alpha
+    assert set(flux2) == {
+        f"transformer.{t}.{s}" for t in FAMILY_LORAS["flux2"] for s in ("lora_A.weight", "lora_B.weight", "alpha")
+    }
+    assert float(flux2["transformer.transformer_blocks.0.ff.linear_in.alpha"]) == 4.0
+    qwen = comfy.load_lora_file(files["qwen_image"], "qwen_image")
+    assert len(qwen) == 6 and float(qwen["transformer.transformer_blocks.0.attn.to_q.alpha"]) == 4.0
+    hy = comfy.load_lora_file(files["hunyuan_video15"], "hunyuan_video15")
+    assert set(hy) == {
+        f"diffusion_model.{t}.{s}"
+        for t in ("double_blocks.0.img_attn.qkv", "txt_in.individual_token_refiner.blocks.0.mlp.2")
+        for s in ("lora_A.weight", "lora_B.weight", "alpha")
+    }
+    A, B = (
+        hy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"],
+        hy["diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"],
+    )
+    assert (
+        A.shape == (6, 8)
+        and B.shape == (24, 6)
+        and float(hy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 12.0
+    )
+    src = _pairs(FAMILY_LORAS["hunyuan_video15"])
+    k = "transformer.transformer_blocks.0.attn.to_k"
+    torch.testing.assert_close(B[8:16] @ A, src[f"{k}.lora_B.weight"] @ src[f"{k}.lora_A.weight"], rtol=1e-6, atol=1e-6)
+
+    names = {
+        "wan": "Wan",
+        "flux": "Flux",
+        "flux2": "FLUX.2",
+        "qwen_image": "Qwen-Image",
+        "hunyuan_video15": "HunyuanVideo-1.5",
+    }
+    for lora_fam in FAMILY_LORAS:
+        for model_fam in names:
+            if lora_fam == model_fam:
+                continue
+            want = f"this LoRA is for {re.escape(names[lora_fam])} but the model is {re.escape(names[model_fam])}; "
+            with pytest.raises(ValueError, match=want) as e:
+                comfy.load_lora_file(files[lora_fam], model_fam)
+            assert "\n" not in str(e.value) and str(tmp_path) not in str(e.value)  # one line; the node names the file
+
+
+def test_lora_key_map_problems():
+    key_map = {  # as comfy.lora.model_lora_keys_unet gives it: a weight, or a row slice of a fused one
+        "diffusion_model.double_blocks.0.img_attn.qkv": "diffusion_model.double_blocks.0.img_attn.qkv.weight",
+        "transformer.transformer_blocks.0.attn.to_k": (
+            "diffusion_model.double_blocks.0.img_attn.qkv.weight",
+            (0, 8, 8),
+        ),
+    }
+    shapes = {"double_blocks.0.img_attn.qkv.weight": (24, 8)}
+    g = torch.Generator().manual_seed(0)
+    ok = {
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": torch.randn(6, 8, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": torch.randn(24, 6, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.qkv.alpha": torch.tensor(6.0),
+        "transformer.transformer_blocks.0.attn.to_k.lora_A.weight": torch.randn(2, 8, generator=g),
+        "transformer.transformer_blocks.0.attn.to_k.lora_B.weight": torch.randn(8, 2, generator=g),
+    }
+    assert comfy.lora_key_map_problems(ok, key_map, shapes) == []
+    bad = dict(ok)
+    bad["transformer.transformer_blocks.0.attn.to_k.lora_B.weight"] = torch.zeros(24, 2)  # the whole weight's rows
+    bad["transformer.transformer_blocks.9.attn.to_q.lora_A.weight"] = torch.zeros(2, 8)
+    bad["diffusion_model.double_blocks.0.img_attn.qkv.diff"] = torch.zeros(24, 8)
+    assert comfy.lora_key_map_problems(bad, key_map, shapes) == [
+        "diffusion_model.double_blocks.0.img_attn.qkv.diff: not a lora_A/lora_B factor or alpha",
+        "transformer.transformer_blocks.0.attn.to_k: LoRA delta (24, 8) vs rows 8:16 of weight (24, 8)",
+        "transformer.transformer_blocks.9.attn.to_q: no weight of this model",
+    ]
+    del (
+        bad["transformer.transformer_blocks.9.attn.to_q.lora_A.weight"],
+        bad["diffusion_model.double_blocks.0.img_attn.qkv.diff"],
+    )
+    bad["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"] = torch.zeros(6, 16)  # another model width
+    assert comfy.lora_key_map_problems(bad, key_map, shapes)[0] == (
+        "diffusion_model.double_blocks.0.img_attn.qkv: LoRA delta (24, 16) vs weight (24, 8)"
+    )
 
 
 def test_split_parameter_patches():

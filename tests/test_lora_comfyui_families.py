@@ -7,9 +7,11 @@ The key lists below are ComfyUI's naming rules written as data (comfy/lora.py ``
   diffusers' (comfy/ldm/qwen_image/model.py).
 - ``Flux2`` is a ``Flux`` subclass: ``transformer.<diffusers name>`` for every entry of comfy/utils.py
   ``flux_to_diffusers`` (FLUX_BLOCKS below: the entries FLUX.2's diffusers model has).
-- ``HunyuanVideo15`` is a ``HunyuanVideo`` subclass: ``transformer.<ComfyUI name>`` with ``_mod.lin.`` ->
+- ``HunyuanVideo15`` is a ``HunyuanVideo`` subclass: ``diffusion_model.<ComfyUI weight name>`` (the generic entry every
+  model has; its HunyuanVideo branch adds ``transformer.<ComfyUI name>`` with ``_mod.lin.`` ->
   ``_mod.linear.``, ``_attn.qkv.`` -> ``_attn_qkv.``, ``_attn.proj.`` -> ``_attn_proj.``, ``mlp.0.``/``mlp.2.`` ->
-  ``mlp.fc1.``/``mlp.fc2.`` (the diffusion-pipe names of the original fused layers): no diffusers name.
+  ``mlp.fc1.``/``mlp.fc2.``, the diffusion-pipe names): no diffusers name, and q/k/v fused in one ``qkv`` weight
+  (HY15_DOUBLE, HY15_REFINER below).
 """
 
 import json
@@ -129,23 +131,102 @@ def test_convert_to_diffusers_is_refused_as_already_diffusers(tmp_path, capsys):
     assert "diffusers names already" in capsys.readouterr().err
 
 
-def test_hunyuanvideo15_is_refused_since_stock_comfyui_maps_none_of_its_names(tmp_path, capsys):
-    # the trainer's default targets of HunyuanVideo-1.5, by name (its blocks are named as FLUX.1's in diffusers)
-    names = [
-        "transformer_blocks.0.attn.to_q",
-        "transformer_blocks.0.attn.add_q_proj",
-        "transformer_blocks.0.ff.net.0.proj",
-        "context_embedder.token_refiner.refiner_blocks.0.attn.to_q",
-    ]
-    lora = {}
-    for n in names:
-        lora[f"transformer.{n}.lora_A.weight"] = torch.zeros(RANK, 8)
-        lora[f"transformer.{n}.lora_B.weight"] = torch.zeros(8, RANK)
+# ComfyUI's HunyuanVideo-1.5 module names (comfy/ldm/hunyuan_video/model.py on comfy/ldm/flux/layers.py blocks) of
+# each diffusers LoRA target of the trainer; q/k/v of one attention share ComfyUI's fused qkv, in rows q, k, v
+HY15_DOUBLE = {
+    "attn.to_q": "img_attn.qkv",
+    "attn.to_k": "img_attn.qkv",
+    "attn.to_v": "img_attn.qkv",
+    "attn.add_q_proj": "txt_attn.qkv",
+    "attn.add_k_proj": "txt_attn.qkv",
+    "attn.add_v_proj": "txt_attn.qkv",
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+}
+HY15_REFINER = {
+    "attn.to_q": "self_attn.qkv",
+    "attn.to_k": "self_attn.qkv",
+    "attn.to_v": "self_attn.qkv",
+    "attn.to_out.0": "self_attn.proj",
+    "ff.net.0.proj": "mlp.0",
+    "ff.net.2": "mlp.2",
+}
+
+
+def hy15_comfyui_name(target: str) -> str:
+    parts = target.split(".")
+    if parts[0] == "transformer_blocks":
+        return f"double_blocks.{parts[1]}.{HY15_DOUBLE['.'.join(parts[2:])]}"
+    assert parts[:3] == ["context_embedder", "token_refiner", "refiner_blocks"], target
+    return f"txt_in.individual_token_refiner.blocks.{parts[3]}.{HY15_REFINER['.'.join(parts[4:])]}"
+
+
+@pytest.mark.parametrize("alpha_pattern", [{}, {"to_k": 2.0, "add_v_proj": 8.0}])
+def test_hunyuanvideo15_converts_to_comfyui_names_with_fused_qkv(tmp_path, capsys, alpha_pattern):
+    """The trainer's HunyuanVideo-1.5 LoRA in ComfyUI's model names: one LoRA on each fused qkv whose delta is exactly
+    the q, k and v deltas stacked (float64), every other module renamed with its factors as they are."""
+    from test_train_hunyuan15 import tiny_hunyuan15_transformer
+
+    model = tiny_hunyuan15_transformer()
+    lora = trainer_lora(model)
+    src = tmp_path / "pytorch_lora_weights.safetensors"
+    save_file(
+        lora,
+        src,
+        {"lora_adapter_metadata": json.dumps({"r": RANK, "lora_alpha": ALPHA, "alpha_pattern": alpha_pattern})},
+    )
+    dst = tmp_path / "comfy.safetensors"
+    assert cli.main(["convert", str(src), str(dst), "--format", "comfyui"]) == 0
+    assert "HunyuanVideo-1.5" in capsys.readouterr().out
+    out = load_file(dst)
+
+    def scale(t):
+        return next((a for p, a in alpha_pattern.items() if t.endswith(p)), ALPHA) / RANK
+
+    def delta(sd, t, s):
+        return s * (sd[f"{t}.lora_B.weight"].double() @ sd[f"{t}.lora_A.weight"].double())
+
+    sources = {}
+    for t in _targets(lora):
+        sources.setdefault("diffusion_model." + hy15_comfyui_name(t[len("transformer.") :]), []).append(t)
+    assert _targets(out) == set(sources)  # every converted key is one ComfyUI's map takes: diffusion_model.<weight>
+    assert set(out) == {f"{t}.{s}" for t in sources for s in ("lora_A.weight", "lora_B.weight", "alpha")}
+    n_fused = 0
+    for t, parts in sources.items():
+        got = delta(out, t, float(out[f"{t}.alpha"]) / out[f"{t}.lora_A.weight"].shape[0])
+        order = {"to_q": 0, "add_q_proj": 0, "to_k": 1, "add_k_proj": 1, "to_v": 2, "add_v_proj": 2}
+        parts = sorted(parts, key=lambda p: order.get(p.rsplit(".", 1)[-1], 0))
+        want = torch.cat([delta(lora, p, scale(p[len("transformer.") :])) for p in parts], dim=0)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        if len(parts) == 3:
+            n_fused += 1
+            assert out[f"{t}.lora_A.weight"].shape[0] == 3 * RANK
+    assert n_fused == 2 * model.config.num_layers + model.config.num_refiner_layers
+
+    assert cli.main(["inspect", str(src)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["arch"] == "hunyuan_video15" and info["n_lora_modules"] == len(sources) and info["problems"] == []
+    assert cli.main(["convert", str(dst), str(tmp_path / "back.safetensors"), "--format", "diffusers"]) == 2
+    assert "converts it to ComfyUI's names only" in capsys.readouterr().err
+    assert cli.main(["inspect", str(dst)]) == 0  # the converted file reads back as the same family
+    info = json.loads(capsys.readouterr().out)
+    assert info["arch"] == "hunyuan_video15" and info["n_lora_modules"] == len(sources) and info["problems"] == []
+
+
+def test_hunyuanvideo15_modules_comfyui_lacks_are_refused_in_one_line(tmp_path, capsys):
+    from test_train_hunyuan15 import tiny_hunyuan15_transformer
+
+    lora = trainer_lora(tiny_hunyuan15_transformer())
+    lora["transformer.rope.lora_A.weight"] = torch.zeros(RANK, 8)
+    lora["transformer.rope.lora_B.weight"] = torch.zeros(8, RANK)
+    lora["transformer.transformer_blocks.0.attn.to_q.lora_B.bias"] = torch.zeros(32)
     src = save_trainer_file(tmp_path / "l.safetensors", lora)
-    # ComfyUI's HunyuanVideo names (the rule in the module docstring) and the diffusers ones share no key
-    comfy_style = {"transformer.double_blocks.0.img_attn_qkv", "transformer.double_blocks.0.img_mlp.fc1"}
-    assert not comfy_style & _targets(lora)
     assert cli.main(["convert", src, str(tmp_path / "o.safetensors"), "--format", "comfyui"]) == 2
-    err = capsys.readouterr().err
-    assert "HunyuanVideo-1.5" in err and "stock ComfyUI maps none of its diffusers names" in err
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "'rope'" in err and "transformer_blocks.0.attn.to_q.diff_b" in err and "HunyuanVideo-1.5" in err
     assert not (tmp_path / "o.safetensors").exists()

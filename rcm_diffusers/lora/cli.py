@@ -180,7 +180,7 @@ def _cmd_convert(a) -> int:
         return 0
 
     as_is = load_comfyui_as_is(a.input) if a.arch is None else None
-    if as_is is not None:  # Qwen-Image, FLUX.2: stock ComfyUI maps the diffusers names themselves
+    if as_is is not None:  # Qwen-Image, FLUX.2 (diffusers names as they are), HunyuanVideo-1.5 (ComfyUI's names)
         return _convert_as_is(a, *as_is)
     sd, meta = load_lora(a.input, arch=a.arch)
     # the check inspect warns about and merge refuses (rank >= 1, matching factors, finite values), plus the shapes
@@ -200,14 +200,26 @@ def _cmd_convert(a) -> int:
     return 0
 
 
-FAMILY_NAMES = {"qwen_image": "Qwen-Image", "flux2": "FLUX.2"}
+FAMILY_NAMES = {"qwen_image": "Qwen-Image", "flux2": "FLUX.2", "hunyuan_video15": "HunyuanVideo-1.5"}
+#: what the ComfyUI file of each family holds (the convert message)
+COMFYUI_NAMES = {
+    "qwen_image": "the transformer.* names stock ComfyUI maps, with .alpha",
+    "flux2": "the transformer.* names stock ComfyUI maps, with .alpha",
+    "hunyuan_video15": "the diffusion_model.* names of ComfyUI's model, q/k/v fused, with .alpha",
+}
 
 
 def _convert_as_is(a, family: str, sd: dict, meta: dict) -> int:
-    """A Qwen-Image / FLUX.2 LoRA: ComfyUI's file keeps the diffusers names (``transformer.``), adds ``.alpha``."""
+    """A Qwen-Image / FLUX.2 LoRA: ComfyUI's file keeps the diffusers names (``transformer.``), adds ``.alpha``; a
+    HunyuanVideo-1.5 LoRA: ComfyUI's model names (``diffusion_model.``, q/k/v fused), with ``.alpha``."""
     from .io import METADATA_KEY, atomic_save_safetensors, check_lora
 
     name = FAMILY_NAMES[family]
+    if a.format != "comfyui" and family == "hunyuan_video15":
+        raise ValueError(
+            f"{a.input} is a HunyuanVideo-1.5 LoRA: rcm-lora converts it to ComfyUI's names only (--format comfyui); "
+            "the diffusers pipeline loads the trainer's file as it is"
+        )
     if a.format != "comfyui":
         raise ValueError(
             f"{a.input} is a {name} LoRA in diffusers names already: the diffusers pipeline loads it as it is "
@@ -219,8 +231,8 @@ def _convert_as_is(a, family: str, sd: dict, meta: dict) -> int:
     summary.update({k: v for k, v in meta.items() if k in ("base_model", "made_by")})
     atomic_save_safetensors(sd, a.output, {"format": "pt", METADATA_KEY: json.dumps(summary, sort_keys=True)})
     print(
-        f"wrote {a.output}: {n} LoRA modules, 0 full deltas ({a.format}; {name}: the transformer.* names stock "
-        "ComfyUI maps, with .alpha); not applied by the target loader: 0"
+        f"wrote {a.output}: {n} LoRA modules, 0 full deltas ({a.format}; {name}: {COMFYUI_NAMES[family]}); "
+        "not applied by the target loader: 0"
     )
     return 0
 

@@ -56,11 +56,16 @@ def inspect_file(path, prefer: str | None = None) -> dict:
     if _is_lora(raw):
         out["kind"] = "LoRA"
         as_is = load_comfyui_as_is(path)
-        if as_is is not None:  # Qwen-Image, FLUX.2: stock ComfyUI maps the diffusers names themselves
+        if as_is is not None:  # Qwen-Image, FLUX.2, HunyuanVideo-1.5: rcm-lora's ComfyUI file of the family
             family, sd, _ = as_is
             out["layout"] = lora_layout(raw)
             out["arch"] = family
-            out["comfyui"] = "stock LoraLoader maps every key (rcm-lora convert --format comfyui adds .alpha)"
+            out["comfyui"] = (
+                "stock LoraLoader maps every key of rcm-lora convert --format comfyui's file (ComfyUI's model names, "
+                "q/k/v fused, .alpha)"
+                if family == "hunyuan_video15"
+                else "stock LoraLoader maps every key (rcm-lora convert --format comfyui adds .alpha)"
+            )
             if path.suffix == ".safetensors":
                 out["metadata"] = {k: (json.loads(v) if k == "rcm_lora" else v) for k, v in read_metadata(path).items()}
             _lora_counts(out, sd)

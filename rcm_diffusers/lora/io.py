@@ -393,10 +393,11 @@ def _alphas_from_adapter_metadata(tensors: dict, raw: str) -> dict:
 
 
 def load_comfyui_as_is(path):
-    """``(family, state_dict, rcm_metadata)`` of a Qwen-Image or FLUX.2 LoRA file, the families whose diffusers names
-    stock ComfyUI maps as they are (:func:`keys.comfyui_as_is_family`; alphas of diffusers' header come back as
-    ``.alpha`` keys), or None for a file of any other family. The state dict is in the names ComfyUI maps
-    (:func:`keys.comfyui_as_is`, ValueError listing keys it would not load)."""
+    """``(family, state_dict, rcm_metadata)`` of a Qwen-Image, FLUX.2 or HunyuanVideo-1.5 LoRA file
+    (:func:`keys.comfyui_as_is_family`; alphas of diffusers' header come back as ``.alpha`` keys), or None for a file
+    of any other family. The state dict is in the names stock ComfyUI maps (:func:`keys.comfyui_as_is`: Qwen-Image and
+    FLUX.2 keep their diffusers names, HunyuanVideo-1.5 takes ComfyUI's model names with q/k/v fused; ValueError
+    listing keys it would not load)."""
     from .keys import comfyui_as_is, comfyui_as_is_family
 
     path = Path(path)

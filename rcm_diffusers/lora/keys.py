@@ -37,6 +37,9 @@ from .names import (
     FLUX_PAIRS,
     FLUX_SCALE_NORMS,
     FLUX_SWAP_ROWS,
+    HUNYUAN15_FUSED,
+    HUNYUAN15_PAIRS,
+    HUNYUAN15_SWAP_ROWS,
     WAN_PAIRS,
     WAN_PARAMS,
 )
@@ -55,6 +58,7 @@ __all__ = [
     "rename_target",
     "comfyui_as_is_family",
     "comfyui_as_is",
+    "hunyuan15_to_comfyui",
 ]
 
 ARCHS = ("wan", "flux")
@@ -204,15 +208,32 @@ _FLUX2_MARKERS = (
 )
 
 
-#: names only HunyuanVideo-1.5's diffusers layout has (its double-stream blocks are named as Flux's: to_q, add_q_proj,
-#: ff.net.0.proj, ff_context.net.2; the trainer's default targets include the text token refiner)
-_HUNYUAN15_MARKERS = (".token_refiner.refiner_blocks.",)
+#: how a target of HunyuanVideo-1.5 starts in diffusers' layout or in ComfyUI's (names no other family has; its
+#: double-stream blocks are named as FLUX.1's in both: transformer_blocks.N.attn.to_q, double_blocks.N.img_mlp.0, ...)
+_HUNYUAN15_STARTS = (
+    "context_embedder.token_refiner.",
+    "context_embedder.proj_in",
+    "context_embedder.time_text_embed.",
+    "context_embedder_2.",
+    "image_embedder.",
+    "time_embed.",
+    "txt_in.individual_token_refiner.",
+    "txt_in.input_embedder",
+    "txt_in.t_embedder.",
+    "txt_in.c_embedder.",
+    "byt5_in.",
+    "vision_in.",
+    "time_r_in.",
+)
+
+
+def _is_hunyuan15(stripped_key: str) -> bool:
+    return stripped_key.startswith(_HUNYUAN15_STARTS)
 
 
 def detect_arch(state_dict) -> str:
-    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither, for a Qwen-Image or FLUX.2
-    LoRA (stock ComfyUI maps their diffusers names as they are: :func:`comfyui_as_is`) and for a HunyuanVideo-1.5
-    one (stock ComfyUI maps none of its diffusers names)."""
+    """ "flux" or "wan" from the key names (any supported layout); ValueError if neither, and for a Qwen-Image, FLUX.2
+    or HunyuanVideo-1.5 LoRA (their ComfyUI files: :func:`comfyui_as_is`)."""
     keys = [_strip_prefix(k) for k in state_dict]
     qwen = [k for k in keys if any(m in k for m in _QWEN_MARKERS)]
     if qwen:
@@ -228,13 +249,13 @@ def detect_arch(state_dict) -> str:
             "loads as it is with Flux2Pipeline.load_lora_weights and ComfyUI's LoRA loader (rcm-lora convert --format "
             "comfyui adds its alphas as .alpha keys)"
         )
-    hy15 = [k for k in keys if any(m in k for m in _HUNYUAN15_MARKERS)]
+    hy15 = [k for k in keys if _is_hunyuan15(k)]
     if hy15:
         raise ValueError(
             f"a HunyuanVideo-1.5 state dict ({hy15[0]}, ...): the converters cover Wan and FLUX.1; a HunyuanVideo-1.5 "
-            'LoRA of the trainer loads as it is with pipe.transformer.load_lora_adapter(..., prefix="transformer"); '
-            "stock ComfyUI maps none of its diffusers names (its HunyuanVideo LoRA map takes the original fused names, "
-            "double_blocks.N.img_attn_qkv, ...) and rcm-lora has no converter to them"
+            'LoRA of the trainer loads as it is with pipe.transformer.load_lora_adapter(..., prefix="transformer"), '
+            "and rcm-lora convert --format comfyui writes it in the names of ComfyUI's HunyuanVideo-1.5 model "
+            "(q/k/v fused)"
         )
     if any(k.startswith(_FLUX_MARKERS) for k in keys):
         return "flux"
@@ -655,12 +676,16 @@ def _check_known_original(groups: dict, arch: str) -> None:
 
 
 def comfyui_as_is_family(state_dict) -> str | None:
-    """ "qwen_image" or "flux2" for a LoRA of a family whose diffusers names stock ComfyUI's LoRA loader maps as they
-    are (``names.COMFYUI_AS_IS``), from the key names (any prefix); None for any other."""
+    """ "qwen_image", "flux2" or "hunyuan_video15" for a LoRA of a family whose ComfyUI file :func:`comfyui_as_is`
+    writes, from the key names (any prefix); None for any other. Qwen-Image and FLUX.2 keep their diffusers names
+    (stock ComfyUI maps them as they are: ``names.COMFYUI_AS_IS``); HunyuanVideo-1.5 is renamed to ComfyUI's model
+    names (:func:`hunyuan15_to_comfyui`), in either naming."""
     keys = [_strip_prefix(k) for k in state_dict]
     for family, markers in (("qwen_image", _QWEN_MARKERS), ("flux2", _FLUX2_MARKERS)):
         if any(m in k for k in keys for m in markers):
             return family
+    if any(_is_hunyuan15(k) for k in keys):
+        return "hunyuan_video15"
     return None
 
 
@@ -668,9 +693,12 @@ def comfyui_as_is(state_dict, family: str) -> dict[str, torch.Tensor]:
     """A Qwen-Image / FLUX.2 LoRA (``transformer.``, ``diffusion_model.`` or no prefix; lora_A/B or lora_down/up) in
     the names stock ComfyUI maps for it: ``transformer.<diffusers target>.lora_A.weight`` / ``.lora_B.weight`` and
     ``.alpha`` (ComfyUI scales by alpha / rank, and reads no peft header; alpha = rank where the input has none).
+    A HunyuanVideo-1.5 LoRA goes through :func:`hunyuan15_to_comfyui`.
 
     ValueError lists every key ComfyUI's map has no entry for (``names.COMFYUI_AS_IS``), and full deltas (``.diff``,
     bias deltas), which are not taken here: nothing is dropped silently."""
+    if family == "hunyuan_video15":
+        return hunyuan15_to_comfyui(state_dict)
     patterns = [re.compile(p) for p in COMFYUI_AS_IS[family]]
     unmatched, out = [], {}
     for target, group in _group(state_dict).items():
@@ -696,6 +724,92 @@ def comfyui_as_is(state_dict, family: str) -> dict[str, torch.Tensor]:
             f"{len(unmatched)} key(s) of this {name} LoRA have no entry in stock ComfyUI's LoRA key map "
             f"(comfy/lora.py model_lora_keys_unet) or are not LoRA pairs: {sorted(unmatched)[:10]}"
             f"{' ...' if len(unmatched) > 10 else ''}"
+        )
+    return out
+
+
+_HY15_RULES = [(_compile(d), o) for d, o in HUNYUAN15_PAIRS]
+_HY15_COMFY = [_compile(o) for _, o in HUNYUAN15_PAIRS] + [_compile(f) for f, _ in HUNYUAN15_FUSED]
+_HY15_FUSED = [(f, [_compile(m) for m in ms], ms) for f, ms in HUNYUAN15_FUSED]
+_HY15_SWAP = [_compile(d) for d in HUNYUAN15_SWAP_ROWS]
+
+
+def _fill(template: str, m: re.Match) -> str:
+    return template.replace("{i}", m.group("i")) if "i" in m.groupdict() else template
+
+
+def hunyuan15_comfyui_name(target: str) -> str | None:
+    """ComfyUI's module name for one diffusers module of HunyuanVideo-1.5 (``names.HUNYUAN15_PAIRS``); None for a
+    module with no one-to-one counterpart (q/k/v, which ComfyUI fuses, and modules it does not have)."""
+    for rule, dst in _HY15_RULES:
+        m = rule.match(target)
+        if m:
+            return _fill(dst, m)
+    return None
+
+
+def hunyuan15_to_comfyui(state_dict) -> dict[str, torch.Tensor]:
+    """A HunyuanVideo-1.5 LoRA (diffusers names, or ComfyUI's already; any prefix, lora_A/B or lora_down/up) in the
+    names of ComfyUI's HunyuanVideo-1.5 model: ``diffusion_model.<name>.lora_A.weight`` / ``.lora_B.weight`` and
+    ``.alpha``, which stock ComfyUI's LoRA loader maps for every weight of the model.
+
+    Renames follow ``names.HUNYUAN15_PAIRS``; the final AdaLN projection's ``lora_B`` swaps its row halves (diffusers
+    orders it (scale, shift), ComfyUI (shift, scale)). The q/k/v LoRAs of one attention become one LoRA on ComfyUI's
+    fused ``qkv`` weight (``names.HUNYUAN15_FUSED``): ``A = cat(A_q, A_k, A_v)`` (rank r_q + r_k + r_v),
+    ``B = blockdiag(B_q, B_k, B_v)``, and ``alpha = s * rank`` for the common scale ``s = alpha_i / r_i`` (when the
+    parts' scales differ, each ``B_i`` carries its own scale and alpha = rank), so its delta is exactly the
+    concatenation of the parts' deltas; a missing part adds zero rows. ValueError lists every key of a module ComfyUI's
+    model does not have, and full deltas or bias LoRAs (not taken here): nothing is dropped silently.
+    """
+    groups = _group(state_dict)
+    out_groups: dict[str, dict[str, torch.Tensor]] = {}
+    pending: dict[str, list[str]] = {}
+    unmatched = []
+    for target, group in groups.items():
+        extra = sorted(set(group) - {"lora_A.weight", "lora_B.weight", "alpha"})
+        if extra:
+            unmatched += [f"{target}.{s}" if s else target for s in extra]
+            continue
+        if "lora_A.weight" not in group or "lora_B.weight" not in group:
+            raise ValueError(f"{target}: lora_A without lora_B (or the reverse); the LoRA file is incomplete")
+        if any(c.match(target) for c in _HY15_COMFY):  # ComfyUI's name already
+            out_groups[target] = dict(group)
+            continue
+        fused = None
+        for fused_t, member_res, member_ts in _HY15_FUSED:
+            m = next((mm for mm in (r.match(target) for r in member_res) if mm), None)
+            if m:
+                fused = (_fill(fused_t, m), [_fill(t, m) for t in member_ts])
+                break
+        if fused:
+            pending[fused[0]] = fused[1]
+            continue
+        name = hunyuan15_comfyui_name(target)
+        if name is None:
+            unmatched.append(target)
+            continue
+        g = dict(group)
+        if any(r.match(target) for r in _HY15_SWAP):
+            g["lora_B.weight"] = _swap_halves(g["lora_B.weight"])
+        out_groups[name] = g
+    if unmatched:
+        shown = sorted(unmatched)
+        raise ValueError(
+            f"{len(shown)} module(s) of this HunyuanVideo-1.5 LoRA have no counterpart in ComfyUI's HunyuanVideo-1.5 "
+            f"model or are not LoRA pairs: {shown[:10]}{' ...' if len(shown) > 10 else ''}"
+        )
+    for fused_t, members in pending.items():
+        if fused_t in out_groups:
+            raise ValueError(f"{fused_t}: the LoRA holds it both fused and as q/k/v parts")
+        out_groups[fused_t] = _fuse(members, groups, fused_t, _hidden_of(members, groups))
+    out = {}
+    for target, g in out_groups.items():
+        A, B = g["lora_A.weight"], g["lora_B.weight"]
+        out[f"diffusion_model.{target}.lora_A.weight"] = A
+        out[f"diffusion_model.{target}.lora_B.weight"] = B
+        alpha = g.get("alpha")
+        out[f"diffusion_model.{target}.alpha"] = (
+            torch.tensor(float(A.shape[0])) if alpha is None else alpha.reshape(()).to(torch.float32)
         )
     return out
 

@@ -128,3 +128,67 @@ COMFYUI_AS_IS = {
         r"x_embedder|context_embedder|proj_out",
     ),
 }
+
+
+# HunyuanVideo-1.5 (diffusers HunyuanVideo15Transformer3DModel) -> the module names of ComfyUI's HunyuanVideo-1.5 model
+# (comfy/ldm/hunyuan_video/model.py ``HunyuanVideo`` built from comfy/ldm/flux/layers.py blocks, upstream 4f874c5).
+# ComfyUI's LoRA key map (comfy/lora.py ``model_lora_keys_unet``) takes ``diffusion_model.<name>`` for every weight of
+# the model, whatever the model; its HunyuanVideo branch adds the diffusion-pipe spellings of the same weights. Its
+# model fuses q/k/v in one Linear (``img_attn.qkv``, ``txt_attn.qkv``, the token refiner's ``self_attn.qkv``, rows in
+# q, k, v order) where diffusers has three: ``HUNYUAN15_FUSED``. The pairing of the other names follows the module
+# structure of both models (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py pairs the original checkpoint
+# with diffusers; ComfyUI's supported_models.py ``HunyuanVideo.process_unet_state_dict`` renames the original
+# checkpoint to its modules).
+HUNYUAN15_PAIRS = [
+    ("x_embedder.proj", "img_in.proj"),
+    ("image_embedder.linear_1", "vision_in.proj.1"),
+    ("image_embedder.linear_2", "vision_in.proj.3"),
+    ("context_embedder.proj_in", "txt_in.input_embedder"),
+    ("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.in_layer"),
+    ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.out_layer"),
+    ("context_embedder.time_text_embed.text_embedder.linear_1", "txt_in.c_embedder.in_layer"),
+    ("context_embedder.time_text_embed.text_embedder.linear_2", "txt_in.c_embedder.out_layer"),
+    (
+        "context_embedder.token_refiner.refiner_blocks.{i}.attn.to_out.0",
+        "txt_in.individual_token_refiner.blocks.{i}.self_attn.proj",
+    ),
+    (
+        "context_embedder.token_refiner.refiner_blocks.{i}.ff.net.0.proj",
+        "txt_in.individual_token_refiner.blocks.{i}.mlp.0",
+    ),
+    ("context_embedder.token_refiner.refiner_blocks.{i}.ff.net.2", "txt_in.individual_token_refiner.blocks.{i}.mlp.2"),
+    (
+        "context_embedder.token_refiner.refiner_blocks.{i}.norm_out.linear",
+        "txt_in.individual_token_refiner.blocks.{i}.adaLN_modulation.1",
+    ),
+    ("context_embedder_2.linear_1", "byt5_in.fc1"),
+    ("context_embedder_2.linear_2", "byt5_in.fc2"),
+    ("context_embedder_2.linear_3", "byt5_in.fc3"),
+    ("time_embed.timestep_embedder.linear_1", "time_in.in_layer"),
+    ("time_embed.timestep_embedder.linear_2", "time_in.out_layer"),
+    ("time_embed.timestep_embedder_r.linear_1", "time_r_in.in_layer"),
+    ("time_embed.timestep_embedder_r.linear_2", "time_r_in.out_layer"),
+    ("transformer_blocks.{i}.norm1.linear", "double_blocks.{i}.img_mod.lin"),
+    ("transformer_blocks.{i}.norm1_context.linear", "double_blocks.{i}.txt_mod.lin"),
+    ("transformer_blocks.{i}.attn.to_out.0", "double_blocks.{i}.img_attn.proj"),
+    ("transformer_blocks.{i}.attn.to_add_out", "double_blocks.{i}.txt_attn.proj"),
+    ("transformer_blocks.{i}.ff.net.0.proj", "double_blocks.{i}.img_mlp.0"),
+    ("transformer_blocks.{i}.ff.net.2", "double_blocks.{i}.img_mlp.2"),
+    ("transformer_blocks.{i}.ff_context.net.0.proj", "double_blocks.{i}.txt_mlp.0"),
+    ("transformer_blocks.{i}.ff_context.net.2", "double_blocks.{i}.txt_mlp.2"),
+    ("proj_out", "final_layer.linear"),
+    ("norm_out.linear", "final_layer.adaLN_modulation.1"),
+]
+# diffusers' AdaLayerNormContinuous orders its output (scale, shift), ComfyUI's final layer (shift, scale)
+HUNYUAN15_SWAP_ROWS = {"norm_out.linear"}
+HUNYUAN15_FUSED = [
+    ("double_blocks.{i}.img_attn.qkv", ["transformer_blocks.{i}.attn." + p for p in ("to_q", "to_k", "to_v")]),
+    (
+        "double_blocks.{i}.txt_attn.qkv",
+        ["transformer_blocks.{i}.attn." + p for p in ("add_q_proj", "add_k_proj", "add_v_proj")],
+    ),
+    (
+        "txt_in.individual_token_refiner.blocks.{i}.self_attn.qkv",
+        ["context_embedder.token_refiner.refiner_blocks.{i}.attn." + p for p in ("to_q", "to_k", "to_v")],
+    ),
+]
