@@ -10,6 +10,7 @@ and per text token are differences over token and text counts, so what lies outs
     python benchmarks/activation_terms.py                       # the widths of docs/benchmarks.md
     python benchmarks/activation_terms.py --widths 40:13824 --dtypes bfloat16 --lora_rank 64
     python benchmarks/activation_terms.py --family flux --widths 4,12,24   # Flux double and single blocks (heads)
+    python benchmarks/activation_terms.py --family hunyuan15 --widths 2,3,4  # also qwen, flux2
 """
 
 from __future__ import annotations
@@ -119,17 +120,107 @@ def flux_rows(a) -> None:
                 )
 
 
+#: the newer double-stream families: architecture, and per block kind the (1-block, 2-block) depths whose difference is
+#: one block's share (FLUX.2: double / single blocks; HunyuanVideo-1.5: double-stream blocks / token refiner blocks)
+NEW_FAMILIES = {
+    "qwen": ("qwen-image", {"double": ({"num_layers": 1}, {"num_layers": 2})}),
+    "flux2": (
+        "flux.2-dev",
+        {
+            "double": ({"num_layers": 1, "num_single_layers": 0}, {"num_layers": 2, "num_single_layers": 0}),
+            "single": ({"num_layers": 1, "num_single_layers": 1}, {"num_layers": 1, "num_single_layers": 2}),
+        },
+    ),
+    "hunyuan15": (
+        "hunyuanvideo-1.5-t2v-480p",
+        {
+            "double": ({"num_layers": 1, "num_refiner_layers": 1}, {"num_layers": 2, "num_refiner_layers": 1}),
+            "refiner": ({"num_layers": 1, "num_refiner_layers": 1}, {"num_layers": 1, "num_refiner_layers": 2}),
+        },
+    ),
+}
+
+
+def saved_new_family(family, dtype, overrides, side: int, text: int, rank: int) -> tuple[int, int]:
+    """``(bytes saved, tokens of a block's attention)`` in one student forward of a Qwen-Image / FLUX.2 /
+    HunyuanVideo-1.5 model (``side`` x ``side`` image tokens, or 1 x ``side`` x 4 video tokens; ``text`` prompt tokens;
+    HunyuanVideo-1.5 also 8 ByT5 and the pipeline's 729 masked image tokens)."""
+    from rcm_diffusers.distill.data import flux2_ids
+
+    arch = NEW_FAMILIES[family][0]
+    m = build_transformer(arch, dtype=dtype, keep_fp32=True, **overrides)
+    cfg, g = m.config, torch.Generator().manual_seed(0)
+    if family == "hunyuan15":
+        x = torch.randn(1, cfg.out_channels, 1, side, 4, generator=g).to(dtype)
+        cond = {
+            "encoder_hidden_states": torch.randn(1, text, cfg.text_embed_dim, generator=g).to(dtype),
+            "encoder_attention_mask": torch.ones(1, text),
+            "encoder_hidden_states_2": torch.randn(1, 8, cfg.text_embed_2_dim, generator=g).to(dtype),
+            "encoder_attention_mask_2": torch.ones(1, 8),
+        }
+        return student_saved_bytes(m, dtype, x, cond, rank), 4 * side + text + 8 + 729
+    x = torch.randn(1, side * side, cfg.in_channels, generator=g).to(dtype)
+    cond = {"encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g).to(dtype)}
+    if family == "qwen":
+        cond["img_shapes"] = [[(1, side, side)]]
+    else:
+        img_ids, txt_ids = flux2_ids(1, side, side, text)
+        cond.update(img_ids=img_ids, txt_ids=txt_ids, guidance=torch.full((1,), 4.0))
+    return student_saved_bytes(m, dtype, x, cond, rank), side * side + text
+
+
+def new_family_rows(a) -> None:
+    """One block's share (difference of block counts) at two image / video token counts (HunyuanVideo-1.5's refiner:
+    two prompt lengths), against ``_block_bytes`` of the family's ``ACT_COEFFS`` at the same tokens."""
+    arch, kinds = NEW_FAMILIES[a.family]
+    print("| dtype | D | block | tokens | measured / model, bytes |\n|---|---|---|---|---|")
+    for dt in a.dtypes.split(","):
+        dtype = getattr(torch, dt)
+        for heads in (int(v) for v in a.widths.split(",")):
+            for kind, (one, two) in kinds.items():
+                coeffs = ACT_COEFFS[f"{a.family}_{kind}"]
+                for side, text in ((4, 8), (8, 8)) if kind != "refiner" else ((4, 8), (4, 24)):
+                    ov = lambda d: dict(d, num_attention_heads=heads)  # noqa: E731
+                    big, L = saved_new_family(a.family, dtype, ov(two), side, text, a.lora_rank)
+                    blk = big - saved_new_family(a.family, dtype, ov(one), side, text, a.lora_rank)[0]
+                    s = TrainSetup(
+                        family=a.family,
+                        dim=128 * heads,
+                        ffn_dim=4 * 128 * heads,
+                        num_layers=1,
+                        num_single_layers=0,
+                        params=0,
+                        lora_params_student=0,
+                        lora_params_fake=0,
+                        tokens=0,
+                        text_tokens=0,
+                        weight_dtype=dt,
+                        lora_rank=a.lora_rank,
+                    )
+                    n = text if kind == "refiner" else L
+                    model = _block_bytes(coeffs, s, n, 0)
+                    print(
+                        f"| {dt} | {128 * heads} | {kind} | {n} | {blk} / {model:.0f} ({blk / model:.3f}) |", flush=True
+                    )
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--family", default="wan", choices=["wan", "flux"], help="Wan blocks or Flux double / single blocks")
+    p.add_argument(
+        "--family",
+        default="wan",
+        choices=["wan", "flux", *NEW_FAMILIES],
+        help="Wan blocks, Flux double / single blocks, Qwen-Image double blocks, FLUX.2 double / single blocks or "
+        "HunyuanVideo-1.5 double-stream and token refiner blocks",
+    )
     p.add_argument(
         "--widths",
         default=None,
         help="Wan: comma-separated HEADS:FFN pairs (width D = 128 x heads; default 4:1024,12:8960,24:8960,40:13824, "
         "12:8960 is Wan2.1-1.3B, 40:13824 the 14B); Flux: comma-separated head counts "
-        "(default 4,12,24; 24 is FLUX.1-dev)",
+        "(default 4,12,24; 24 is FLUX.1-dev); qwen / flux2 / hunyuan15: head counts (default 2,3,4)",
     )
     p.add_argument("--dtypes", default="bfloat16,float32", help="weight dtypes (bfloat16: under bf16 autocast)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
@@ -144,6 +235,9 @@ def main(argv=None):
     if a.family == "flux":
         a.widths = a.widths or "4,12,24"
         return flux_rows(a)
+    if a.family in NEW_FAMILIES:
+        a.widths = a.widths or "2,3,4"
+        return new_family_rows(a)
     a.widths = a.widths or "4:1024,12:8960,24:8960,40:13824"
     print(
         "| dtype | D | F | per video token: measured / model | per text token: measured / model |"

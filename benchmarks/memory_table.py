@@ -1,11 +1,11 @@
 """The memory-model table of docs/benchmarks.md ("Memory model"): rcm_diffusers.distill.memory.predict_training for
-Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev, Qwen-Image at their training shapes, LoRA
-vs full three-network mode, the batch x LoRA-rank dependence for Wan2.1-14B 480p, what fits one 24 GB / 48 GB card under
-each checkpointing policy, and 8 x 80 GB with FSDP2 and Ulysses context parallelism 1/2/4/8 for the 14B models at
-480p/720p x 81 frames against a 72 GiB per-rank budget, with full and selective gradient checkpointing (GC) and without;
-and the cheapest one-card setting (base format, blocks swapped to the host, activation offload, LoRA rank) that fits a
-24 GB or 48 GB card, with its predicted step-time slowdown from host transfers on PCIe 4.0 x16. Prints
-markdown; CPU, seconds.
+Wan2.1-1.3B / 14B, Wan2.2-A14B (one expert, and both in one run), FLUX.1-dev, Qwen-Image, FLUX.2-dev and
+HunyuanVideo-1.5 T2V at their training shapes, LoRA vs full three-network mode, the batch x LoRA-rank dependence for
+Wan2.1-14B 480p, what fits one 24 GB / 48 GB card under each checkpointing policy, and 8 x 80 GB with FSDP2 and Ulysses
+context parallelism 1/2/4/8 for the 14B models at 480p/720p x 81 frames against a 72 GiB per-rank budget, with full and
+selective gradient checkpointing (GC) and without; and the cheapest one-card setting (base format, blocks swapped to the
+host, activation offload, LoRA rank) that fits a 24 GB or 48 GB card, with its predicted step-time slowdown from host
+transfers on PCIe 4.0 x16. Prints markdown; CPU, seconds.
 
     python benchmarks/memory_table.py            # all tables
     python benchmarks/memory_table.py --one-card # the one-card table only

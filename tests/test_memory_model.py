@@ -6,6 +6,8 @@ sizes (see ACT_COEFFS); here they must predict what autograd saves (``saved_tens
 student forward on held-out widths, depths, token and text counts, to within 15 %.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,6 +32,16 @@ WAN_CASES = [  # held-out widths: the Wan ACT_COEFFS were counted at D 512 / 153
     dict(overrides=dict(num_layers=2, num_attention_heads=1, ffn_dim=4096), frames=2, hw=12, text=100),
 ]
 FLUX_CASES = [dict(overrides=dict(num_layers=2, num_single_layers=1, num_attention_heads=3), hw=12, text=24)]
+# held-out sizes of the Qwen-Image, FLUX.2 and HunyuanVideo-1.5 coefficients (counted at D 128 / 256 / 512, 2 or 4
+# heads, r 4 / 32, 16-64 image or video tokens, 8 / 24 prompt tokens): 3 heads (D 384), LoRA rank 8, other token counts
+# and depths; HunyuanVideo-1.5 with the pipeline's 256 ByT5 and 729 (masked) image tokens
+NEW_FAMILY_CASES = {
+    "qwen-image": dict(overrides=dict(num_layers=3, num_attention_heads=3), hw=(6, 10), text=20),
+    "flux.2-dev": dict(overrides=dict(num_layers=2, num_single_layers=3, num_attention_heads=3), hw=(6, 10), text=20),
+    "hunyuanvideo-1.5-t2v-480p": dict(
+        overrides=dict(num_layers=2, num_refiner_layers=2, num_attention_heads=3), hw=(3, 6, 8), text=20
+    ),
+}
 
 
 def _nbytes(tensors):
@@ -85,6 +97,111 @@ def test_flux_activations_within_15_percent(dtype):
     measured, setup, _, _ = _measure("flux.1-dev", dtype, FLUX_CASES[0])
     predicted, _ = activation_bytes(setup)
     assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+
+
+def _measure_new_family(arch, dtype, case, rank=8):
+    """What autograd saves in one student forward of a tiny Qwen-Image / FLUX.2 / HunyuanVideo-1.5 (the trainer's
+    LoRA student and fake score, rank ``rank``; bf16 under bf16 autocast), and the memory model's setup of it."""
+    from rcm_diffusers.distill.data import flux2_ids
+    from rcm_diffusers.distill.lowmem import HUNYUAN15_CONTEXT_EXTRA
+
+    m = build_transformer(arch, dtype=dtype, keep_fp32=True, **case["overrides"])
+    nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=rank)
+    cfg, g, text = m.config, torch.Generator().manual_seed(0), case["text"]
+    if arch == "hunyuanvideo-1.5-t2v-480p":
+        f, h, w = case["hw"]
+        x = torch.randn(1, cfg.out_channels, f, h, w, generator=g).to(dtype)
+        cond = {
+            "encoder_hidden_states": torch.randn(1, text, cfg.text_embed_dim, generator=g).to(dtype),
+            "encoder_attention_mask": torch.ones(1, text),
+            "encoder_hidden_states_2": torch.randn(1, 256, cfg.text_embed_2_dim, generator=g).to(dtype),
+            "encoder_attention_mask_2": torch.ones(1, 256),
+        }
+        tokens, text_tokens = f * h * w, text + HUNYUAN15_CONTEXT_EXTRA  # + 256 ByT5 and 729 image tokens
+    else:
+        h, w = case["hw"]
+        x = torch.randn(1, h * w, cfg.in_channels, generator=g).to(dtype)
+        cond = {"encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g).to(dtype)}
+        if arch == "qwen-image":
+            cond["img_shapes"] = [[(1, h, w)]]
+        else:
+            img_ids, txt_ids = flux2_ids(1, h, w, text)
+            cond.update(img_ids=img_ids, txt_ids=txt_ids, guidance=torch.full((1,), 4.0))
+        tokens, text_tokens = h * w, text
+    v = velocity_fn(m)
+    with nets.role("student"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        measured = saved_activation_bytes(lambda: v(x, torch.tensor([0.5]), **cond), exclude=m.parameters())
+    setup = TrainSetup.from_config(
+        dict(cfg),
+        type(m).__name__,
+        tokens=tokens,
+        text_tokens=text_tokens,
+        lora_rank=rank,
+        weight_dtype=str(dtype).split(".")[-1],
+        gradient_checkpointing=False,
+    )
+    return measured, setup
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", list(NEW_FAMILY_CASES))
+def test_new_family_activations_within_5_percent(arch, dtype):
+    """Qwen-Image, FLUX.2 and HunyuanVideo-1.5: the whole tiny model's saved bytes (student forward, no checkpointing)
+    against ``activation_bytes`` with the family's own coefficients, on held-out sizes: within 5 % (the terms are exact
+    where they were counted; here 0.992-1.003). FLUX.1's block coefficients in their place give 0.80-0.88 (FLUX.2's
+    SwiGLU blocks, HunyuanVideo-1.5's saved attention mask, bf16 LoRA weight copies) and fail; in float32 FLUX.1's
+    double block saves what Qwen-Image's does at rank 32, so there only dropping Qwen-Image's RoPE table (0.77)
+    fails."""
+    measured, setup = _measure_new_family(arch, dtype, NEW_FAMILY_CASES[arch])
+    predicted, _ = activation_bytes(setup)
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hunyuan15_nograd_working_set_grows_with_the_attention_mask(dtype):
+    """HunyuanVideo-1.5's no-grad forward (teacher, fake score) holds one block's attention masks over all L video and
+    context tokens, bool and additive (``HUNYUAN15_MASK_WORKING_SETS``): between two video lengths its traced peak
+    grows as the model's no-grad working set does, within 15 %; without the mask terms the model's growth is about a
+    sixth of the traced one."""
+    from rcm_diffusers.distill.lowmem import HUNYUAN15_CONTEXT_EXTRA
+    from rcm_diffusers.distill.memory import allocation_trace, working_set
+
+    m = build_transformer(
+        "hunyuanvideo-1.5-t2v-480p",
+        dtype=dtype,
+        keep_fp32=True,
+        num_layers=1,
+        num_refiner_layers=1,
+        num_attention_heads=1,
+    )
+    cfg, v = m.config, velocity_fn(m)
+    peak, pred, linear = [], [], []
+    for frames in (8, 16):  # 2048 / 4096 video tokens, L 3041 / 5089
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, cfg.out_channels, frames, 16, 16, generator=g).to(dtype)
+        cond = {
+            "encoder_hidden_states": torch.randn(1, 8, cfg.text_embed_dim, generator=g).to(dtype),
+            "encoder_attention_mask": torch.ones(1, 8),
+            "encoder_hidden_states_2": torch.randn(1, 256, cfg.text_embed_2_dim, generator=g).to(dtype),
+            "encoder_attention_mask_2": torch.ones(1, 256),
+        }
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            with allocation_trace() as tr:
+                v(x, torch.tensor([0.5]), **cond)
+        peak.append(tr.peak())
+        s = TrainSetup.from_config(
+            dict(cfg),
+            type(m).__name__,
+            tokens=frames * 256,
+            text_tokens=8 + HUNYUAN15_CONTEXT_EXTRA,
+            weight_dtype=str(dtype).split(".")[-1],
+        )
+        pred.append(working_set(s, "nograd"))
+        linear.append(working_set(dataclasses.replace(s, family="flux"), "nograd"))  # the same, no mask terms
+    print("traced peaks", peak, "model", pred)
+    grown, model = peak[1] - peak[0], pred[1] - pred[0]
+    assert 0.85 < model / grown < 1.15, (model, grown)
+    assert (linear[1] - linear[0]) / grown < 0.25, (linear, grown)  # the mask terms are most of the growth
 
 
 def test_static_parts_are_exact():

@@ -40,8 +40,9 @@ micro-batch of ``batch`` samples in flight: activations are those of ``batch``; 
 
 Activation coefficients (bytes saved per token per block, in units of the model width ``D`` and
 the feed-forward width ``F``) were counted with ``torch.autograd.graph.saved_tensors_hooks`` on the
-real diffusers Wan / Flux blocks at small sizes (``saved_activation_bytes``); tests validate them on
-held-out sizes, and ``benchmarks/real_arch.py`` against peak RSS at the real width.
+real diffusers Wan / Flux / Qwen-Image / FLUX.2 / HunyuanVideo-1.5 blocks at small sizes
+(``saved_activation_bytes``); tests validate them on held-out sizes, and ``benchmarks/real_arch.py`` against peak
+RSS at the real width.
 Parameter counts are exact (the architecture built on the meta device, adapters added by peft).
 """
 
@@ -91,8 +92,9 @@ GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: bytes autograd saves per block, per image/video token ``per_D D + per_F F + per_head H + per_r r + per_tok`` (H
-#: heads, r the LoRA rank), per text token ``txt_D D + txt_r r + txt`` (Wan cross-attention K/V), and per block
-#: ``layer_D D + r (layer_rD D + layer_rF F)``. Keyed by weight dtype; bfloat16 means bf16 weights under bf16 autocast
+#: heads, r the LoRA rank), per text token ``txt_D D + txt_r r + txt`` (Wan cross-attention K/V), per block
+#: ``layer_D D + r (layer_rD D + layer_rF F)``, and for attention masks ``(per_L2 + per_head_L2 H) L^2`` (L the tokens
+#: of the block's attention). Keyed by weight dtype; bfloat16 means bf16 weights under bf16 autocast
 #: (``mixed_precision: bf16``, as the shipped configs) with float32 LoRA adapters.
 ACT_COEFFS = {
     # Wan block, counted with ``saved_activation_bytes`` (diffusers 0.42, peft 0.21, torch 2.13, the JVP attention
@@ -137,6 +139,57 @@ ACT_COEFFS = {
         "float32": {"per_D": 68.0, "per_head": 12.0, "per_tok": 648.0},
         "bfloat16": {"per_D": 44.0, "per_head": 12.0, "per_tok": 324.0},
     },
+    # Qwen-Image, FLUX.2 [dev] and HunyuanVideo-1.5 blocks, counted with ``saved_activation_bytes`` as FLUX.1's
+    # (diffusers 0.42, peft 0.21, torch 2.13, stock attention processors, float32-kept modules as from_pretrained keeps
+    # them, student and fake LoRA, bf16 under bf16 autocast) at D 128 / 256 / 512 (2 or 4 heads of 64 or 128),
+    # r 4 / 32, as differences of 1- and 2-block models and of image (video) and text token counts; every term is exact
+    # there and at the held-out D 384, r 8 (``benchmarks/activation_terms.py --family qwen|flux2|hunyuan15``; the whole
+    # tiny models within 1 %: tests/test_memory_model.py). Per token of either stream (image and text tokens save the
+    # same); the feed-forward is in per_D: 4 D GELU (Qwen-Image, HunyuanVideo-1.5), FLUX.2's SwiGLU 3 D wide (a 6 D
+    # up-projection); per_r: the LoRA down-projections; per_head: the attention's float32 per-head terms; layer_D: the
+    # modulation each block saves; bf16 layer_rD: autocast's bf16 copies of the float32 LoRA weights
+    "qwen_double": {
+        "float32": {"per_D": 72.0, "per_head": 12.0, "per_r": 24.0, "per_tok": 16.0, "layer_D": 64.0},
+        "bfloat16": {"per_D": 50.0, "per_head": 12.0, "per_r": 12.0, "per_tok": 8.0, "layer_D": 32.0, "layer_rD": 72.0},
+    },
+    # FLUX.2: the modulation is shared by all blocks (computed once outside them), so a block saves little of it
+    "flux2_double": {
+        "float32": {"per_D": 88.0, "per_head": 12.0, "per_r": 24.0, "per_tok": 16.0, "layer_D": 16.0},
+        "bfloat16": {"per_D": 54.0, "per_head": 12.0, "per_r": 12.0, "per_tok": 8.0, "layer_D": 8.0, "layer_rD": 76.0},
+    },
+    "flux2_single": {
+        "float32": {"per_D": 84.0, "per_head": 12.0, "per_r": 8.0, "per_tok": 8.0, "layer_D": 4.0},
+        "bfloat16": {"per_D": 50.0, "per_head": 12.0, "per_r": 4.0, "per_tok": 4.0, "layer_D": 2.0, "layer_rD": 30.0},
+    },
+    # HunyuanVideo-1.5 double-stream block: Qwen-Image's terms plus per_L2 bytes per squared joint token count (video +
+    # context tokens L): the joint attention's mask [B, 1, L, L], which the block builds from the context mask and
+    # which attention saves as an additive mask in the activation dtype (4 bytes float32, 2 bf16)
+    "hunyuan15_double": {
+        "float32": {"per_D": 72.0, "per_head": 12.0, "per_r": 24.0, "per_tok": 16.0, "layer_D": 64.0, "per_L2": 4.0},
+        "bfloat16": {
+            "per_D": 50.0,
+            "per_head": 12.0,
+            "per_r": 12.0,
+            "per_tok": 8.0,
+            "layer_D": 32.0,
+            "layer_rD": 72.0,
+            "per_L2": 2.0,
+        },
+    },
+    # HunyuanVideo-1.5 token refiner block (the Qwen2.5-VL prompt tokens T only: 4 D MLP, self-attention with a
+    # per-head mask [B, H, T, T] saved in the activation dtype: per_head_L2 bytes per head and T^2); not checkpointed
+    "hunyuan15_refiner": {
+        "float32": {"per_D": 64.0, "per_head": 4.0, "per_r": 24.0, "per_tok": 16.0, "layer_D": 8.0, "per_head_L2": 4.0},
+        "bfloat16": {
+            "per_D": 38.0,
+            "per_head": 4.0,
+            "per_r": 12.0,
+            "per_tok": 8.0,
+            "layer_D": 4.0,
+            "layer_rD": 36.0,
+            "per_head_L2": 2.0,
+        },
+    },
 }
 
 #: bytes the ``selective`` checkpointing policy keeps per Wan block
@@ -166,6 +219,16 @@ WORKING_SETS = {
         "forward": {"per_F": 3.01, "per_D": 5.34},
     },
 }
+
+#: what HunyuanVideo-1.5's joint attention masks add to the working sets, bytes per squared token count L^2 of a
+#: block's attention (video + context tokens) and sample: each block's attention builds two [B, 1, L, L] bool masks
+#: (the context mask repeated over the rows, and it and its transpose), alive through the attention of every forward
+#: (2 bytes), and SDPA converts them into an additive mask in the activation dtype (``b`` bytes), which a
+#: grad-enabled forward saves (``ACT_COEFFS["hunyuan15_double"]["per_L2"]``) and a no-grad forward frees after the
+#: block. Traced with ``allocation_trace`` on 1-block tiny models (L 4357 / 8453, CPU): a grad-enabled forward's
+#: transient 1.77 / 1.92 L^2 beyond what it saves (float32 / bf16), its backward nothing quadratic, a no-grad forward
+#: 6.3 / 4.2 L^2 (L 5089 / 9185)
+HUNYUAN15_MASK_WORKING_SETS = {"nograd": 2.0, "forward": 2.0, "backward": 0.0}
 
 #: the JVP pass (fd_type 0/1), which holds no activations across blocks: its token-bound peak is a block's primal and
 #: tangent feed-forward, ``b (per_F F + per_D D)`` per video token (Flux: per token of either stream) plus ``txt_D D b``
@@ -199,11 +262,11 @@ POLICIES = ("full", "selective")
 class TrainSetup:
     """One training configuration (per process, before any sharding)."""
 
-    family: str  # "wan" | "flux" | "qwen" (Qwen-Image: Flux's double-block coefficients, no single blocks)
+    family: str  # "wan" | "flux" | "qwen" (Qwen-Image) | "flux2" (FLUX.2) | "hunyuan15" (HunyuanVideo-1.5)
     dim: int  # model width D = heads * head_dim
     ffn_dim: int
-    num_layers: int  # Wan blocks / Flux double blocks
-    num_single_layers: int  # Flux single blocks (0 for Wan)
+    num_layers: int  # Wan blocks / double-stream blocks
+    num_single_layers: int  # Flux / FLUX.2 single blocks (0 for the others)
     params: int  # frozen base parameters
     lora_params_student: int
     lora_params_fake: int
@@ -236,6 +299,9 @@ class TrainSetup:
     student_update_freq: int = 5
     max_simulation_steps: int = 4
     use_dmd: bool = True
+    # HunyuanVideo-1.5's token refiner: its blocks and the prompt tokens they run on (not checkpointed)
+    refiner_layers: int = 0
+    refiner_tokens: int = 0
 
     @classmethod
     def from_config(
@@ -260,20 +326,29 @@ class TrainSetup:
     ) -> "TrainSetup":
         """From a diffusers transformer config (``rcm_diffusers.arch.arch_config``); parameter counts exact.
         ``one_card``: ``base_dtype``, ``blocks_to_swap``, ``activation_offload`` and the schedule fields."""
-        flux = class_name.startswith("Flux")  # FLUX.2 too: FLUX.1's block coefficients, not measured on FLUX.2's
-        qwen = class_name == "QwenImageTransformer2DModel"  # Flux's double block in all but names: both streams
-        # HunyuanVideo-1.5: the same double-stream block (both streams modulated, joint attention, 4 D GELU MLPs)
-        qwen = qwen or class_name == "HunyuanVideo15Transformer3DModel"
+        family = {
+            "QwenImageTransformer2DModel": "qwen",
+            "Flux2Transformer2DModel": "flux2",
+            "HunyuanVideo15Transformer3DModel": "hunyuan15",
+        }.get(class_name, "flux" if class_name.startswith("Flux") else "wan")
+        refiner = {}
+        if family == "hunyuan15":  # the token refiner runs on the Qwen2.5-VL prompt tokens alone
+            from .lowmem import HUNYUAN15_CONTEXT_EXTRA
+
+            refiner = dict(
+                refiner_layers=config.get("num_refiner_layers", 0),
+                refiner_tokens=max(text_tokens - HUNYUAN15_CONTEXT_EXTRA, 0),
+            )
         items = tuple(sorted((k, _hashable(v)) for k, v in config.items()))
         counts = _counts(class_name, items, lora_rank)
         one_card.setdefault("block_linears", _block_linears(class_name, items))
         D = config["num_attention_heads"] * config["attention_head_dim"]
         return cls(
-            family="flux" if flux else "qwen" if qwen else "wan",
+            family=family,
             dim=D,
-            ffn_dim=4 * D if flux or qwen else config["ffn_dim"],
+            ffn_dim=config["ffn_dim"] if family == "wan" else 4 * D,  # FLUX.2 (SwiGLU, 3 D): 4 D in the working sets
             num_layers=config["num_layers"],
-            num_single_layers=config.get("num_single_layers", 0) if flux else 0,
+            num_single_layers=config.get("num_single_layers", 0) if family in ("flux", "flux2") else 0,
             params=counts[0],
             lora_params_student=counts[1],
             lora_params_fake=counts[2],
@@ -292,6 +367,7 @@ class TrainSetup:
             lora_rank=lora_rank if mode == "shared" else 0,
             head_dim=config["attention_head_dim"],
             text_dim=config.get("text_dim", config.get("joint_attention_dim", config.get("text_embed_dim", 4096))),
+            **refiner,
             **one_card,
         )
 
@@ -351,8 +427,13 @@ def _block_bytes(coeffs: dict, s: TrainSetup, tokens: int, text_tokens: int) -> 
     D, F, r, H = s.dim, s.ffn_dim, s.lora_rank, s.dim // s.head_dim
     per_token = g("per_D") * D + g("per_F") * F + g("per_head") * H + g("per_r") * r + g("per_tok")
     per_text = g("txt_D") * D + g("txt_r") * r + g("txt")
+    masks = (g("per_L2") + g("per_head_L2") * H) * tokens**2  # attention masks [B, 1 or H, L, L]
     return s.batch * (
-        tokens * per_token + text_tokens * per_text + g("layer_D") * D + r * (g("layer_rD") * D + g("layer_rF") * F)
+        tokens * per_token
+        + text_tokens * per_text
+        + masks
+        + g("layer_D") * D
+        + r * (g("layer_rD") * D + g("layer_rF") * F)
     )
 
 
@@ -433,16 +514,19 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
         blocks = [(ACT_COEFFS["wan"], _rank_tokens(s), s.text_tokens)] * s.num_layers
     else:
         n = s.tokens + s.text_tokens  # both streams (double) / concatenated (single)
-        blocks = [(ACT_COEFFS["flux_double"], n, 0)] * s.num_layers + [
-            (ACT_COEFFS["flux_single"], n, 0)
-        ] * s.num_single_layers
+        double, single = {"qwen": ("qwen_double", None), "hunyuan15": ("hunyuan15_double", None)}.get(
+            s.family, (s.family + "_double", s.family + "_single")
+        )
+        blocks = [(ACT_COEFFS[double], n, 0)] * s.num_layers
+        if single:
+            blocks += [(ACT_COEFFS[single], n, 0)] * s.num_single_layers
     sizes = [_block_bytes(c, s, t, tt) for c, t, tt in blocks]
     one = max(sizes) if sizes else 0.0
     if not s.gradient_checkpointing:  # Wan: the float32 RoPE cos / sin tables, once for all blocks; the head's saved
         # copy of the last hidden states is the last block's share (each block's coefficients count the copy of its
         # output that its consumer saves: outside the blocks, a Wan forward saves the RoPE tables alone)
         rope = 2 * s.batch * _rank_tokens(s) * s.head_dim * 4 if s.family == "wan" else 0
-        return float(sum(sizes) + rope), one
+        return float(sum(sizes) + rope + _unchecked_bytes(s)), one
     held = held_bytes(s)
     if s.activation_offload:  # the block the backward recomputes has its inputs back on the device
         held += _checkpoint_inputs(s, 1)
@@ -453,9 +537,13 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
 
 def working_set(s: TrainSetup, name: str) -> float:
     """``WORKING_SETS[name]`` of setup ``s``: ``tokens b (per_F F + per_D D)`` with the rank's tokens (Flux: image and
-    text tokens) and the activation bytes ``b``."""
+    text tokens) and the activation bytes ``b``; HunyuanVideo-1.5 also its attention masks
+    (``HUNYUAN15_MASK_WORKING_SETS``)."""
     c, b = WORKING_SETS[_dtype_key(s)][name], DTYPE_BYTES[s.weight_dtype]
-    return float(s.batch * _stream_tokens(s) * b * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim))
+    masks = 0.0
+    if s.family == "hunyuan15":  # the attention masks of one block (HUNYUAN15_MASK_WORKING_SETS)
+        masks = (HUNYUAN15_MASK_WORKING_SETS[name] + (b if name == "nograd" else 0)) * _stream_tokens(s) ** 2
+    return float(s.batch * (_stream_tokens(s) * b * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim) + masks))
 
 
 def held_bytes(s: TrainSetup) -> float:
@@ -467,7 +555,18 @@ def held_bytes(s: TrainSetup) -> float:
                 "activation_offload keeps the checkpointed block inputs on the host: it needs gradient checkpointing"
             )
         return activation_bytes(s)[0]
-    return checkpoint_held(s) + (0.0 if s.activation_offload else _head_bytes(s))
+    return checkpoint_held(s) + (0.0 if s.activation_offload else _head_bytes(s)) + _unchecked_bytes(s)
+
+
+def _unchecked_bytes(s: TrainSetup) -> float:
+    """What a forward saves outside the checkpointed blocks, kept until the backward with or without checkpointing:
+    HunyuanVideo-1.5's token refiner (``hunyuan15_refiner``, run before the blocks) and Qwen-Image's complex64 RoPE
+    table (4096 positions x head_dim / 2, of which the text tokens' rotary embedding is a view); 0 otherwise."""
+    if s.family == "qwen":
+        return float(4096 * (s.head_dim // 2) * 8)
+    if s.family == "hunyuan15" and s.refiner_layers:
+        return s.refiner_layers * _block_bytes(ACT_COEFFS["hunyuan15_refiner"], s, s.refiner_tokens, 0)
+    return 0.0
 
 
 def predict_training(s: TrainSetup, device: str = "cuda") -> dict:
