@@ -13,7 +13,8 @@ Conventions shared by the three:
 - ``set_timesteps(sigmas=[...])`` takes *explicit RF times*, used as given (no shift); a final 0 is appended.
   ``set_timesteps(timesteps=[...])`` likewise, divided by ``num_train_timesteps``. Many pipelines always pass
   times; their default grid (``linspace(1, 1/n, n)`` in float64 or float32, ``linspace(1, 0, n+1)[:-1]``,
-  CogView4's ``linspace(1000, 1, n)`` timesteps with their sigmas) is read as ``num_inference_steps=n``.
+  CogView4's ``linspace(1000, 1, n)`` and GLM-Image's ``linspace(1000, 1, n+1)[:-1]`` timesteps with their sigmas)
+  is read as ``num_inference_steps=n``.
 - Config keys: our own EDM-scale limits are stored as ``rcm_sigma_max`` / ``teacher_sigma_max`` /
   ``teacher_sigma_min`` (``sigma_max=`` / ``sigma_min=`` are accepted as arguments), because stock
   schedulers read ``sigma_max`` / ``sigma_min`` from any config they are built from. Every key of a stock
@@ -92,12 +93,13 @@ def _as_float64(values) -> np.ndarray | None:
 
 def _default_grid_steps(r: np.ndarray | None, num_train_timesteps: float) -> int | None:
     """``n`` when the RF times ``r`` are a pipeline's own ``n``-step default grid (what it passes when the user gave
-    no times), else ``None``. Two forms, each with an optional final 0, to float32 round-off (``DEFAULT_GRID_ATOL``):
+    no times), else ``None``. Three forms, each with an optional final 0, to float32 round-off (``DEFAULT_GRID_ATOL``):
 
     - ``1, (n-1)/n, ..., 1/n``: ``np.linspace(1, 1/n, n)`` (FLUX.1, FLUX.2, Qwen-Image, Chroma, LTX-2, ...),
       ``np.linspace(1, 0, n+1)[:-1]`` (HunyuanVideo-1.5), float32 ``torch.linspace(1, 1/n, n).tolist()`` (Z-Image);
     - ``linspace(T, 1, n) / T`` with ``T = num_train_timesteps``, each ``T r`` possibly cut to a whole number
-      (CogView4's timesteps and sigmas)."""
+      (CogView4's timesteps and sigmas);
+    - ``linspace(T, 1, n+1)[:-1] / T``, each ``T r`` cut to a whole number or not (GLM-Image's timesteps and sigmas)."""
     if r is None or r.size == 0 or not np.all(np.isfinite(r)):
         return None
     if r.size > 1 and r[-1] == 0.0:
@@ -109,6 +111,14 @@ def _default_grid_steps(r: np.ndarray | None, num_train_timesteps: float) -> int
     T = float(num_train_timesteps)
     if n > 1 and T > 1 and np.all(np.abs(r - (T - k * (T - 1) / (n - 1)) / T) <= 1 / T + DEFAULT_GRID_ATOL):
         return n
+    # GLM-Image: linspace(T, 1, n+1)[:-1] cut to whole numbers, over T; matched exactly (to float32 round-off), as the
+    # tolerance of the form above would also take explicit times such as (1, 0.501)
+    if T > 1:
+        exact = T - k * (T - 1) / n
+        tr = r * T
+        tol = DEFAULT_GRID_ATOL * T
+        if np.all((np.abs(tr - np.floor(exact)) <= tol) | (np.abs(tr - exact) <= tol)):
+            return n
     return None
 
 

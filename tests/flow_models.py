@@ -2,7 +2,10 @@
 (tests/test_flow_pipelines.py) and the JVP attention tests (tests/test_jvp_processors.py).
 
 Each ``FlowCase`` builds its stock pipeline with the transformer (and what its ``__call__`` cannot do without) at
-toy sizes, text encoders and VAEs left out where the pipeline takes ``prompt_embeds`` and ``output_type="latent"``.
+toy sizes, text encoders and VAEs left out where the pipeline takes ``prompt_embeds`` and ``output_type="latent"``
+(LongCat-Image, which needs a prompt even with embeddings, gets a stub for its text encoder's output; Qwen-Image 2.1,
+which reads its processor when built, a stub processor). Parameters a model creates as zeros (adaLN modulations,
+gates) are made random where they would hide the attention (``_unzero``).
 ``record_inputs`` runs the pipeline once and keeps the transformer's first call, so the JVP tests differentiate the
 model at the inputs its own pipeline gives it (masks, RoPE ids, joint text / image layouts included).
 """
@@ -586,6 +589,18 @@ def _flux1_kwargs():
     )
 
 
+def _unzero(model, seed=5, scale=0.1):
+    """Fill the parameters a model creates as zeros (adaLN modulations, output layers, attention gates) with small
+    random values: at their zero init the model's output, or its attention's share of it, would not depend on the
+    inputs."""
+    g = _g(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
 def _mask(n=6, pad=2, left=False, dtype=torch.long):
     m = torch.ones(1, n, dtype=dtype)
     m[0, :pad] = 0 if left else m[0, :pad]
@@ -817,6 +832,638 @@ def _mochi_kwargs():
     )
 
 
+def _krea2():
+    torch.manual_seed(0)
+    tr = diffusers.Krea2Transformer2DModel(
+        in_channels=16,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        timestep_embed_dim=32,
+        text_hidden_dim=TEXT,
+        num_text_layers=2,
+        text_num_attention_heads=2,
+        text_num_key_value_heads=2,
+        text_intermediate_size=32,
+        num_layerwise_text_blocks=1,
+        num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 2, 2),
+    ).eval()
+    return diffusers.Krea2Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+    )
+
+
+def _krea2_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, 2, TEXT),
+        prompt_embeds_mask=_mask(dtype=torch.bool),
+        height=32,
+        width=32,
+        guidance_scale=0.0,
+        output_type="latent",
+    )
+
+
+def _longcat():
+    torch.manual_seed(0)
+    tr = diffusers.LongCatImageTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        pooled_projection_dim=TEXT,
+        axes_dims_rope=[4, 6, 6],
+    ).eval()
+    pipe = diffusers.LongCatImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_processor=None,
+        transformer=tr,
+    )
+    # its prompt_embeds path still takes len(prompt) (None without a prompt): the text encoder's output is stubbed
+    pipe._encode_prompt = lambda prompt: _randn(len(prompt), 6, TEXT)
+    return pipe
+
+
+def _longcat_kwargs():
+    return dict(prompt="p", height=32, width=32, guidance_scale=1.0, enable_prompt_rewrite=False, output_type="latent")
+
+
+def _ovis():
+    torch.manual_seed(0)
+    tr = diffusers.OvisImageTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        out_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+    return diffusers.OvisImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+    )
+
+
+def _ovis_kwargs():
+    return dict(prompt_embeds=_randn(1, 6, TEXT), height=32, width=32, guidance_scale=1.0, output_type="latent")
+
+
+def _nucleus():
+    torch.manual_seed(0)
+    tr = diffusers.NucleusMoEImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        joint_attention_dim=TEXT,
+        axes_dims_rope=(8, 4, 4),
+        mlp_ratio=2.0,
+        moe_enabled=True,
+        dense_moe_strategy="leave_first_three_and_last_block_dense",
+        num_experts=4,
+        moe_intermediate_dim=16,
+        capacity_factors=8.0,
+    ).eval()
+    return diffusers.NucleusMoEImagePipeline(
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        processor=None,
+    )
+
+
+def _nucleus_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_embeds_mask=_mask(),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
+
+
+def _ernie():
+    torch.manual_seed(0)
+    tr = diffusers.ErnieImageTransformer2DModel(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_layers=1,
+        ffn_hidden_size=32,
+        in_channels=4,
+        out_channels=4,
+        patch_size=1,
+        text_in_dim=TEXT,
+        rope_axes_dim=(8, 4, 4),
+    ).eval()
+    _unzero(tr)
+    return diffusers.ErnieImagePipeline(
+        transformer=tr,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        pe=None,
+        pe_tokenizer=None,
+    )
+
+
+def _ernie_kwargs():
+    return dict(
+        prompt_embeds=[_randn(6, TEXT)], height=64, width=64, guidance_scale=1.0, use_pe=False, output_type="latent"
+    )
+
+
+def _hunyuan_image():
+    torch.manual_seed(0)
+    tr = diffusers.HunyuanImageTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=(1, 1),
+        text_embed_dim=TEXT,
+        text_embed_2_dim=TEXT,
+        rope_axes_dim=(4, 4),
+    ).eval()
+    return diffusers.HunyuanImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=5.0),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=tr,
+    )
+
+
+def _hunyuan_image_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_embeds_mask=_mask(),
+        prompt_embeds_2=_randn(1, 3, TEXT, seed=1),
+        prompt_embeds_mask_2=torch.ones(1, 3, dtype=torch.long),
+        height=64,
+        width=64,
+        output_type="latent",
+    )
+
+
+def _kandinsky5(video=False):
+    torch.manual_seed(0)
+    tr = diffusers.Kandinsky5Transformer3DModel(
+        in_visual_dim=4,
+        in_text_dim=TEXT,
+        in_text_dim2=8,
+        time_dim=16,
+        out_visual_dim=4,
+        patch_size=(1, 2, 2),
+        model_dim=32,
+        ff_dim=32,
+        num_text_blocks=1,
+        num_visual_blocks=1,
+        axes_dims=(8, 4, 4),
+        visual_cond=video,
+    ).eval()
+    _unzero(tr)
+    cls = diffusers.Kandinsky5T2VPipeline if video else diffusers.Kandinsky5T2IPipeline
+    pipe = cls(
+        transformer=tr,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    if not video:
+        pipe.resolutions = [(32, 32)]
+    return pipe
+
+
+def _kandinsky5_kwargs(video=False):
+    kw = dict(
+        prompt_embeds_qwen=_randn(1, 6, TEXT),
+        prompt_embeds_clip=_randn(1, 8, seed=1),
+        prompt_cu_seqlens=torch.tensor([0, 6], dtype=torch.int32),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
+    return {**kw, "num_frames": 5} if video else kw
+
+
+def _lumina():
+    torch.manual_seed(0)
+    tr = diffusers.LuminaNextDiT2DModel(
+        sample_size=4,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=16,
+        num_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        learn_sigma=True,
+        qk_norm=True,
+        cross_attention_dim=TEXT,
+    ).eval()
+    _unzero(tr)
+    return diffusers.LuminaPipeline(
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+    )
+
+
+def _lumina_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
+
+
+def _prx():
+    torch.manual_seed(0)
+    tr = diffusers.PRXTransformer2DModel(
+        in_channels=4,
+        patch_size=2,
+        context_in_dim=TEXT,
+        hidden_size=32,
+        mlp_ratio=2.0,
+        num_heads=2,
+        depth=1,
+        axes_dim=[8, 8],
+    ).eval()
+    _unzero(tr)
+    return diffusers.PRXPipeline(
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        text_encoder=None,
+        tokenizer=None,
+        vae=None,
+    )
+
+
+def _prx_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        use_resolution_binning=False,
+        output_type="latent",
+    )
+
+
+def _sana_pag():
+    torch.manual_seed(0)
+    tr = diffusers.SanaTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=TEXT,
+        sample_size=32,
+        patch_size=1,
+    ).eval()
+    return diffusers.SanaPAGPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        pag_applied_layers="transformer_blocks.0",
+    )
+
+
+def _sana_pag_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        pag_scale=0.0,
+        use_resolution_binning=False,
+        output_type="latent",
+    )
+
+
+def _bria():
+    torch.manual_seed(0)
+    tr = diffusers.BriaTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT,
+        axes_dims_rope=[4, 6, 6],
+    ).eval()
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(4,),
+        down_block_types=("DownEncoderBlock2D",),
+        up_block_types=("UpDecoderBlock2D",),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=1,
+    ).eval()
+    return diffusers.BriaPipeline(
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+    )
+
+
+def _bria_kwargs():
+    return dict(prompt_embeds=_randn(1, 6, TEXT), height=16, width=16, guidance_scale=1.0, output_type="latent")
+
+
+def _glm():
+    torch.manual_seed(0)
+    tr = diffusers.GlmImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=TEXT,
+        time_embed_dim=8,
+        condition_dim=4,
+        prior_vq_quantizer_codebook_size=32,
+    ).eval()
+    return diffusers.GlmImagePipeline(
+        tokenizer=None,
+        processor=None,
+        text_encoder=None,
+        vision_language_encoder=None,
+        vae=None,
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
+            base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+        ),
+    )
+
+
+def _glm_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prior_token_ids=torch.tensor([[3, 7, 11, 19]]),
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
+
+
+class _ChatProcessorStub:
+    """What QwenImage21Pipeline.__init__ reads of its Qwen processor (the length of the system-prompt tokens and the
+    image-pad token id); prompts are given as embeddings, so nothing else is read."""
+
+    class tokenizer:
+        @staticmethod
+        def encode(text):
+            return [1]
+
+    @staticmethod
+    def apply_chat_template(messages, tokenize=True, return_dict=False):
+        return [[0] * 8]
+
+
+def _qwen21():
+    torch.manual_seed(0)
+    tr = diffusers.QwenImage21Transformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        out_channels=16,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        context_in_dim=TEXT,
+        mlp_ratio=2,
+        axes_dims_rope=(8, 4, 4),
+    ).eval()
+    return diffusers.QwenImage21Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=None,
+        text_encoder=None,
+        processor=_ChatProcessorStub(),
+        transformer=tr,
+    )
+
+
+def _qwen21_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_embeds_mask=_mask(),
+        height=64,
+        width=64,
+        true_cfg_scale=1.0,
+        output_type="latent",
+    )
+
+
+def _sd3_pag():
+    base = _sd3()
+    return diffusers.StableDiffusion3PAGPipeline(
+        transformer=base.transformer,
+        scheduler=base.scheduler,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        pag_applied_layers="transformer_blocks.0",
+    )
+
+
+def _sd3_pag_kwargs():
+    return {**_sd3_kwargs(), "pag_scale": 0.0}
+
+
+def _prx_pixel():
+    torch.manual_seed(0)
+    tr = diffusers.PRXTransformer2DModel(
+        in_channels=3,
+        patch_size=2,
+        context_in_dim=TEXT,
+        hidden_size=32,
+        mlp_ratio=2.0,
+        num_heads=2,
+        depth=1,
+        axes_dim=[8, 8],
+        bottleneck_size=8,
+    ).eval()
+    _unzero(tr)
+    return diffusers.PRXPixelPipeline(
+        transformer=tr, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), text_encoder=None, tokenizer=None
+    )
+
+
+def _prx_pixel_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=16,
+        width=16,
+        guidance_scale=1.0,
+        use_resolution_binning=False,
+        output_type="latent",
+    )
+
+
+def _easyanimate():
+    torch.manual_seed(0)
+    tr = diffusers.EasyAnimateTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        patch_size=2,
+        sample_width=8,
+        sample_height=8,
+        num_layers=1,
+        mmdit_layers=1,
+        time_embed_dim=16,
+        text_embed_dim=TEXT,
+    ).eval()
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLMagvit(
+        in_channels=3,
+        latent_channels=4,
+        out_channels=3,
+        block_out_channels=(8, 8),
+        down_block_types=("SpatialDownBlock3D", "SpatialTemporalDownBlock3D"),
+        up_block_types=("SpatialUpBlock3D", "SpatialTemporalUpBlock3D"),
+        layers_per_block=1,
+        norm_num_groups=4,
+    ).eval()
+    return diffusers.EasyAnimatePipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=tr,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+
+
+def _easyanimate_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        prompt_attention_mask=_mask(),
+        height=16,
+        width=16,
+        num_frames=5,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
+
+
+def _stable_audio3():
+    from diffusers.pipelines.stable_audio_3.modeling_stable_audio_3 import StableAudio3DurationEmbedder
+
+    torch.manual_seed(0)
+    tr = diffusers.StableAudio3DiTModel(
+        io_channels=4,
+        patch_size=1,
+        embed_dim=32,
+        depth=1,
+        num_heads=2,
+        cond_token_dim=TEXT,
+        global_cond_dim=16,
+        local_add_cond_dim=5,
+        timestep_features_dim=16,
+        ff_mult=2.0,
+        num_memory_tokens=2,
+        use_differential_attention=False,
+    ).eval()
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderSAME(
+        audio_channels=2,
+        patch_size=4,
+        encoder_channels=8,
+        encoder_c_mults=(1,),
+        encoder_strides=(2,),
+        encoder_transformer_depths=(1,),
+        latent_dim=4,
+        use_differential_attention=False,
+        dim_heads=8,
+        ff_mult=2,
+        sampling_rate=64,
+    ).eval()
+    torch.manual_seed(0)
+    dur = StableAudio3DurationEmbedder(output_dim=16, fourier_dim=8).eval()
+    return diffusers.StableAudio3Pipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        duration_embedder=dur,
+        transformer=tr,
+        # the transformer takes the time in [0, 1] as the scheduler's timesteps
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1),
+    )
+
+
+def _stable_audio3_kwargs():
+    return dict(
+        prompt_embeds=_randn(1, 6, TEXT),
+        encoder_attention_mask=_mask(),
+        duration=1.0,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
+
+
 CASES = [
     FlowCase("Wan 2.1", "WanPipeline", _wan, _wan_kwargs, out="frames", batch_arg="num_videos_per_prompt"),
     FlowCase(
@@ -864,6 +1511,42 @@ CASES = [
     FlowCase("LTX-Video", "LTXPipeline", _ltx, _ltx_kwargs, out="frames", batch_by_prompt=True),
     FlowCase("Mochi", "MochiPipeline", _mochi, _mochi_kwargs, out="frames", batch_by_prompt=True),
     FlowCase("HiDream", "HiDreamImagePipeline", _hidream, _hidream_kwargs, x_arg="hidden_states", t_arg="timesteps"),
+    FlowCase("Krea 2", "Krea2Pipeline", _krea2, _krea2_kwargs),
+    FlowCase("LongCat-Image", "LongCatImagePipeline", _longcat, _longcat_kwargs),
+    FlowCase("Ovis-Image", "OvisImagePipeline", _ovis, _ovis_kwargs),
+    FlowCase("NucleusMoE-Image", "NucleusMoEImagePipeline", _nucleus, _nucleus_kwargs),
+    FlowCase("ERNIE-Image", "ErnieImagePipeline", _ernie, _ernie_kwargs),
+    FlowCase("HunyuanImage-2.1", "HunyuanImagePipeline", _hunyuan_image, _hunyuan_image_kwargs, batch_by_prompt=True),
+    FlowCase(
+        "Kandinsky 5 T2I", "Kandinsky5T2IPipeline", _kandinsky5, _kandinsky5_kwargs, out="image", batch_by_prompt=True
+    ),
+    FlowCase(
+        "Kandinsky 5 T2V",
+        "Kandinsky5T2VPipeline",
+        lambda: _kandinsky5(True),
+        lambda: _kandinsky5_kwargs(True),
+        out="frames",
+        batch_by_prompt=True,
+    ),
+    FlowCase("Lumina-Next", "LuminaPipeline", _lumina, _lumina_kwargs),
+    FlowCase("PRX", "PRXPipeline", _prx, _prx_kwargs),
+    FlowCase("Sana PAG", "SanaPAGPipeline", _sana_pag, _sana_pag_kwargs, x_arg=0),
+    FlowCase("Bria", "BriaPipeline", _bria, _bria_kwargs),
+    FlowCase("GLM-Image", "GlmImagePipeline", _glm, _glm_kwargs),
+    FlowCase("Qwen-Image 2.1", "QwenImage21Pipeline", _qwen21, _qwen21_kwargs),
+    FlowCase("SD3 PAG", "StableDiffusion3PAGPipeline", _sd3_pag, _sd3_pag_kwargs, batch_by_prompt=True),
+    FlowCase("PRX pixel", "PRXPixelPipeline", _prx_pixel, _prx_pixel_kwargs),
+    FlowCase("EasyAnimate", "EasyAnimatePipeline", _easyanimate, _easyanimate_kwargs, out="frames", x_arg=0, t_arg=1),
+    FlowCase(
+        "Stable Audio 3",
+        "StableAudio3Pipeline",
+        _stable_audio3,
+        _stable_audio3_kwargs,
+        out="audios",
+        x_arg=0,
+        t_arg=1,
+        batch_arg="num_waveforms_per_prompt",
+    ),
 ]
 
 

@@ -27,6 +27,14 @@ def _mochi_schedule(n):
     return linear_quadratic_schedule(n, 0.025)
 
 
+def _stable_audio3_schedule(n):
+    """Stable Audio 3's log-SNR schedule at the pipeline's default log-SNR range (a list; its first time is 1)."""
+    from diffusers.pipelines.stable_audio_3.pipeline_stable_audio_3 import logsnr_sigma_schedule
+
+    params = inspect.signature(diffusers.StableAudio3Pipeline.__call__).parameters
+    return logsnr_sigma_schedule(n, params["logsnr_min"].default, params["logsnr_max"].default)
+
+
 GRID_FORMS = {
     # set_timesteps(num_inference_steps)
     "steps": None,
@@ -38,10 +46,23 @@ GRID_FORMS = {
     "torch.linspace(1, 1/n, n).tolist()": lambda n: {"sigmas": torch.linspace(1.0, 1 / n, n).tolist()},
     # Mochi's linear-quadratic schedule (threshold 0.025), as np.array
     "mochi linear-quadratic": lambda n: {"sigmas": np.array(_mochi_schedule(n))},
+    # Stable Audio 3's log-SNR schedule, as a list
+    "stable audio 3 log-SNR": lambda n: {"sigmas": _stable_audio3_schedule(n)},
     # timesteps=int(linspace(1000, 1, n)) and sigmas=timesteps/1000, both at once
     "timesteps=int(linspace(1000, 1, n)), sigmas=timesteps/1000": lambda n: {
         "timesteps": np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32),
         "sigmas": np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32) / 1000,
+    },
+    # sigmas=torch.linspace(1, 0, n+1)[:-1]: a float32 tensor
+    "float32 tensor torch.linspace(1, 0, n+1)[:-1]": lambda n: {"sigmas": torch.linspace(1.0, 0.0, n + 1)[:-1]},
+    # timesteps=int(linspace(1000, 1, n+1)[:-1]) and sigmas=timesteps/1000, both at once (float32)
+    "timesteps=int(linspace(1000, 1, n+1)[:-1]), sigmas=timesteps/1000": lambda n: {
+        "timesteps": np.linspace(1000, 1.0, n + 1)[:-1].astype(np.int64).astype(np.float32),
+        "sigmas": np.linspace(1000, 1.0, n + 1)[:-1].astype(np.int64).astype(np.float32) / 1000,
+    },
+    # Bria's training sigmas: linspace(1, 1000, 1000)[::-1] / 1000 (float32) at indices int(linspace(0, 999, n))
+    "bria training sigmas": lambda n: {
+        "sigmas": (np.linspace(1, 1000, 1000, dtype=np.float32)[::-1] / 1000)[[int(i) for i in np.linspace(0, 999, n)]]
     },
 }
 
@@ -69,10 +90,46 @@ TABLE = {
     "LTX-Video": ("np.linspace(1, 1/n, n)", True, "t"),
     # Mochi passes its own linear-quadratic schedule: not a default form, so its times are used as given
     "Mochi": ("mochi linear-quadratic", False, "t"),
+    "Krea 2": ("np.linspace(1, 1/n, n)", True, "t/1000"),
+    "LongCat-Image": ("np.linspace(1, 1/n, n)", True, "t/1000"),
+    "Ovis-Image": ("np.linspace(1, 1/n, n)", True, "t/1000"),
+    "NucleusMoE-Image": ("np.linspace(1, 1/n, n)", True, "t/1000"),
+    "ERNIE-Image": ("float32 tensor torch.linspace(1, 0, n+1)[:-1]", False, "t"),
+    "HunyuanImage-2.1": ("np.linspace(1, 0, n+1)[:-1]", False, "t"),
+    "Kandinsky 5 T2I": ("steps", False, "t"),
+    "Kandinsky 5 T2V": ("steps", False, "t"),
+    "Lumina-Next": ("steps", False, "(1000-t)/1000"),
+    "PRX": ("steps", False, "t/1000"),
+    "Sana PAG": ("steps", False, "t"),
+    # not a FlowMatchEulerDiscreteScheduler: Bria takes the "training sigmas" branch, int(linspace(0, 999, n)) indices
+    "Bria": ("bria training sigmas", False, "t"),
+    "GLM-Image": ("timesteps=int(linspace(1000, 1, n+1)[:-1]), sigmas=timesteps/1000", True, "t-1"),
+    "Qwen-Image 2.1": ("np.linspace(1, 1/n, n)", True, "t/1000"),
+    "SD3 PAG": ("steps", False, "t"),
+    # predicts the clean image; the pipeline turns it into a velocity, (x - x0) / max(r, 0.05)
+    "PRX pixel": ("steps", False, "t/1000"),
+    # mu=1 only for a FlowMatchEulerDiscreteScheduler
+    "EasyAnimate": ("steps", False, "t"),
+    # its own log-SNR schedule, used as given from 2 steps; its 1-step schedule is [1.0], the 1-step default form;
+    # num_train_timesteps=1: the timesteps are bf16(r)
+    "Stable Audio 3": ("stable audio 3 log-SNR", False, "t"),
 }
 #: pipelines whose default times are not one of the recognised forms: the grid is theirs, not rCM's
-OWN_GRID = {"Mochi"}
-TIME_SEEN = {"t": lambda t: t, "t/1000": lambda t: t / 1000, "(1000-t)/1000": lambda t: (1000 - t) / 1000}
+#: (steps tested, the RF times used for n steps, final 0 included)
+OWN_GRID = {
+    # the schedule divides by n // 2: no 1 step
+    "Mochi": ((2, 3, 4), lambda n: np.append(_mochi_schedule(n), 0.0)),
+    "Stable Audio 3": (
+        (1, 2, 3, 4),
+        lambda n: rcm_rf_times(1, 80.0, DEFAULT_MID_T) if n == 1 else np.append(_stable_audio3_schedule(n), 0.0),
+    ),
+}
+TIME_SEEN = {
+    "t": lambda t: t,
+    "t/1000": lambda t: t / 1000,
+    "(1000-t)/1000": lambda t: (1000 - t) / 1000,
+    "t-1": lambda t: t - 1,
+}
 
 
 def _form(entry):
@@ -131,8 +188,11 @@ def _call(pipe, c, batch=None, **kw):
     return getattr(pipe(**args), c.out)
 
 
-def _bf16_timesteps(r):
-    return [float(torch.tensor(float(np.float32(x)) * 1000.0, dtype=torch.float32).to(torch.bfloat16)) for x in r]
+def _bf16_timesteps(r, num_train_timesteps=1000):
+    return [
+        float(torch.tensor(float(np.float32(x)) * num_train_timesteps, dtype=torch.float32).to(torch.bfloat16))
+        for x in r
+    ]
 
 
 def _assert_form(form, call, n):
@@ -157,14 +217,14 @@ def test_rcm_grid_in_stock_pipeline(name):
     calls, seen = [], []
     _spy(pipe.scheduler, calls)
     hooks = _time_recorder(pipe, c, seen)
-    for n in (1, 2, 3, 4) if name != "Mochi" else (2, 3, 4):  # Mochi's schedule divides by n // 2: no 1 step
+    for n in OWN_GRID[name][0] if name in OWN_GRID else (1, 2, 3, 4):
         calls.clear(), seen.clear()
         out = _call(pipe, c, num_inference_steps=n, generator=torch.Generator().manual_seed(n))
-        grid = rcm_rf_times(n, 80.0, DEFAULT_MID_T) if name not in OWN_GRID else np.append(_mochi_schedule(n), 0.0)
+        grid = rcm_rf_times(n, 80.0, DEFAULT_MID_T) if name not in OWN_GRID else OWN_GRID[name][1](n)
         assert calls and all(np.array_equal(rf, grid) for *_, rf in calls), (n, calls)
         _assert_form(form, calls[0], n)
         assert ("mu" in calls[0][1]) == passes_mu  # passed by the pipeline, and the grid above ignores it
-        want = [TIME_SEEN[time_seen](t) for t in _bf16_timesteps(grid[:-1])]
+        want = [TIME_SEEN[time_seen](t) for t in _bf16_timesteps(grid[:-1], pipe.scheduler.config.num_train_timesteps)]
         assert seen == pytest.approx(want, rel=1e-6, abs=1e-6), (n, seen, want)
         out = out[0] if isinstance(out, (list, tuple)) else out
         assert torch.isfinite(out).all() and out.std() > 1e-3
@@ -211,6 +271,9 @@ DEFAULT_FORMS = {
         timesteps=np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32),
         sigmas=np.linspace(1000, 1.0, n).astype(np.int64).astype(np.float32) / 1000,
     ),
+    "GLM-Image timesteps + sigmas": GRID_FORMS["timesteps=int(linspace(1000, 1, n+1)[:-1]), sigmas=timesteps/1000"],
+    "GLM-Image timesteps alone": lambda n: dict(timesteps=np.linspace(1000, 1.0, n + 1)[:-1]),
+    "Bria training sigmas": GRID_FORMS["bria training sigmas"],
 }
 
 
@@ -233,11 +296,13 @@ def test_every_default_form_reads_as_n_steps_of_the_rcm_grid(form):
 
 def test_explicit_times_stay_explicit():
     """Times that are not a default form are used as given: user grids, a uniform grid that does not start at 1,
-    CogView4 with the user's sigmas (its timesteps then the default ones) or the user's timesteps."""
+    times just off a default form, CogView4 with the user's sigmas (its timesteps then the default ones) or the user's
+    timesteps."""
     for kw, want in [
         (dict(sigmas=[0.9, 0.6, 0.3]), [0.9, 0.6, 0.3]),
         (dict(sigmas=np.linspace(0.99, 0.33, 3)), [0.99, 0.66, 0.33]),
         (dict(sigmas=[1.0, 0.5 + 1e-3]), [1.0, 0.501]),  # 1e-3 off the 2-step default: explicit
+        (dict(sigmas=[1.0, 0.667, 0.335]), [1.0, 0.667, 0.335]),  # 1e-3 off GLM-Image's 3-step default: explicit
         (
             dict(timesteps=np.linspace(1000, 1.0, 3).astype(np.int64).astype(np.float32), sigmas=[0.9, 0.6, 0.3]),
             [0.9, 0.6, 0.3],
@@ -255,3 +320,153 @@ def test_explicit_times_stay_explicit():
 def test_disagreeing_sigmas_and_timesteps_are_refused():
     with pytest.raises(ValueError, match=r"sigmas \(RF times\) and timesteps disagree"):
         RCMScheduler().set_timesteps(sigmas=[0.9, 0.6], timesteps=[700.0, 300.0])
+
+
+# ----------------------------------------------------------------------------- coverage of diffusers' pipelines
+
+_I2I = "img2img variant of {}: the same grid code, then `strength` cuts it (a tail of the rCM grid)"
+_INPAINT = "inpainting variant of {}: the same grid code, with a mask"
+_CONTROL = "control variant of {}: the same grid code plus a control image / ControlNet"
+_EDIT = "image-conditioned variant of {}: the same grid code plus reference-image latents"
+
+#: every FlowMatch pipeline of diffusers that is no case of the table above, and why
+NOT_COVERED = {
+    # text-to-X pipelines the table does not run
+    "AceStepPipeline": "text-to-music: no prompt_embeds (needs its Qwen3 text encoder, tokenizer and audio tokenizer); "
+    "passes its own shifted schedule as sigmas to a num_train_timesteps=1 scheduler",
+    "BriaFibo2Pipeline": "text-to-image with FLUX's np.linspace(1, 1/n, n) and mu: no tiny case yet",
+    "BriaFiboPipeline": "no prompt_embeds: needs its SmolLM3 text encoder and tokenizer",
+    "Cosmos2TextToImagePipeline": "EDM pipeline: passes the Karras ramp linspace(0, 1, n) as sigmas and reads "
+    "scheduler.sigmas as EDM sigmas (latents x sigma_max 80); RCMScheduler's sigmas are RF times (it refuses the "
+    "increasing ramp)",
+    "DreamLitePipeline": "a UNet pipeline without prompt_embeds: needs its text encoder, tokenizer and processor",
+    "DreamLiteMobilePipeline": "distilled DreamLitePipeline: a UNet pipeline without prompt_embeds",
+    "Ideogram4Pipeline": "no prompt_embeds (needs its text encoder and tokenizer); passes its own logit-normal "
+    "sigmas: the rCM grid would not be used",
+    "LongCatAudioDiTPipeline": "text-to-audio without prompt_embeds: needs its UMT5 text encoder and tokenizer (and "
+    "reads the audio VAE's config)",
+    "OmniGenPipeline": "no prompt_embeds: its processor tokenizes the prompt (needs the OmniGen tokenizer)",
+    # image / video / audio conditioned variants
+    "BriaFiboEditPipeline": _EDIT.format("BriaFiboPipeline") + "; no prompt_embeds either",
+    "ChromaImg2ImgPipeline": _I2I.format("ChromaPipeline"),
+    "ChromaInpaintPipeline": _INPAINT.format("ChromaPipeline"),
+    "ChronoEditPipeline": "image-to-video edit on Wan (set_timesteps(n) as WanPipeline) with an image encoder",
+    "CogView4ControlPipeline": _CONTROL.format("CogView4Pipeline"),
+    "Cosmos2VideoToWorldPipeline": "video-to-world variant of the EDM Cosmos2TextToImagePipeline (Karras ramp sigmas)",
+    "EasyAnimateControlPipeline": _CONTROL.format("EasyAnimatePipeline"),
+    "EasyAnimateInpaintPipeline": _INPAINT.format("EasyAnimatePipeline"),
+    "Flux2KleinInpaintPipeline": _INPAINT.format("Flux2KleinPipeline"),
+    "Flux2KleinKVPipeline": _EDIT.format("Flux2KleinPipeline") + ", KV-cached",
+    "FluxControlImg2ImgPipeline": _I2I.format("FluxPipeline") + ", with a control image",
+    "FluxControlInpaintPipeline": _INPAINT.format("FluxPipeline") + ", with a control image",
+    "FluxControlNetImg2ImgPipeline": _I2I.format("FluxPipeline") + ", with a ControlNet",
+    "FluxControlNetInpaintPipeline": _INPAINT.format("FluxPipeline") + ", with a ControlNet",
+    "FluxControlNetPipeline": _CONTROL.format("FluxPipeline"),
+    "FluxControlPipeline": _CONTROL.format("FluxPipeline"),
+    "FluxFillPipeline": _INPAINT.format("FluxPipeline"),
+    "FluxImg2ImgPipeline": _I2I.format("FluxPipeline"),
+    "FluxInpaintPipeline": _INPAINT.format("FluxPipeline"),
+    "FluxKontextInpaintPipeline": _INPAINT.format("FluxKontextPipeline"),
+    "FluxKontextPipeline": _EDIT.format("FluxPipeline"),
+    "HunyuanImageRefinerPipeline": "refiner of HunyuanImagePipeline's images: the same np.linspace(1, 0, n+1)[:-1] "
+    "grid, conditioned on the image",
+    "HunyuanSkyreelsImageToVideoPipeline": "image-to-video variant of HunyuanVideoPipeline: the same grid code",
+    "HunyuanVideo15ImageToVideoPipeline": "image-to-video variant of HunyuanVideo15Pipeline: the same grid code",
+    "HunyuanVideoFramepackPipeline": "image-to-video (needs an image and its image encoder), in sections of frames: "
+    "HunyuanVideoPipeline's np.linspace(1, 0, n+1)[:-1] grid with mu",
+    "HunyuanVideoImageToVideoPipeline": "image-to-video variant of HunyuanVideoPipeline: the same grid code",
+    "JoyImageEditPipeline": "image edit: needs the image and its vision-language processor",
+    "JoyImageEditPlusPipeline": "multi-image edit variant of JoyImageEditPipeline",
+    "Kandinsky5I2IPipeline": "image-to-image variant of Kandinsky5T2IPipeline: the same set_timesteps(n)",
+    "Kandinsky5I2VPipeline": "image-to-video variant of Kandinsky5T2VPipeline: the same set_timesteps(n)",
+    "Kandinsky6SRPipeline": "video super-resolution: needs a video and a latent upscaler",
+    "Kandinsky6TI2VAPipeline": "text/image-to-video-and-audio (video and audio latents, audio VAE, vocoder): no tiny "
+    "case yet",
+    "LTX2ConditionPipeline": "conditioned variant of LTX2Pipeline (frame conditions): the same grid code",
+    "LTX2DFRPipeline": "one denoise pass over sigmas given by the caller (no grid of its own)",
+    "LTX2HDRPipeline": "reference-video variant of LTX2Pipeline: the same grid code",
+    "LTX2ImageToVideoPipeline": "image-to-video variant of LTX2Pipeline: the same grid code",
+    "LTX2InContextPipeline": "in-context (reference video) variant of LTX2Pipeline: the same grid code",
+    "LTXConditionPipeline": "conditioned variant of LTXPipeline (image / video conditions, strength)",
+    "LTXI2VLongMultiPromptPipeline": "long image-to-video in windows, without prompt_embeds (needs its text encoder)",
+    "LTXImageToVideoPipeline": "image-to-video variant of LTXPipeline: the same grid code",
+    "LongCatImageEditPipeline": _EDIT.format("LongCatImagePipeline"),
+    "LucyEditPipeline": "video-to-video edit on Wan (set_timesteps(n) as WanPipeline): needs the input video",
+    "QwenImageControlNetInpaintPipeline": _INPAINT.format("QwenImagePipeline") + ", with a ControlNet",
+    "QwenImageControlNetPipeline": _CONTROL.format("QwenImagePipeline"),
+    "QwenImageEditInpaintPipeline": _INPAINT.format("QwenImageEditPipeline"),
+    "QwenImageEditPipeline": _EDIT.format("QwenImagePipeline"),
+    "QwenImageEditPlusPipeline": _EDIT.format("QwenImagePipeline") + ", several images",
+    "QwenImageImg2ImgPipeline": _I2I.format("QwenImagePipeline"),
+    "QwenImageInpaintPipeline": _INPAINT.format("QwenImagePipeline"),
+    "QwenImageLayeredPipeline": "image decomposition into layers: needs the input image",
+    "SanaImageToVideoPipeline": "image-to-video variant of SanaVideoPipeline",
+    "SanaWMPipeline": "camera-controlled image-to-video: needs an image and camera poses",
+    "StableAudio3AudioToAudioPipeline": "audio-to-audio variant of StableAudio3Pipeline (its own log-SNR sigmas)",
+    "StableAudio3InpaintPipeline": "inpainting variant of StableAudio3Pipeline (its own log-SNR sigmas)",
+    "StableDiffusion3ControlNetInpaintingPipeline": _INPAINT.format("StableDiffusion3Pipeline") + ", with a ControlNet",
+    "StableDiffusion3ControlNetPipeline": _CONTROL.format("StableDiffusion3Pipeline"),
+    "StableDiffusion3Img2ImgPipeline": _I2I.format("StableDiffusion3Pipeline"),
+    "StableDiffusion3InpaintPipeline": _INPAINT.format("StableDiffusion3Pipeline"),
+    "StableDiffusion3PAGImg2ImgPipeline": _I2I.format("StableDiffusion3PAGPipeline"),
+    "VisualClozeGenerationPipeline": "in-context generation from example images (needs the images)",
+    "VisualClozePipeline": "VisualClozeGenerationPipeline followed by an upsampling pass",
+    "WanImageToVideoPipeline": "image-to-video variant of WanPipeline: tested with tiny Wan 2.1 / 2.2 I2V in "
+    "tests/test_pipelines.py",
+    "WanVACEPipeline": _CONTROL.format("WanPipeline") + " (VACE video / mask / reference images)",
+    "WanVideoToVideoPipeline": _I2I.format("WanPipeline") + " (input video)",
+    "ZImageControlNetInpaintPipeline": _INPAINT.format("ZImagePipeline") + ", with a ControlNet",
+    "ZImageControlNetPipeline": _CONTROL.format("ZImagePipeline"),
+    "ZImageImg2ImgPipeline": _I2I.format("ZImagePipeline"),
+    "ZImageInpaintPipeline": _INPAINT.format("ZImagePipeline"),
+    "ZImageOmniPipeline": _EDIT.format("ZImagePipeline") + " (SigLIP image features)",
+}
+
+
+def flow_match_pipelines() -> set[str]:
+    """Every pipeline class of the installed diffusers whose ``scheduler`` argument is annotated with a FlowMatch
+    scheduler (those whose module fails to import are left out)."""
+    names = set()
+    for name in dir(diffusers):
+        if "Pipeline" not in name:
+            continue
+        try:
+            cls = getattr(diffusers, name)
+        except (ImportError, RuntimeError):
+            continue
+        if not inspect.isclass(cls):
+            continue
+        param = inspect.signature(cls.__init__).parameters.get("scheduler")
+        if param is not None and "FlowMatch" in str(param.annotation):
+            names.add(name)
+    return names
+
+
+def test_every_flow_match_pipeline_is_a_case_or_not_covered_with_a_reason():
+    """A pipeline of a newer diffusers fails here until it is a case of the table or in NOT_COVERED."""
+    found = flow_match_pipelines()
+    cases = {c.pipeline for c in CASES}
+    assert len(found) >= 100  # the enumeration itself works (diffusers 0.42.1: 113)
+    assert sorted(found - cases - set(NOT_COVERED)) == []  # unclassified pipelines
+    assert sorted(set(NOT_COVERED) & cases) == []  # both a case and "not covered"
+    assert sorted(set(NOT_COVERED) - found) == []  # stale entries (renamed or removed pipelines)
+    assert all(len(reason) > 20 for reason in NOT_COVERED.values())
+
+
+def test_not_covered_reasons_hold():
+    """The checkable parts of the reasons, against the installed pipelines' code."""
+    for name, reason in NOT_COVERED.items():
+        params = inspect.signature(getattr(diffusers, name).__call__).parameters
+        if "no prompt_embeds" in reason or "without prompt_embeds" in reason:
+            assert "prompt_embeds" not in params, name
+        if "strength" in reason:
+            assert "strength" in params, name
+        if reason.startswith("inpainting variant"):
+            assert any("mask" in p and "prompt" not in p for p in params), name
+    src = inspect.getsource(diffusers.Cosmos2TextToImagePipeline.__call__)
+    assert "sigmas = torch.linspace(0, 1, num_inference_steps" in src
+    with pytest.raises(ValueError, match=r"sigmas must lie in \(0, 1\]"):  # the Karras ramp is refused, not run
+        RCMScheduler().set_timesteps(sigmas=torch.linspace(0, 1, 3, dtype=torch.float64))
+    for name in ("Ideogram4Pipeline", "AceStepPipeline"):  # own schedules, not a default form
+        src = inspect.getsource(getattr(diffusers, name).__call__)
+        assert "np.linspace(1.0, 1 / num_inference_steps" not in src and "set_timesteps(num_inference_steps" not in src

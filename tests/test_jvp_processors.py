@@ -6,6 +6,7 @@ outside JVP passes; refusals in one line; the float32 time-embedding switch (§4
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -36,8 +37,9 @@ WAN = dict(
     qk_norm="rms_norm_across_heads",
     rope_max_seq_len=32,
 )
-# every transformer class of the table once (Wan 2.2's experts are Wan 2.1's class), plus Wan I2V's image branch
-MODELS = [c.name for c in CASES if c.name != "Wan 2.2"] + ["Wan 2.1 I2V"]
+# every transformer class of the table once (Wan 2.2's experts are Wan 2.1's class, SD3 PAG runs SD3's), plus Wan
+# I2V's image branch
+MODELS = [c.name for c in CASES if c.name not in ("Wan 2.2", "SD3 PAG")] + ["Wan 2.1 I2V"]
 
 
 def _get(args, kwargs, key):
@@ -89,7 +91,7 @@ def make_case(name):
     takes_return_dict = "return_dict" in inspect.signature(model.forward).parameters
 
     def call(m, x_, t_):
-        dtype = next(m.parameters()).dtype
+        dtype = max((p.dtype for p in m.parameters()), key=lambda d: torch.finfo(d).bits)  # see FLOAT32_MODULES
         a, k = tree_map(
             lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
             (list(args), dict(kwargs)),
@@ -118,7 +120,35 @@ def rel(a, b):
 
 
 #: models whose pipeline inputs (padded text) make their JVP pass attend under a mask that masks some keys
-MASKED = {"Qwen-Image", "Chroma", "SanaVideo", "HunyuanVideo-1.5", "HunyuanVideo", "LTX-Video"}
+MASKED = {
+    "Qwen-Image",
+    "Chroma",
+    "SanaVideo",
+    "HunyuanVideo-1.5",
+    "HunyuanVideo",
+    "LTX-Video",
+    "Krea 2",
+    "NucleusMoE-Image",
+    "HunyuanImage-2.1",
+    "Lumina-Next",
+    "PRX",
+    "Sana PAG",
+    "Qwen-Image 2.1",
+    "PRX pixel",
+}
+
+#: submodules that cast their input to float32 themselves (Kandinsky 5's time embedding feeds ``time.float()`` to its
+#: Linear layers): the float64 model keeps them in float32, their output cast to float64
+FLOAT32_MODULES = {"Kandinsky 5 T2I": ["time_embeddings"], "Kandinsky 5 T2V": ["time_embeddings"]}
+
+
+def as_float64(model, name):
+    """``model.double()``, but for the ``FLOAT32_MODULES`` of case ``name``."""
+    model = model.double()
+    for path in FLOAT32_MODULES.get(name, []):
+        sub = model.get_submodule(path).float()
+        sub.register_forward_hook(lambda _m, _args, out: out.double())
+    return model
 
 
 class CountSDPA(torch.overrides.TorchFunctionMode):
@@ -149,14 +179,18 @@ def test_jvp_matches_forward_ad_through_math_sdpa_in_float64(name):
     kernel."""
     model, call, x, t = make_case(name)
     dx, dt = tangents(x, t)
-    ref = copy.deepcopy(model).double()
+    ref = as_float64(copy.deepcopy(model), name)
     with sdpa_kernel(SDPBackend.MATH):
         with CountSDPA() as count:
             y_r, ty_r = torch.func.jvp(
                 lambda a, b: call(ref, a, b), (x.double(), t.double()), (dx.double(), dt.double())
             )
         y_32, ty_32 = torch.func.jvp(lambda a, b: call(copy.deepcopy(model), a, b), (x, t), (dx, dt))
-    enable_jvp_attention(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        enable_jvp_attention(model)
+    # the float32 time-embedding switch (§4.1) finds the model's time embedding
+    assert not [w for w in caught if "no time-embedding module" in str(w.message)]
     calls = STATS["fused_calls"]
     y, ty = torch.func.jvp(lambda a, b: call(model, a, b), (x, t), (dx, dt))
     assert STATS["fused_calls"] - calls == count.with_tangent > 0
@@ -177,16 +211,48 @@ FD_STEPS = {"x": (1e-3, 1e-4), "t": (1e-4, 5e-3)}
 U32 = 2.0**-24
 
 
-@pytest.mark.parametrize("name", MODELS)
+#: (model, tangent) pairs whose float64 difference quotient measures round-off inside the model, not a derivative;
+#: their forward-AD check above still runs
+_KANDINSKY = "its attention rounds the RoPE-rotated q and k to bfloat16, whatever the model's dtype"
+NO_CENTRAL_DIFFERENCES = {
+    ("Kandinsky 5 T2I", "x"): _KANDINSKY,
+    ("Kandinsky 5 T2I", "t"): _KANDINSKY,
+    ("Kandinsky 5 T2V", "x"): _KANDINSKY,
+    ("Kandinsky 5 T2V", "t"): _KANDINSKY,
+    # a step small enough for 1e4 cycles (truncation) sees the float32 rounding of the phase (4e-3 at 2 pi 1e4)
+    ("Stable Audio 3", "t"): "its time features run up to 1e4 cycles per unit time, their phase computed in float32",
+}
+
+
+def test_models_without_central_differences_round_inside():
+    """The reasons of NO_CENTRAL_DIFFERENCES, in the stock code: Kandinsky 5's RoPE returns bfloat16, Stable Audio 3's
+    time features take float32 phases up to 2 pi 1e4 t. Fails once diffusers changes them, to put the checks back."""
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5AttnProcessor
+    from diffusers.models.transformers.transformer_stable_audio3 import StableAudio3ExpoFourierFeatures
+
+    assert "return x_out.reshape(*x.shape).to(torch.bfloat16)" in inspect.getsource(Kandinsky5AttnProcessor.__call__)
+    assert "args = timestep.float() * freqs" in inspect.getsource(StableAudio3ExpoFourierFeatures.forward)
+    assert StableAudio3ExpoFourierFeatures(16).max_freq == 10000.0
+    assert {name for name, _ in NO_CENTRAL_DIFFERENCES} == {
+        c.name for c in CASES if c.pipeline.startswith(("Kandinsky5", "StableAudio3"))
+    }
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if (n, "x") not in NO_CENTRAL_DIFFERENCES])
 def test_jvp_matches_central_differences_in_float64(name):
-    """x-tangent and t-tangent separately against central differences of the float64 model (FD_STEPS)."""
+    """x-tangent and t-tangent separately against central differences of the float64 model (FD_STEPS), but for the
+    pairs of NO_CENTRAL_DIFFERENCES."""
     model, call, x, t = make_case(name)
-    model = enable_jvp_attention(model.double())
+    model = enable_jvp_attention(as_float64(model, name))
     x, t = x.double(), t.double()
     dx, dt = (v.double() for v in tangents(x, t))
     with torch.no_grad():
         scale = call(model, x, t).abs().max()
+    checked = 0
     for wrt, tx, tt in (("x", dx, torch.zeros_like(dt)), ("t", torch.zeros_like(dx), dt)):
+        if (name, wrt) in NO_CENTRAL_DIFFERENCES:
+            continue
+        checked += 1
         h, rtol = FD_STEPS[wrt]
         _, ty = torch.func.jvp(lambda a, b: call(model, a, b), (x, t), (tx, tt))
         with torch.no_grad():
@@ -194,6 +260,7 @@ def test_jvp_matches_central_differences_in_float64(name):
         err, bound = (ty - fd).abs().max(), rtol * ty.abs().max() + 8 * U32 * scale / h
         assert ty.abs().max() > 1e-3 * scale  # the tangent is not lost in the round-off term
         assert err <= bound, (name, wrt, float(err), float(bound))
+    assert checked > 0
 
 
 @pytest.mark.parametrize("name", ["Wan 2.1", "FLUX.1", "Qwen-Image"])

@@ -35,6 +35,11 @@ _TIME_EMBEDDING = (
     "t_embedder",
     "time_step_embed",
     "time_caption_embed",
+    "time_embedding",  # ERNIE-Image, EasyAnimate
+    "timestep_embedder",  # Ovis-Image
+    "time_in",  # PRX
+    "time_embeddings",  # Kandinsky 5
+    "to_timestep_embed",  # Stable Audio 3
 )
 
 #: diffusers attention backends whose attention is a torch ``scaled_dot_product_attention`` call (the others run
