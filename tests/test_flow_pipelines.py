@@ -442,20 +442,41 @@ def flow_match_pipelines() -> set[str]:
     return names
 
 
+#: the diffusers release NOT_COVERED was classified on
+CLASSIFIED_ON = "0.42.1"
+
+
+def _importable(name: str) -> bool:
+    try:
+        return getattr(diffusers, name, None) is not None
+    except (ImportError, RuntimeError):
+        return False
+
+
+def _alias_of(cls, case_cls) -> bool:
+    return cls is not case_cls and issubclass(cls, case_cls) and cls.__call__ is case_cls.__call__
+
+
 def test_every_flow_match_pipeline_is_a_case_or_not_covered_with_a_reason():
     """A pipeline of a newer diffusers fails here until it is a case of the table or in NOT_COVERED."""
     found = flow_match_pipelines()
     cases = {c.pipeline for c in CASES}
-    assert len(found) >= 100  # the enumeration itself works (diffusers 0.42.1: 113)
-    assert sorted(found - cases - set(NOT_COVERED)) == []  # unclassified pipelines
+    case_classes = [getattr(diffusers, n) for n in cases if _importable(n)]
+    # a subclass of a case that keeps its __call__ (older releases' aliases, e.g. Lumina2Text2ImgPipeline) is that case
+    aliases = {n for n in found if any(_alias_of(getattr(diffusers, n), c) for c in case_classes)}
+    assert sorted(found - cases - aliases - set(NOT_COVERED)) == []  # unclassified pipelines
     assert sorted(set(NOT_COVERED) & cases) == []  # both a case and "not covered"
-    assert sorted(set(NOT_COVERED) - found) == []  # stale entries (renamed or removed pipelines)
     assert all(len(reason) > 20 for reason in NOT_COVERED.values())
+    if Version(diffusers.__version__) >= Version(CLASSIFIED_ON):  # older releases lack the newer pipelines
+        assert len(found) >= 100  # the enumeration itself works (diffusers 0.42.1: 113)
+        assert sorted(set(NOT_COVERED) - found) == []  # stale entries (renamed or removed pipelines)
 
 
 def test_not_covered_reasons_hold():
     """The checkable parts of the reasons, against the installed pipelines' code."""
     for name, reason in NOT_COVERED.items():
+        if not _importable(name):  # a pipeline of a newer diffusers than the installed one
+            continue
         params = inspect.signature(getattr(diffusers, name).__call__).parameters
         if "no prompt_embeds" in reason or "without prompt_embeds" in reason:
             assert "prompt_embeds" not in params, name
@@ -463,10 +484,11 @@ def test_not_covered_reasons_hold():
             assert "strength" in params, name
         if reason.startswith("inpainting variant"):
             assert any("mask" in p and "prompt" not in p for p in params), name
-    src = inspect.getsource(diffusers.Cosmos2TextToImagePipeline.__call__)
-    assert "sigmas = torch.linspace(0, 1, num_inference_steps" in src
+    if _importable("Cosmos2TextToImagePipeline"):
+        src = inspect.getsource(diffusers.Cosmos2TextToImagePipeline.__call__)
+        assert "sigmas = torch.linspace(0, 1, num_inference_steps" in src
     with pytest.raises(ValueError, match=r"sigmas must lie in \(0, 1\]"):  # the Karras ramp is refused, not run
         RCMScheduler().set_timesteps(sigmas=torch.linspace(0, 1, 3, dtype=torch.float64))
-    for name in ("Ideogram4Pipeline", "AceStepPipeline"):  # own schedules, not a default form
+    for name in filter(_importable, ("Ideogram4Pipeline", "AceStepPipeline")):  # own schedules, not a default form
         src = inspect.getsource(getattr(diffusers, name).__call__)
         assert "np.linspace(1.0, 1 / num_inference_steps" not in src and "set_timesteps(num_inference_steps" not in src
