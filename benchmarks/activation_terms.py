@@ -11,6 +11,7 @@ and per text token are differences over token and text counts, so what lies outs
     python benchmarks/activation_terms.py --widths 40:13824 --dtypes bfloat16 --lora_rank 64
     python benchmarks/activation_terms.py --family flux --widths 4,12,24   # Flux double and single blocks (heads)
     python benchmarks/activation_terms.py --family hunyuan15 --widths 2,3,4  # also qwen, flux2
+    python benchmarks/activation_terms.py --family hunyuan15 --dense_mask  # diffusers' stock HunyuanVideo-1.5 masks
 """
 
 from __future__ import annotations
@@ -141,16 +142,22 @@ NEW_FAMILIES = {
 }
 
 
-def saved_new_family(family, dtype, overrides, side: int, text: int, rank: int) -> tuple[int, int]:
+def saved_new_family(
+    family, dtype, overrides, side: int, text: int, rank: int, dense_mask: bool = False
+) -> tuple[int, int]:
     """``(bytes saved, tokens of a block's attention)`` in one student forward of a Qwen-Image / FLUX.2 /
     HunyuanVideo-1.5 model (``side`` x ``side`` image tokens, or 1 x ``side`` x 4 video tokens; ``text`` prompt tokens;
-    HunyuanVideo-1.5 also 8 ByT5 and the pipeline's 729 masked image tokens)."""
+    HunyuanVideo-1.5 also 8 ByT5 and the pipeline's 729 masked image tokens, with the trainer's key-padding masks or,
+    ``dense_mask``, diffusers' stock processors)."""
+    from rcm_diffusers.attention.hunyuan15 import enable_key_padding_mask
     from rcm_diffusers.distill.data import flux2_ids
 
     arch = NEW_FAMILIES[family][0]
     m = build_transformer(arch, dtype=dtype, keep_fp32=True, **overrides)
     cfg, g = m.config, torch.Generator().manual_seed(0)
     if family == "hunyuan15":
+        if not dense_mask:
+            enable_key_padding_mask(m)
         x = torch.randn(1, cfg.out_channels, 1, side, 4, generator=g).to(dtype)
         cond = {
             "encoder_hidden_states": torch.randn(1, text, cfg.text_embed_dim, generator=g).to(dtype),
@@ -178,11 +185,11 @@ def new_family_rows(a) -> None:
         dtype = getattr(torch, dt)
         for heads in (int(v) for v in a.widths.split(",")):
             for kind, (one, two) in kinds.items():
-                coeffs = ACT_COEFFS[f"{a.family}_{kind}"]
+                coeffs = ACT_COEFFS[f"{a.family}_{kind}" + ("_dense_mask" if a.dense_mask else "")]
                 for side, text in ((4, 8), (8, 8)) if kind != "refiner" else ((4, 8), (4, 24)):
                     ov = lambda d: dict(d, num_attention_heads=heads)  # noqa: E731
-                    big, L = saved_new_family(a.family, dtype, ov(two), side, text, a.lora_rank)
-                    blk = big - saved_new_family(a.family, dtype, ov(one), side, text, a.lora_rank)[0]
+                    big, L = saved_new_family(a.family, dtype, ov(two), side, text, a.lora_rank, a.dense_mask)
+                    blk = big - saved_new_family(a.family, dtype, ov(one), side, text, a.lora_rank, a.dense_mask)[0]
                     s = TrainSetup(
                         family=a.family,
                         dim=128 * heads,
@@ -225,6 +232,12 @@ def main(argv=None):
     p.add_argument("--dtypes", default="bfloat16,float32", help="weight dtypes (bfloat16: under bf16 autocast)")
     p.add_argument("--lora_rank", type=int, default=32, help="LoRA rank of student and fake score")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument(
+        "--dense_mask",
+        action="store_true",
+        help="hunyuan15: diffusers' stock attention processors (dense [B, 1, L, L] masks) instead of the trainer's "
+        "key-padding masks, against the *_dense_mask coefficients",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore", message="There are modules in")

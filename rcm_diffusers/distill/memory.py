@@ -161,10 +161,31 @@ ACT_COEFFS = {
         "float32": {"per_D": 84.0, "per_head": 12.0, "per_r": 8.0, "per_tok": 8.0, "layer_D": 4.0},
         "bfloat16": {"per_D": 50.0, "per_head": 12.0, "per_r": 4.0, "per_tok": 4.0, "layer_D": 2.0, "layer_rD": 30.0},
     },
-    # HunyuanVideo-1.5 double-stream block: Qwen-Image's terms plus per_L2 bytes per squared joint token count (video +
-    # context tokens L): the joint attention's mask [B, 1, L, L], which the block builds from the context mask and
-    # which attention saves as an additive mask in the activation dtype (4 bytes float32, 2 bf16)
+    # HunyuanVideo-1.5 double-stream block as the trainer runs it (``rcm_diffusers.attention.hunyuan15``: the context's
+    # padding mask as a key mask [B, 1, 1, L]): Qwen-Image's terms plus the additive key mask attention saves, b bytes
+    # per token of the block's attention (video + context tokens L) in per_tok
     "hunyuan15_double": {
+        "float32": {"per_D": 72.0, "per_head": 12.0, "per_r": 24.0, "per_tok": 20.0, "layer_D": 64.0},
+        "bfloat16": {
+            "per_D": 50.0,
+            "per_head": 12.0,
+            "per_r": 12.0,
+            "per_tok": 10.0,
+            "layer_D": 32.0,
+            "layer_rD": 72.0,
+        },
+    },
+    # HunyuanVideo-1.5 token refiner block (the Qwen2.5-VL prompt tokens T only: 4 D MLP, self-attention with the
+    # prompt's key mask [B, 1, 1, T], saved additive: b bytes per token in per_tok); not checkpointed
+    "hunyuan15_refiner": {
+        "float32": {"per_D": 64.0, "per_head": 4.0, "per_r": 24.0, "per_tok": 20.0, "layer_D": 8.0},
+        "bfloat16": {"per_D": 38.0, "per_head": 4.0, "per_r": 12.0, "per_tok": 10.0, "layer_D": 4.0, "layer_rD": 36.0},
+    },
+    # the same blocks with diffusers' stock processors (``TrainSetup.dense_attention_mask``), which pass attention a
+    # dense mask: the double-stream block's [B, 1, L, L] is saved as an additive mask in the activation dtype (per_L2:
+    # 4 bytes float32, 2 bf16), the refiner's repeated over the heads, [B, H, T, T] (per_head_L2); neither saves the
+    # key mask's b bytes per token
+    "hunyuan15_double_dense_mask": {
         "float32": {"per_D": 72.0, "per_head": 12.0, "per_r": 24.0, "per_tok": 16.0, "layer_D": 64.0, "per_L2": 4.0},
         "bfloat16": {
             "per_D": 50.0,
@@ -176,9 +197,7 @@ ACT_COEFFS = {
             "per_L2": 2.0,
         },
     },
-    # HunyuanVideo-1.5 token refiner block (the Qwen2.5-VL prompt tokens T only: 4 D MLP, self-attention with a
-    # per-head mask [B, H, T, T] saved in the activation dtype: per_head_L2 bytes per head and T^2); not checkpointed
-    "hunyuan15_refiner": {
+    "hunyuan15_refiner_dense_mask": {
         "float32": {"per_D": 64.0, "per_head": 4.0, "per_r": 24.0, "per_tok": 16.0, "layer_D": 8.0, "per_head_L2": 4.0},
         "bfloat16": {
             "per_D": 38.0,
@@ -221,14 +240,17 @@ WORKING_SETS = {
 }
 
 #: what HunyuanVideo-1.5's joint attention masks add to the working sets, bytes per squared token count L^2 of a
-#: block's attention (video + context tokens) and sample: each block's attention builds two [B, 1, L, L] bool masks
-#: (the context mask repeated over the rows, and it and its transpose), alive through the attention of every forward
-#: (2 bytes), and SDPA converts them into an additive mask in the activation dtype (``b`` bytes), which a
-#: grad-enabled forward saves (``ACT_COEFFS["hunyuan15_double"]["per_L2"]``) and a no-grad forward frees after the
-#: block. Traced with ``allocation_trace`` on 1-block tiny models (L 4357 / 8453, CPU): a grad-enabled forward's
-#: transient 1.77 / 1.92 L^2 beyond what it saves (float32 / bf16), its backward nothing quadratic, a no-grad forward
-#: 6.3 / 4.2 L^2 (L 5089 / 9185)
-HUNYUAN15_MASK_WORKING_SETS = {"nograd": 2.0, "forward": 2.0, "backward": 0.0}
+#: block's attention (video + context tokens) and sample. The trainer's key-padding masks ([B, 1, 1, L],
+#: ``rcm_diffusers.attention.hunyuan15``) add nothing quadratic. With diffusers' stock processors
+#: (``TrainSetup.dense_attention_mask``) each block's attention builds two [B, 1, L, L] bool masks (the context mask
+#: repeated over the rows, and it and its transpose), alive through the attention of every forward (2 bytes), and SDPA
+#: converts them into an additive mask in the activation dtype (``b`` bytes), which a grad-enabled forward saves
+#: (``ACT_COEFFS["hunyuan15_double_dense_mask"]["per_L2"]``) and a no-grad forward frees after the block. Traced with
+#: ``allocation_trace`` on 1-block tiny models (L 4357 / 8453, CPU): a grad-enabled forward's transient 1.77 / 1.92 L^2
+#: beyond what it saves (float32 / bf16), its backward nothing quadratic, a no-grad forward 6.3 / 4.2 L^2 (L 5089 /
+#: 9185)
+HUNYUAN15_MASK_WORKING_SETS = {"nograd": 0.0, "forward": 0.0, "backward": 0.0}
+HUNYUAN15_DENSE_MASK_WORKING_SETS = {"nograd": 2.0, "forward": 2.0, "backward": 0.0}
 
 #: the JVP pass (fd_type 0/1), which holds no activations across blocks: its token-bound peak is a block's primal and
 #: tangent feed-forward, ``b (per_F F + per_D D)`` per video token (Flux: per token of either stream) plus ``txt_D D b``
@@ -302,6 +324,9 @@ class TrainSetup:
     # HunyuanVideo-1.5's token refiner: its blocks and the prompt tokens they run on (not checkpointed)
     refiner_layers: int = 0
     refiner_tokens: int = 0
+    # HunyuanVideo-1.5 with diffusers' stock attention processors (dense [B, 1, L, L] masks); the trainer runs
+    # key-padding masks (rcm_diffusers.attention.hunyuan15), the default
+    dense_attention_mask: bool = False
 
     @classmethod
     def from_config(
@@ -514,7 +539,8 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
         blocks = [(ACT_COEFFS["wan"], _rank_tokens(s), s.text_tokens)] * s.num_layers
     else:
         n = s.tokens + s.text_tokens  # both streams (double) / concatenated (single)
-        double, single = {"qwen": ("qwen_double", None), "hunyuan15": ("hunyuan15_double", None)}.get(
+        dense = "_dense_mask" if s.dense_attention_mask else ""
+        double, single = {"qwen": ("qwen_double", None), "hunyuan15": ("hunyuan15_double" + dense, None)}.get(
             s.family, (s.family + "_double", s.family + "_single")
         )
         blocks = [(ACT_COEFFS[double], n, 0)] * s.num_layers
@@ -538,11 +564,14 @@ def activation_bytes(s: TrainSetup) -> tuple[float, float]:
 def working_set(s: TrainSetup, name: str) -> float:
     """``WORKING_SETS[name]`` of setup ``s``: ``tokens b (per_F F + per_D D)`` with the rank's tokens (Flux: image and
     text tokens) and the activation bytes ``b``; HunyuanVideo-1.5 also its attention masks
-    (``HUNYUAN15_MASK_WORKING_SETS``)."""
+    (``HUNYUAN15_MASK_WORKING_SETS``; with ``dense_attention_mask`` ``HUNYUAN15_DENSE_MASK_WORKING_SETS``)."""
     c, b = WORKING_SETS[_dtype_key(s)][name], DTYPE_BYTES[s.weight_dtype]
     masks = 0.0
-    if s.family == "hunyuan15":  # the attention masks of one block (HUNYUAN15_MASK_WORKING_SETS)
-        masks = (HUNYUAN15_MASK_WORKING_SETS[name] + (b if name == "nograd" else 0)) * _stream_tokens(s) ** 2
+    if s.family == "hunyuan15":  # the attention masks of one block
+        per_L2 = HUNYUAN15_MASK_WORKING_SETS[name]
+        if s.dense_attention_mask:  # the bool masks, and the additive one a no-grad forward frees after the block
+            per_L2 = HUNYUAN15_DENSE_MASK_WORKING_SETS[name] + (b if name == "nograd" else 0)
+        masks = per_L2 * _stream_tokens(s) ** 2
     return float(s.batch * (_stream_tokens(s) * b * (c["per_F"] * s.ffn_dim + c["per_D"] * s.dim) + masks))
 
 
@@ -565,7 +594,8 @@ def _unchecked_bytes(s: TrainSetup) -> float:
     if s.family == "qwen":
         return float(4096 * (s.head_dim // 2) * 8)
     if s.family == "hunyuan15" and s.refiner_layers:
-        return s.refiner_layers * _block_bytes(ACT_COEFFS["hunyuan15_refiner"], s, s.refiner_tokens, 0)
+        key = "hunyuan15_refiner_dense_mask" if s.dense_attention_mask else "hunyuan15_refiner"
+        return s.refiner_layers * _block_bytes(ACT_COEFFS[key], s, s.refiner_tokens, 0)
     return 0.0
 
 

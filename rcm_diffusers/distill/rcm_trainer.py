@@ -104,6 +104,11 @@ class RCMTrainer:
             self.transformer = load_transformer(
                 transformer_cls, cfg, index, DTYPES[cfg.weight_dtype], torch.device("cpu") if one_card else device, log
             )
+        if transformer_cls.__name__ == "HunyuanVideo15Transformer3DModel":
+            # key-padding attention masks: the same outputs without the stock [B, 1, L, L] masks (docs/training.md)
+            from ..attention.hunyuan15 import enable_key_padding_mask
+
+            enable_key_padding_mask(self.transformer)
         nets, trainable = Networks.build(
             self.transformer,
             cfg.mode,
