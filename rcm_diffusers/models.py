@@ -184,6 +184,9 @@ def _batch_timestep(r, x_r, scale: float, time_input: str, device, dtype=None) -
 
 #: HunyuanVideo15Pipeline.vision_num_semantic_tokens: the (all-zero, in text-to-video) image tokens it passes
 HUNYUAN15_IMAGE_TOKENS = 729
+#: HunyuanVideo-1.5's context tokens besides the Qwen2.5-VL prompt: 256 ByT5 tokens (HunyuanVideo15Pipeline's
+#: tokenizer_2_max_length) and the 729 image tokens (all zero and masked in text-to-video), in every joint attention
+HUNYUAN15_CONTEXT_EXTRA = 256 + HUNYUAN15_IMAGE_TOKENS
 
 
 def _v_hunyuan15(transformer, scale: float, time_input: str):

@@ -105,7 +105,7 @@ def _measure_new_family(arch, dtype, case, rank=8, dense_mask=False):
     key-padding masks, or with ``dense_mask`` diffusers' stock processors), and the memory model's setup of it."""
     from rcm_diffusers.attention.hunyuan15 import enable_key_padding_mask
     from rcm_diffusers.distill.data import flux2_ids
-    from rcm_diffusers.distill.lowmem import HUNYUAN15_CONTEXT_EXTRA
+    from rcm_diffusers.models import HUNYUAN15_CONTEXT_EXTRA
 
     m = build_transformer(arch, dtype=dtype, keep_fp32=True, **case["overrides"])
     nets, _ = Networks.build(m, "shared", with_fake=True, lora_rank=rank)
@@ -183,8 +183,8 @@ def test_hunyuan15_nograd_working_set_grows_with_the_attention_mask(dtype):
     traced one. With the trainer's key-padding masks the traced growth is at most the model's (which has no L^2 term;
     measured 1.15x / 1.40x below it in float32 / bf16) and under a fifth of the stock growth."""
     from rcm_diffusers.attention.hunyuan15 import enable_key_padding_mask
-    from rcm_diffusers.distill.lowmem import HUNYUAN15_CONTEXT_EXTRA
     from rcm_diffusers.distill.memory import allocation_trace, working_set
+    from rcm_diffusers.models import HUNYUAN15_CONTEXT_EXTRA
 
     m = build_transformer(
         "hunyuanvideo-1.5-t2v-480p",

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import transformer_blocks
+from ..models import HUNYUAN15_CONTEXT_EXTRA, transformer_blocks
 from .memory import BASE_DTYPES
 
 __all__ = [
@@ -623,11 +623,6 @@ def _card() -> tuple[str, float | None, str]:
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return "mps", None, "mps"
     return "cpu", None, "cpu"
-
-
-#: HunyuanVideo-1.5's context tokens besides the Qwen2.5-VL prompt: 256 ByT5 tokens (HunyuanVideo15Pipeline's
-#: tokenizer_2_max_length) and 729 image tokens (all zero and masked in text-to-video), in every joint attention
-HUNYUAN15_CONTEXT_EXTRA = 256 + 729
 
 
 def train_setup(cfg, config: dict, class_name: str, latent_shape, text_tokens: int, experts: int):

@@ -358,7 +358,7 @@ class TrainSetup:
         }.get(class_name, "flux" if class_name.startswith("Flux") else "wan")
         refiner = {}
         if family == "hunyuan15":  # the token refiner runs on the Qwen2.5-VL prompt tokens alone
-            from .lowmem import HUNYUAN15_CONTEXT_EXTRA
+            from ..models import HUNYUAN15_CONTEXT_EXTRA
 
             refiner = dict(
                 refiner_layers=config.get("num_refiner_layers", 0),
