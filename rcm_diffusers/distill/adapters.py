@@ -27,18 +27,24 @@ __all__ = ["ROLES", "DEFAULT_LORA_TARGETS", "Networks", "add_rcm_adapters", "lor
 
 ROLES = ("teacher", "student", "fake")
 
+#: the projections of a joint (image / video and text) attention block: q/k/v/out of the image or video stream, then
+#: the text stream's add_q/k/v and to_add_out (FLUX.1, Qwen-Image, FLUX.2 and HunyuanVideo-1.5 name them alike)
+_JOINT_ATTENTION = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+]
+
 #: LoRA target modules per transformer family (attention projections and feed-forward)
 DEFAULT_LORA_TARGETS = {
     "Wan": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2"],
     "Flux": [
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        *_JOINT_ATTENTION,
         "proj_mlp",
         "proj_out",
         "ff.net.0.proj",
@@ -49,14 +55,7 @@ DEFAULT_LORA_TARGETS = {
     # QwenImageTransformerBlock: joint attention (image q/k/v/out, text add_q/k/v and to_add_out) and the image and
     # text feed-forwards (the Linears of diffusers' own _tp_plan for the blocks)
     "QwenImage": [
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        *_JOINT_ATTENTION,
         "img_mlp.net.0.proj",
         "img_mlp.net.2",
         "txt_mlp.net.0.proj",
@@ -66,14 +65,7 @@ DEFAULT_LORA_TARGETS = {
     # Flux2SingleTransformerBlock: the fused q/k/v + MLP-in projection and the fused attention + MLP-out projection
     # (diffusers' _tp_plan of the blocks). "to_out" is a ModuleList in the double blocks: only its Linears are taken
     "Flux2": [
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        *_JOINT_ATTENTION,
         "ff.linear_in",
         "ff.linear_out",
         "ff_context.linear_in",
@@ -85,14 +77,7 @@ DEFAULT_LORA_TARGETS = {
     # and text feed-forwards; the same names take the text token refiner's attention and feed-forward
     # (context_embedder.token_refiner.refiner_blocks.N: to_q/k/v, to_out.0, ff.net.0.proj, ff.net.2)
     "HunyuanVideo15": [
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        *_JOINT_ATTENTION,
         "ff.net.0.proj",
         "ff.net.2",
         "ff_context.net.0.proj",
