@@ -22,6 +22,7 @@ from rcm_diffusers.distill.memory import (
     checkpoint_held,
     checkpoint_held_bytes,
     fits,
+    passes_per_iteration,
     predict_training,
     saved_activation_bytes,
 )
@@ -519,3 +520,35 @@ def test_memory_peaks_rescore_uses_the_current_model(tmp_path):
     assert got[0]["predicted"] == held_bytes(s_full) and got[0]["ratio"] == 1e8 / held_bytes(s_full)
     p = predict_training(s_off, device="cpu")
     assert got[1]["predicted"] == p["jvp"] + p["cp_exchange"] > p["jvp"] > 0
+
+
+@pytest.mark.parametrize("fd_type", [0, 1, 2])
+def test_passes_per_iteration_by_hand(fd_type):
+    """The time model's mean passes, counted by hand for a guided teacher (2 calls per evaluation), n uniform in 1..4
+    (mean 2.5), student_update_freq 2: a student iteration runs the sCM term (2 teacher calls, the tangent: a JVP for
+    fd_type 0, a JVP and F(x_t, t - h) for 1, one more student call for 2; one grad pass) and DMD (n - 1 simulation
+    calls, the fake score, 2 teacher calls; one grad pass); a fake-score iteration n student calls and one grad pass.
+    Without DMD every iteration is the sCM term alone."""
+    s = TrainSetup(
+        family="wan",
+        dim=1,
+        ffn_dim=1,
+        num_layers=1,
+        num_single_layers=0,
+        params=1,
+        lora_params_student=1,
+        lora_params_fake=1,
+        tokens=1,
+        text_tokens=1,
+        fd_type=fd_type,
+        max_simulation_steps=4,
+        student_update_freq=2,
+    )
+    extra = {0: 0, 1: 1, 2: 1}[fd_type]
+    jvp = 1.0 if fd_type in (0, 1) else 0.0
+    student = {"nograd": 2 + extra + 1.5 + 1 + 2, "jvp": jvp, "grad": 2.0}
+    fake = {"nograd": 2.5, "jvp": 0.0, "grad": 1.0}
+    want = {k: 0.5 * student[k] + 0.5 * fake[k] for k in student}
+    assert passes_per_iteration(s) == pytest.approx(want, abs=1e-12)
+    alone = passes_per_iteration(dataclasses.replace(s, use_dmd=False))
+    assert alone == pytest.approx({"nograd": 2 + extra, "jvp": jvp, "grad": 1.0}, abs=1e-12)

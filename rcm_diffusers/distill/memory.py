@@ -777,19 +777,29 @@ DEQUANT_BYTES = {"float32": 13, "bfloat16": 7, "float16": 7}
 
 
 def passes_per_iteration(s: TrainSetup) -> dict:
-    """Mean network passes of one iteration (``student_update_freq`` alternation, ``n`` uniform in 1..``max_simulation_
-    steps``): a student iteration runs the sCM term (teacher with CFG: 2 no-grad, the JVP pass for fd_type 0/1, one
-    grad pass) and, with DMD, the backward simulation (``n - 1`` no-grad student calls and one grad pass), the fake
-    score and the guided teacher at the simulated sample (3 no-grad); a fake-score iteration the simulation (``n``
-    no-grad) and one grad pass."""
-    n = (s.max_simulation_steps + 1) / 2
-    jvp = 1.0 if s.fd_type in (0, 1) else 0.0
-    scm_nograd = 2.0 + (1.0 if s.fd_type == 2 else 0.0)  # fd_type 2: a second no-grad student call
+    """Mean network passes of one iteration in the three kinds the time model prices, ``{"nograd", "jvp", "grad"}``
+    (a grad pass = forward with grad + its backward): ``cost.student_passes`` / ``cost.fake_passes`` summed over the
+    roles, ``n`` uniform in 1..``max_simulation_steps``, student iterations a ``1 / student_update_freq`` share,
+    the teacher guided with CFG (2 calls per evaluation), no regression or boundary term."""
+    from .cost import Recipe, fake_passes, student_passes
+
+    r = Recipe(fd_type=s.fd_type, use_dmd=s.use_dmd, dmd_weight=1.0, cfg_calls=2)
+    sims = range(1, s.max_simulation_steps + 1)
+
+    def mean_kinds(counts: list[dict]) -> dict:
+        tot = {"nograd": 0.0, "jvp": 0.0, "grad": 0.0}
+        for c in counts:
+            for kinds in c.values():
+                tot["nograd"] += kinds.get("forward", 0)
+                tot["jvp"] += kinds.get("jvp", 0)
+                tot["grad"] += kinds.get("forward_grad", 0)
+        return {k: v / len(counts) for k, v in tot.items()}
+
+    student = mean_kinds([student_passes(r, n) for n in sims])
     if not s.use_dmd:
-        return {"nograd": scm_nograd, "jvp": jvp, "grad": 1.0}
+        return student
+    fake = mean_kinds([fake_passes(r, n) for n in sims])
     f = 1.0 / s.student_update_freq
-    student = {"nograd": scm_nograd + (n - 1) + 3, "jvp": jvp, "grad": 2.0}
-    fake = {"nograd": n, "jvp": 0.0, "grad": 1.0}
     return {k: f * student[k] + (1 - f) * fake[k] for k in student}
 
 
