@@ -460,3 +460,44 @@ def test_regression_term_equals_teacher_one_step_error_and_resumes(wan):
     got = [json.loads(line) for line in open(cut / "metrics.jsonl")]
     keys = ("step", "net", "loss_reg", "loss_scm", "loss_dmd", "loss_fake")
     assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in ref]
+
+
+@torch.no_grad()
+def test_regression_batch_size_draws_its_own_number_of_pairs(wan):
+    """``regression_batch_size 5`` at ``batch_size 2``: step 0's ``loss_reg`` (student = teacher) is the mean over the
+    5 pairs ``pair_indices`` gives at that batch size, not over 2."""
+    from diffusers import WanTransformer3DModel
+
+    from rcm_diffusers.distill.data import LatentDataset, pair_indices
+
+    pairs = make_dataset(str(wan[2] / "pairs5"), "wan", n=7, noise=True)
+    run = wan[2] / "run_reg_b5"
+    run_trainer(
+        _args(
+            wan,
+            run,
+            "--regression_weight",
+            "0.5",
+            "--regression_data_dir",
+            str(pairs),
+            "--max_steps",
+            "1",
+            "--regression_batch_size",
+            "5",
+        )
+    )
+    got = json.loads(open(run / "metrics.jsonl").readline())["loss_reg"]
+    tr = WanTransformer3DModel.from_pretrained(wan[0], subfolder="transformer").eval()
+
+    def mean_err(n):
+        b = LatentDataset(str(pairs)).get(pair_indices(7, n, 0, 0, 1, 0))
+        v = tr(
+            hidden_states=b["noise"],
+            timestep=torch.full((n,), 1000.0),
+            encoder_hidden_states=b["prompt_embeds"],
+            return_dict=False,
+        )[0]
+        return float(((b["noise"].double() - v.double() - b["latents"].double()) ** 2).flatten(1).sum(1).mean())
+
+    assert got == pytest.approx(mean_err(5), rel=1e-5)
+    assert abs(got - mean_err(2)) > 1e-3 * abs(got)
