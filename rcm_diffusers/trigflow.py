@@ -166,14 +166,9 @@ def sample_p_G(
     return torch.atan(sigma)
 
 
-def sample_p_D(
-    batch: int, shift: float = 5.0, generator: torch.Generator | None = None, device=None, r_below: float | None = None
-) -> torch.Tensor:
-    """DMD/critic angles: ``u ~ U[0,1)``, ``r = s u / (1 + (s-1) u)``, ``t = arctan(r / (1 - r))`` (docs/math.md §3).
-    ``r_below = b`` draws from ``p_D`` conditioned on ``r < b``: ``u ~ U[0, u_b)``, ``u_b = b / (s - (s-1) b)``."""
+def sample_p_D(batch: int, shift: float = 5.0, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """DMD/critic angles: ``u ~ U[0,1)``, ``r = s u / (1 + (s-1) u)``, ``t = arctan(r / (1 - r))`` (docs/math.md §3)."""
     u = rng.rand((batch,), dtype=F64, generator=generator, device=device)
-    if r_below is not None:
-        u = u * (r_below / (shift - (shift - 1.0) * r_below))
     return r_to_t(shift_r(u, shift))
 
 

@@ -265,20 +265,6 @@ def test_backward_simulation(n):
     assert w.grad is not None and float(w.grad) == pytest.approx(float(calls[-1][2].sum()))
 
 
-def test_backward_simulation_below_switch():
-    """``r_below = b`` (two experts, ``sim_low_expert``): the first call at pi/2, every later one below the switch
-    angle ``arctan(b / (1 - b))``; without it a shift-5 p_D puts many intermediate angles above it."""
-    b = 0.875
-    t_b = math.atan2(b, 1 - b)
-    _, low = L.backward_simulation(
-        lambda x, t: 0.5 * x, (4000, 2), 3, generator=torch.Generator().manual_seed(0), r_below=b
-    )
-    assert (low[0] == math.pi / 2).all() and (low[1:] < t_b).all()
-    _, free = L.backward_simulation(lambda x, t: 0.5 * x, (4000, 2), 3, generator=torch.Generator().manual_seed(0))
-    u_b = b / (5.0 - 4.0 * b)  # P(r < b) under p_D with shift 5
-    assert float((free[1] >= t_b).double().mean()) == pytest.approx(1 - u_b, abs=0.03)
-
-
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_backward_simulation_fixed_angles(n):
     """``fixed_angles`` (``dmd_fix_timesteps``): the calls run at ``[pi/2, *fixed[:n - 1]]`` and no angle is drawn, so

@@ -214,41 +214,6 @@ def test_dmd_and_fake_score_calls_follow_the_pipeline_rule_at_every_time():
     assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if n.startswith("transformer_2."))
 
 
-def test_sim_low_expert_keeps_every_simulation_call_after_the_first_on_the_low_noise_expert():
-    """``sim_low_expert``: the backward simulation's first call is the high-noise expert's (pi/2) and every later call
-    the low-noise expert's, for every sample, as the sampler runs with ``mid_t`` below the switch; without the option
-    (or with one network) the simulation's angles are p_D's on both sides."""
-    from types import SimpleNamespace
-
-    from rcm_diffusers.distill import losses as L
-    from rcm_diffusers.distill import terms as T
-    from rcm_diffusers.distill.adapters import Networks
-
-    hi, lo = _experts()
-    sw = WanExpertSwitch(hi, lo, 0.875)
-    nets, _ = Networks.build(sw, "shared", with_fake=True, lora_rank=2, time_input="bf16")
-    cond = {"encoder_hidden_states": torch.randn(16, 3, 16, generator=torch.Generator().manual_seed(1))}
-    on, off = SimpleNamespace(sim_low_expert=True), SimpleNamespace(sim_low_expert=False)
-    assert T.simulation_r_below(nets, on) == 0.875 and T.simulation_r_below(nets, off) is None
-    one, _ = Networks.build(_experts()[1], "shared", with_fake=True, lora_rank=2, time_input="bf16")
-    assert T.simulation_r_below(one, on) is None
-    for cfg, crosses in ((on, False), (off, True)):
-        sw.calls = []
-        with torch.no_grad():
-            L.backward_simulation(
-                nets.x0_fn("student", cond),
-                (16, 4, 1, 4, 4),
-                4,
-                generator=torch.Generator().manual_seed(0),
-                r_below=T.simulation_r_below(nets, cfg),
-            )
-        first, later = sw.calls[0], sw.calls[1:]
-        assert first[0] == HIGH and len(first[1]) == 16
-        assert any(e == HIGH for e, _ in later) == crosses
-        if not crosses:
-            assert sum(len(ts) for e, ts in later if e == LOW) == 3 * 16
-
-
 def test_dcm_step_runs_each_call_on_its_experts_and_trains_both():
     """dCM (``cm_type dcm``) with two experts: the student at ``t_0`` and ``t_N`` and the teacher's Euler steps each run
     on the expert the pipeline picks for that time (t_0 and t_N may straddle the switch), the batch covers both

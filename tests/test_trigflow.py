@@ -139,21 +139,6 @@ def test_p_D_shifted_uniform():
     assert abs(np.median(r) - 5 / 6) < 0.01
 
 
-def test_p_D_below_switch_is_the_conditional():
-    """``r_below = b``: p_D conditioned on ``r < b``; its unshifted u is uniform on [0, u_b), u_b from inverting the
-    shift, and the same generator draws the same u scaled by u_b (one draw per sample, as without it)."""
-    b, s = 0.875, 5.0
-    t = tf.sample_p_D(50_000, shift=s, generator=torch.Generator().manual_seed(4), r_below=b)
-    r = tf.t_to_r(t).numpy()
-    assert r.max() < b
-    u_b = b / (s - (s - 1) * b)  # shift(u_b) = b
-    assert shift_family(np.array([u_b]), s)[0] == pytest.approx(b, rel=1e-14)
-    u = unshift_family(r, s)
-    assert stats.kstest(u / u_b, "uniform").pvalue > 1e-3
-    t_all = tf.sample_p_D(50_000, shift=s, generator=torch.Generator().manual_seed(4))
-    assert np.allclose(unshift_family(tf.t_to_r(t_all).numpy(), s) * u_b, u, atol=1e-12)
-
-
 def test_assert_angles():
     tf.assert_angles([0.0, 1.0, math.pi / 2])
     with pytest.raises(ValueError, match="NaN or inf"):

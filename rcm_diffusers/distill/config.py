@@ -333,14 +333,6 @@ class RCMConfig(CommonOptions):
         gt=0,
         lt=1,
     )
-    sim_low_expert: bool = opt(
-        False,
-        "two experts: the backward simulation (DMD's and the fake score's student samples) draws its intermediate "
-        "angles from p_D below the switch, so its first call is the high-noise expert's and every later one the "
-        "low-noise expert's, as in the sampler with sigma_max above the switch and mid_t below it "
-        "(docs/math.md §6.1); off = p_D on both sides",
-        group="objective",
-    )
     boundary_weight: float = opt(
         1.0,
         "two experts: weight of the boundary term, which pulls the high-noise expert's "
@@ -485,15 +477,6 @@ class RCMConfig(CommonOptions):
         group="objective",
         ge=0,
         allow_inf_nan=False,
-    )
-    regression_batch_size: int = opt(
-        0,
-        "ODE pairs per process and student iteration of the regression term (0 = batch_size); the term's loss is "
-        "reduced over its own batch by loss_reduction",
-        group="objective",
-        resume="fixed",
-        why=_STREAM,
-        ge=0,
     )
     loss_reduction: Literal["mean", "sum"] = opt(
         "mean", "batch reduction of the per-sample losses: 'mean' or 'sum' (official rCM)", group="objective"

@@ -243,13 +243,11 @@ def backward_simulation(
     generator: torch.Generator | None = None,
     device=None,
     fixed_angles=None,
-    r_below: float | None = None,
 ):
     """Few-step student sample ``G_x0`` by ``n`` student calls, gradient on the last only (docs/math.md §4.2).
 
     Starts at ``t = pi/2`` from pure noise; the ``n - 1`` intermediate angles are drawn from
-    ``p_D`` (conditioned on ``r < r_below`` when given: two experts, docs/math.md §6.1) and clamped to at most the
-    previous one, or, with ``fixed_angles`` (the official
+    ``p_D`` and clamped to at most the previous one, or, with ``fixed_angles`` (the official
     ``dmd_fix_timesteps`` with its ``backward_timesteps``), are ``fixed_angles[:n - 1]`` and nothing is drawn for
     them; after each non-final call the student's ``x0`` is re-noised with fresh noise,
     ``x = cos t_next x0 + sin t_next eps``. Returns ``(G_x0, angles)`` with ``angles`` ``[n, B]``, the angle of each
@@ -271,7 +269,7 @@ def backward_simulation(
         if last:
             return x0, torch.stack(angles)
         if fixed_angles is None:
-            t = torch.minimum(sample_p_D(B, shift, generator=generator, device=device, r_below=r_below), t)
+            t = torch.minimum(sample_p_D(B, shift, generator=generator, device=device), t)
         else:
             t = torch.full((B,), float(fixed_angles[k]), dtype=F64, device=device)
         eps = rng.randn(shape, dtype=F64, generator=generator, device=device)

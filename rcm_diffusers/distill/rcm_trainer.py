@@ -249,7 +249,6 @@ class RCMTrainer:
         terms = student_terms(cfg)
 
         n_micro, B = cfg.gradient_accumulation_steps, cfg.batch_size
-        RB = cfg.regression_batch_size or B  # the ODE pairs' rows per micro-batch
         seeding = noise_seeding_of(cfg)
         # accelerator.backward divides each micro-batch's loss by n_micro (a mean over the whole batch); a sum must
         # undo that. Context parallel: every rank of a group holds the same loss and its share of the gradient, and
@@ -266,7 +265,7 @@ class RCMTrainer:
             ids = batch_indices(len(data), B * n_micro, i, dp_rank, dp_world, cfg.seed)
             x0_all, cond_all, uncond_all = model_inputs(data.family, data.get(ids), device, nets.model_dtype, guide)
             if pairs is not None and plan.student:  # the ODE pairs of the regression term, a stream of their own
-                p_ids = pair_indices(len(pairs), RB * n_micro, i, dp_rank, dp_world, cfg.seed)
+                p_ids = pair_indices(len(pairs), B * n_micro, i, dp_rank, dp_world, cfg.seed)
                 pair_all = pair_inputs(pairs.family, pairs.get(p_ids), device, nets.model_dtype, guide)
             gen_all = step_noise(seeding, cfg.seed, i, dp_rank, B * n_micro, device=gen_device)
             for o in opts.values():
@@ -284,8 +283,7 @@ class RCMTrainer:
                 with acc.accumulate(nets.modules[role]):
                     if plan.student:
                         nvm = cfg.video_noise_multiplier or video_noise_multiplier(x0, data.family)
-                        p_rows = (m * RB, (m + 1) * RB, RB * n_micro)
-                        pr = None if pairs is None else tuple(batch_rows(v, *p_rows) for v in pair_all)
+                        pr = None if pairs is None else tuple(batch_rows(v, *rows) for v in pair_all)
                         batch = StudentBatch(x0, cond, uncond, plan, nvm, pr)
                         parts.append(run_student_terms(terms, nets, batch, gen, backward))
                     else:

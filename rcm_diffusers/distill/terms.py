@@ -26,7 +26,6 @@ __all__ = [
     "batch_reduce",
     "needs_jvp",
     "backward_angles",
-    "simulation_r_below",
     "StudentBatch",
     "RegressionTerm",
     "DMDTerm",
@@ -97,14 +96,6 @@ def backward_angles(cfg):
     return list(cfg.backward_timesteps) if getattr(cfg, "dmd_fix_timesteps", False) else None
 
 
-def simulation_r_below(nets, cfg) -> float | None:
-    """Two experts with ``sim_low_expert``: the switch ``b``, below which the backward simulation draws its
-    intermediate angles (every call after the first is then the low-noise expert's, as in the sampler), else ``None``
-    (docs/math.md §6.1)."""
-    sw = switch_of(nets.modules["student"])
-    return sw.boundary_ratio if sw is not None and getattr(cfg, "sim_low_expert", False) else None
-
-
 # ----------------------------------------------------------------------------- the student's terms
 
 
@@ -170,7 +161,6 @@ class DMDTerm(Term):
             generator=generator,
             device=dev,
             fixed_angles=backward_angles(cfg),
-            r_below=simulation_r_below(nets, cfg),
         )
         t_D = sample_p_D(batch.B, cfg.p_D_shift, generator=generator, device=dev)
         eps_D = rng.randn(shape, dtype=F64, generator=generator, device=dev)
@@ -338,7 +328,6 @@ def fake_step(nets, x0_shape, cond, plan: StepPlan, cfg, generator, backward, de
             generator=generator,
             device=device,
             fixed_angles=backward_angles(cfg),
-            r_below=simulation_r_below(nets, cfg),
         )
     t = sample_p_D(B, cfg.p_D_shift, generator=generator, device=device)
     eps = rng.randn(x0_shape, dtype=F64, generator=generator, device=device)
