@@ -227,6 +227,30 @@ def test_trainer_startup_line_on_the_tiny_wan(tmp_path):
     assert cost.startup_report(SimpleNamespace(pretrained=str(tmp_path / "none"), experts="auto")).startswith(
         "compute: no prediction"
     )
+    # a regression warm-up: its iterations cost the regression term's one grad pass each and shift the schedule
+    cfg_w = RCMConfig(
+        pretrained=pipe,
+        data_dir=data,
+        output_dir=str(tmp_path / "o"),
+        fd_type=2,
+        max_steps=35,
+        tangent_warmup=10,
+        student_update_freq=3,
+        guidance_scale=2.0,
+        regression_weight=1.0,
+        regression_data_dir=data,
+        regression_warmup=5,
+    ).validate()
+    run_w = cost.run_cost(cfg_w, cost.Arch.from_config(config), 4, 4)
+    assert run_w["iterations"] == {"student": 10 + 7, "fake": 13, "regression": 5}
+    reg = cost.iteration_flops({"student": {"forward_grad": 1, "backward": 1}}, run_w["pass_flops"])
+    assert run_w["regression_flops"] == pytest.approx(reg, rel=1e-12)
+    assert cost.iteration_passes(cfg_w, 4, run_w["recipe"]) == (
+        "regression",
+        {"student": {"forward_grad": 1, "backward": 1}},
+    )
+    assert cost.iteration_passes(cfg_w, 5, run_w["recipe"]) == cost.iteration_passes(cfg, 0, run_w["recipe"])
+    assert "after 5 regression warm-up iterations" in cost.startup_report(cfg_w, world=2)
 
 
 def test_gpu_check_utilisation_of_timed_iterations(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rcm_diffusers.distill.alternation import plan_step
+from rcm_diffusers.distill.alternation import optimizer_steps, plan_step
 from rcm_diffusers.distill.ema import PowerEMA, power_ema_beta, power_ema_exponent
 
 
@@ -56,6 +56,25 @@ def test_alternation_table():
     # no fake score: every iteration is a student step, no DMD
     assert all(plan_step(i, 3, 5, 4, has_fake=False).student for i in range(10))
     assert not any(plan_step(i, 3, 5, 4, has_fake=False).dmd for i in range(10))
+
+
+def test_regression_warmup_shifts_the_schedule():
+    """``regression_warmup 4``: iterations 0-3 are regression-only student steps (no DMD), and iteration ``i >= 4``
+    is what iteration ``i - 4`` is without it (warm-up 3, frequency 5, up to 4 simulation steps); the student's
+    optimizer steps count both."""
+    plans = [plan_step(i, 3, 5, 4, regression_warmup=4) for i in range(19)]
+    assert all(p.regression_only and p.student and not p.dmd for p in plans[:4])
+    for p in plans[4:]:
+        q = plan_step(p.i - 4, 3, 5, 4)
+        assert not p.regression_only
+        assert (p.student, p.student_eff, p.fake_eff, p.dmd, p.n_sim) == (
+            q.student,
+            q.student_eff,
+            q.fake_eff,
+            q.dmd,
+            q.n_sim,
+        )
+    assert optimizer_steps(19, 3, 5, regression_warmup=4) == {"student": 4 + 6, "fake": 9}
 
 
 def test_alternation_matches_official_rule():

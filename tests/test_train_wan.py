@@ -460,3 +460,22 @@ def test_regression_term_equals_teacher_one_step_error_and_resumes(wan):
     got = [json.loads(line) for line in open(cut / "metrics.jsonl")]
     keys = ("step", "net", "loss_reg", "loss_scm", "loss_dmd", "loss_fake")
     assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in ref]
+
+
+def test_regression_warmup_runs_the_regression_term_alone_first(wan):
+    """``regression_warmup 3``: iterations 0-2 train the student on the ODE-pair term alone (``loss_reg`` only, no
+    sCM, DMD or fake-score loss); from iteration 3 on the run logs what a run without it logs at ``i - 3`` (the tangent
+    warm-up, then the alternation with DMD and the fake score)."""
+    pairs = make_dataset(str(wan[2] / "pairs_rw"), "wan", n=7, noise=True)
+    common = ("--regression_weight", "0.5", "--regression_data_dir", str(pairs), "--tangent_warmup", "2")
+    run_trainer(_args(wan, wan[2] / "run_rw", *common, "--max_steps", "8", "--regression_warmup", "3"))
+    run_trainer(_args(wan, wan[2] / "run_rw0", *common, "--max_steps", "5"))
+    got = [json.loads(line) for line in open(wan[2] / "run_rw" / "metrics.jsonl")]
+    ref = [json.loads(line) for line in open(wan[2] / "run_rw0" / "metrics.jsonl")]
+    losses = lambda r: sorted(k for k in r if k.startswith("loss_"))  # noqa: E731
+    assert [r["step"] for r in got] == list(range(8))
+    assert all(r["net"] == "student" and losses(r) == ["loss_reg"] for r in got[:3])
+    assert [(r["net"], losses(r), r.get("n_sim")) for r in got[3:]] == [
+        (r["net"], losses(r), r.get("n_sim")) for r in ref
+    ]
+    assert any(r["net"] == "fake" for r in got) and any("loss_dmd" in r for r in got)

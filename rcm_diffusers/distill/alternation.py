@@ -31,10 +31,15 @@ def is_student_step(i: int, tangent_warmup: int, student_update_freq: int, has_f
     return (i - tangent_warmup) % student_update_freq == 0
 
 
-def optimizer_steps(max_steps: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True) -> dict:
+def optimizer_steps(
+    max_steps: int, tangent_warmup: int, student_update_freq: int, has_fake: bool = True, regression_warmup: int = 0
+) -> dict:
     """Optimizer steps of each network in iterations ``0 .. max_steps - 1``: ``{"student": n, "fake": max_steps - n}``,
-    ``n`` = the iterations where ``is_student_step`` holds (what a decaying LR schedule runs down over)."""
-    n = sum(is_student_step(i, tangent_warmup, student_update_freq, has_fake) for i in range(max_steps))
+    ``n`` = the iterations ``plan_step`` gives the student (what a decaying LR schedule runs down over)."""
+    n = sum(
+        plan_step(i, tangent_warmup, student_update_freq, 1, has_fake, regression_warmup).student
+        for i in range(max_steps)
+    )
     return {"student": n, "fake": max_steps - n}
 
 
@@ -62,19 +67,30 @@ class StepPlan:
     fake_eff: int
     dmd: bool
     n_sim: int
+    regression_only: bool = False  # an iteration of the regression warm-up: the ODE-pair term alone
 
 
 def plan_step(
-    i: int, tangent_warmup: int, student_update_freq: int, max_simulation_steps: int, has_fake: bool = True
+    i: int,
+    tangent_warmup: int,
+    student_update_freq: int,
+    max_simulation_steps: int,
+    has_fake: bool = True,
+    regression_warmup: int = 0,
 ) -> StepPlan:
-    """Plan iteration ``i``: DMD starts after the tangent warm-up, ``n = student_eff % max_simulation_steps + 1``."""
-    stu = is_student_step(i, tangent_warmup, student_update_freq, has_fake)
-    s_eff = student_effective_iter(i, tangent_warmup, student_update_freq, has_fake)
+    """Plan iteration ``i``: the first ``regression_warmup`` iterations train the student on the ODE-pair regression
+    alone (docs/math.md §4.7); the schedule then runs on ``j = i - regression_warmup``: DMD starts after the tangent
+    warm-up, ``n = student_eff % max_simulation_steps + 1``."""
+    if i < regression_warmup:
+        return StepPlan(i=i, student=True, student_eff=0, fake_eff=-1, dmd=False, n_sim=1, regression_only=True)
+    j = i - regression_warmup
+    stu = is_student_step(j, tangent_warmup, student_update_freq, has_fake)
+    s_eff = student_effective_iter(j, tangent_warmup, student_update_freq, has_fake)
     return StepPlan(
         i=i,
         student=stu,
         student_eff=s_eff,
-        fake_eff=i - s_eff - 1,
-        dmd=has_fake and i >= tangent_warmup,
+        fake_eff=j - s_eff - 1,
+        dmd=has_fake and j >= tangent_warmup,
         n_sim=s_eff % max_simulation_steps + 1,
     )

@@ -478,6 +478,16 @@ class RCMConfig(CommonOptions):
         ge=0,
         allow_inf_nan=False,
     )
+    regression_warmup: int = opt(
+        0,
+        "iterations at the start of the run that train the student on the ODE-pair regression alone (no "
+        "consistency term, DMD or fake score; docs/math.md §4.7); the tangent warm-up and the alternation start "
+        "after them; counted in max_steps; needs regression_weight > 0",
+        group="objective",
+        resume="fixed",
+        why=_STREAM,
+        ge=0,
+    )
     loss_reduction: Literal["mean", "sum"] = opt(
         "mean", "batch reduction of the per-sample losses: 'mean' or 'sum' (official rCM)", group="objective"
     )
@@ -617,6 +627,8 @@ class RCMConfig(CommonOptions):
                 "regression_data_dir",
                 "regression_weight > 0 needs ODE pairs: a dataset from training/prepare_data.py --synthetic",
             )
+        if self.regression_warmup > 0 and self.regression_weight <= 0:
+            _bad(self, "regression_warmup", "a regression warm-up needs the regression term: regression_weight > 0")
         if self.scm_weight == 0 and not self.use_dmd:
             _bad(self, "scm_weight", "sCM off and DMD off leaves nothing to train")
         if self.scm_weight == 0 and self.tangent_warmup > 0:

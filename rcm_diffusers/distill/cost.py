@@ -430,7 +430,16 @@ def iteration_flops(passes: dict, flops: dict) -> float:
 def _plan_key(cfg, i: int) -> tuple[str, int, bool]:
     from .alternation import plan_step
 
-    p = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, cfg.use_dmd)
+    p = plan_step(
+        i,
+        cfg.tangent_warmup,
+        cfg.student_update_freq,
+        cfg.max_simulation_steps,
+        cfg.use_dmd,
+        getattr(cfg, "regression_warmup", 0),
+    )
+    if p.regression_only:
+        return "regression", 1, False
     if p.student:
         return "student", p.n_sim, p.dmd
     return "fake", p.fake_eff % cfg.max_simulation_steps + 1, True
@@ -438,6 +447,8 @@ def _plan_key(cfg, i: int) -> tuple[str, int, bool]:
 
 def _passes_of(key: tuple[str, int, bool], recipe: Recipe) -> dict:
     role, n, dmd = key
+    if role == "regression":  # the regression warm-up: the ODE-pair term alone
+        return student_passes(dataclasses.replace(recipe, scm_weight=0.0, boundary=False), n, False)
     return student_passes(recipe, n, dmd) if role == "student" else fake_passes(recipe, n)
 
 
@@ -474,8 +485,9 @@ def run_cost(
 ) -> dict:
     """FLOPs of a run of ``RCMConfig`` ``cfg`` per process: every iteration of its schedule (``iteration_passes``)
     times ``batch_size x gradient_accumulation_steps`` samples, over ``context_parallel_size`` ranks of a group.
-    Returns ``{"iterations": {"student", "fake"}, "flops": total, "student_flops" / "fake_flops": mean per iteration
-    of each, "pass_flops", "recipe"}``."""
+    Returns ``{"iterations": {"student", "fake"[, "regression"]}, "flops": total, "student_flops" / "fake_flops"[ /
+    "regression_flops"]: mean per iteration of each, "pass_flops", "recipe"}`` ("regression": the iterations of the
+    regression warm-up, when it has any)."""
     recipe = Recipe.from_config(cfg, experts, negatives)
     pf = run_pass_flops(cfg, arch, tokens, text_tokens)
     samples = cfg.batch_size * cfg.gradient_accumulation_steps / max(1, getattr(cfg, "context_parallel_size", 1))
@@ -483,6 +495,7 @@ def run_cost(
     kinds = Counter(_plan_key(cfg, i) for i in range(steps))  # iterations of each (role, n_sim, dmd)
     tot = {"student": [0, 0.0], "fake": [0, 0.0]}
     for key, count in kinds.items():
+        tot.setdefault(key[0], [0, 0.0])  # "regression": the regression warm-up's iterations, when there are any
         tot[key[0]][0] += count
         tot[key[0]][1] += count * iteration_flops(_passes_of(key, recipe), pf) * samples
     total = tot["student"][1] + tot["fake"][1]
@@ -575,10 +588,11 @@ def startup_report(cfg, world: int | None = None) -> str:
     it = run["iterations"]
     per = {r: run[f"{r}_flops"] / (peak * u) for r in ("student", "fake")}
     run_h = hours(run["flops"], peak, u)
+    warm = f" after {it['regression']} regression warm-up iterations" if it.get("regression") else ""
     return (
         f"compute: predicted {run['student_flops'] / 1e12:.3g} TFLOP per student iteration, "
         f"{run['fake_flops'] / 1e12:.3g} per fake-score iteration ({tokens} tokens, {it['student']} + {it['fake']} "
-        f"iterations); on {name} at {u:.0%} utilisation {per['student']:.3g} s / {per['fake']:.3g} s per "
+        f"iterations{warm}); on {name} at {u:.0%} utilisation {per['student']:.3g} s / {per['fake']:.3g} s per "
         "iteration, "
         f"{run_h:.3g} h for the run, {run_h * world:.3g} GPU-hours over {world} process(es)"
     )

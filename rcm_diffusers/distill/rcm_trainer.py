@@ -195,7 +195,9 @@ class RCMTrainer:
             r: adamw(list(nets.trainable_parameters(r).values()), cfg.lr if r == "student" else cfg.fake_lr, cfg)
             for r in roles
         }
-        total = optimizer_steps(cfg.max_steps, cfg.tangent_warmup, cfg.student_update_freq, nets.has_fake)
+        total = optimizer_steps(
+            cfg.max_steps, cfg.tangent_warmup, cfg.student_update_freq, nets.has_fake, cfg.regression_warmup
+        )
         scheds = {
             r: torch.optim.lr_scheduler.LambdaLR(
                 o, lr_lambda(cfg.lr_warmup_steps, total[r], cfg.lr_decay, cfg.lr_final_ratio, cfg.lr_decay_fraction)
@@ -259,7 +261,14 @@ class RCMTrainer:
         bar = session.progress("rCM")
         for i in bar:
             t0 = time.perf_counter()
-            plan = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, nets.has_fake)
+            plan = plan_step(
+                i,
+                cfg.tangent_warmup,
+                cfg.student_update_freq,
+                cfg.max_simulation_steps,
+                nets.has_fake,
+                cfg.regression_warmup,
+            )
             role = "student" if plan.student else "fake"
             # the process's batch_size x n_micro samples of this optimizer step, run as n_micro micro-batches
             ids = batch_indices(len(data), B * n_micro, i, dp_rank, dp_world, cfg.seed)

@@ -123,7 +123,7 @@ class Term:
         return getattr(self.cfg, self.name + "_weight", 0.0)
 
     def runs(self, nets, batch: StudentBatch) -> bool:
-        return self.weight > 0
+        return self.weight > 0 and not batch.plan.regression_only
 
     def loss(self, nets, batch: StudentBatch, generator) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
@@ -248,7 +248,7 @@ class BoundaryTerm(Term):
     name = "boundary"
 
     def runs(self, nets, batch):
-        return switch_of(nets.modules["student"]) is not None and self.weight > 0
+        return switch_of(nets.modules["student"]) is not None and self.weight > 0 and not batch.plan.regression_only
 
     def loss(self, nets, batch, generator):
         switch, x0, B, dev = switch_of(nets.modules["student"]), batch.x0, batch.B, batch.device

@@ -1,4 +1,5 @@
-"""benchmarks/digits_independent_eval.py smoke tests: ``--help`` and the missing ``--runs`` error (no sampling)."""
+"""Smoke tests of the digits evaluation scripts (no sampling): benchmarks/digits_independent_eval.py's ``--help`` and
+missing ``--runs`` error, benchmarks/digits_noise_seeds.py's refusal of a folder that is not a finished run."""
 
 import os
 import subprocess
@@ -28,3 +29,12 @@ def test_missing_runs_is_one_line_error(tmp_path):
     assert r.stderr.strip() == f"error: --runs folder not found: {missing}"
     assert r.stdout == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_noise_seeds_refuses_a_folder_that_is_not_a_run(tmp_path):
+    script = os.path.join(os.path.dirname(SCRIPT), "digits_noise_seeds.py")
+    r = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"digits_noise_seeds.py: error: {tmp_path}: not a finished trainer output folder (no env.json or ema/)"
+    )
