@@ -400,7 +400,8 @@ def test_compute_dtype_of_a_bf16_from_pretrained_wan(tmp_path):
 
 def test_regression_options_parse_and_validate(tmp_path):
     """``regression_weight`` / ``regression_data_dir`` from YAML and the command line (off by default); a weight without
-    pairs, a negative or non-finite weight are refused naming the option."""
+    pairs, a negative or non-finite weight, a regression warm-up without the term or below 0 are refused naming the
+    option."""
     d = RCMConfig(pretrained="p", data_dir="d").validate()
     assert (d.regression_weight, d.regression_data_dir) == (0.0, "")
     y = tmp_path / "c.yaml"
@@ -411,6 +412,9 @@ def test_regression_options_parse_and_validate(tmp_path):
         (["--regression_data_dir", ""], "regression_data_dir"),
         (["--regression_weight", "-1"], "regression_weight"),
         (["--regression_weight", "nan"], "regression_weight"),
+        (["--regression_weight", "0", "--regression_warmup", "5"], "regression_warmup"),
+        (["--regression_warmup", "-1"], "regression_warmup"),
     ]:
         with pytest.raises(ValueError, match=f"option {key} "):
             load_config(["--config", str(y), *args])
+    assert load_config(["--config", str(y), "--regression_warmup", "5"]).regression_warmup == 5
