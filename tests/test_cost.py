@@ -245,6 +245,8 @@ def test_trainer_startup_line_on_the_tiny_wan(tmp_path):
     assert run_w["iterations"] == {"student": 10 + 7, "fake": 13, "regression": 5}
     reg = cost.iteration_flops({"student": {"forward_grad": 1, "backward": 1}}, run_w["pass_flops"])
     assert run_w["regression_flops"] == pytest.approx(reg, rel=1e-12)
+    parts = sum(run_w["iterations"][r] * run_w[f"{r}_flops"] for r in ("student", "fake", "regression"))
+    assert run_w["flops"] == pytest.approx(parts, rel=1e-12)
     assert cost.iteration_passes(cfg_w, 4, run_w["recipe"]) == (
         "regression",
         {"student": {"forward_grad": 1, "backward": 1}},
