@@ -203,16 +203,16 @@ def test_trainer_startup_line_on_the_tiny_wan(tmp_path):
     from rcm_diffusers.distill.config import RCMConfig
 
     pipe, data = make_tiny_wan(str(tmp_path / "wan")), make_dataset(str(tmp_path / "data"), "wan")
-    cfg = RCMConfig(
+    common = dict(
         pretrained=pipe,
         data_dir=data,
         output_dir=str(tmp_path / "o"),
         fd_type=2,
-        max_steps=30,
         tangent_warmup=10,
         student_update_freq=3,
         guidance_scale=2.0,
-    ).validate()
+    )
+    cfg = RCMConfig(**common, max_steps=30).validate()
     line = cost.startup_report(cfg, world=2)
     import json
     import os
@@ -229,17 +229,7 @@ def test_trainer_startup_line_on_the_tiny_wan(tmp_path):
     )
     # a regression warm-up: its iterations cost the regression term's one grad pass each and shift the schedule
     cfg_w = RCMConfig(
-        pretrained=pipe,
-        data_dir=data,
-        output_dir=str(tmp_path / "o"),
-        fd_type=2,
-        max_steps=35,
-        tangent_warmup=10,
-        student_update_freq=3,
-        guidance_scale=2.0,
-        regression_weight=1.0,
-        regression_data_dir=data,
-        regression_warmup=5,
+        **common, max_steps=35, regression_weight=1.0, regression_data_dir=data, regression_warmup=5
     ).validate()
     run_w = cost.run_cost(cfg_w, cost.Arch.from_config(config), 4, 4)
     assert run_w["iterations"] == {"student": 10 + 7, "fake": 13, "regression": 5}

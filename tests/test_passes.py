@@ -11,7 +11,7 @@ import torch
 from train_helpers import make_dataset, make_tiny_wan, make_tiny_wan2
 
 from rcm_diffusers.distill import cost
-from rcm_diffusers.distill.alternation import plan_step
+from rcm_diffusers.distill.alternation import plan_of
 from rcm_diffusers.distill.config import QADConfig, RCMConfig
 from rcm_diffusers.distill.data import LatentDataset, model_inputs, pair_inputs
 from rcm_diffusers.distill.passes import PassCounter
@@ -194,7 +194,7 @@ def _count_iterations(dirs, overrides):
         pairs = pair_inputs(pd.family, pd.get(list(range(B))), CPU, nets.model_dtype)
     counts = []
     for i in (STUDENT_I, FAKE_I):
-        plan = plan_step(i, cfg.tangent_warmup, cfg.student_update_freq, cfg.max_simulation_steps, nets.has_fake)
+        plan = plan_of(cfg, i, nets.has_fake)
         gen = torch.Generator().manual_seed(i)
         with PassCounter.of(nets) as counter:
             if plan.student:

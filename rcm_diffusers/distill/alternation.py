@@ -20,6 +20,7 @@ __all__ = [
     "fake_effective_iter",
     "StepPlan",
     "plan_step",
+    "plan_of",
 ]
 
 
@@ -93,4 +94,17 @@ def plan_step(
         fake_eff=j - s_eff - 1,
         dmd=has_fake and j >= tangent_warmup,
         n_sim=s_eff % max_simulation_steps + 1,
+    )
+
+
+def plan_of(cfg, i: int, has_fake: bool) -> StepPlan:
+    """``plan_step`` of iteration ``i`` with a run config's schedule options (``tangent_warmup``,
+    ``student_update_freq``, ``max_simulation_steps``, ``regression_warmup``)."""
+    return plan_step(
+        i,
+        cfg.tangent_warmup,
+        cfg.student_update_freq,
+        cfg.max_simulation_steps,
+        has_fake,
+        getattr(cfg, "regression_warmup", 0),
     )

@@ -428,16 +428,9 @@ def iteration_flops(passes: dict, flops: dict) -> float:
 
 
 def _plan_key(cfg, i: int) -> tuple[str, int, bool]:
-    from .alternation import plan_step
+    from .alternation import plan_of
 
-    p = plan_step(
-        i,
-        cfg.tangent_warmup,
-        cfg.student_update_freq,
-        cfg.max_simulation_steps,
-        cfg.use_dmd,
-        getattr(cfg, "regression_warmup", 0),
-    )
+    p = plan_of(cfg, i, cfg.use_dmd)
     if p.regression_only:
         return "regression", 1, False
     if p.student:

@@ -25,7 +25,7 @@ import torch
 
 from . import fsdp as FS
 from .adapters import Networks
-from .alternation import optimizer_steps, plan_step
+from .alternation import optimizer_steps, plan_of
 from .checkpoints import Checkpointer
 from .config import RCMConfig, noise_seeding_of
 from .data import (
@@ -261,14 +261,7 @@ class RCMTrainer:
         bar = session.progress("rCM")
         for i in bar:
             t0 = time.perf_counter()
-            plan = plan_step(
-                i,
-                cfg.tangent_warmup,
-                cfg.student_update_freq,
-                cfg.max_simulation_steps,
-                nets.has_fake,
-                cfg.regression_warmup,
-            )
+            plan = plan_of(cfg, i, nets.has_fake)
             role = "student" if plan.student else "fake"
             # the process's batch_size x n_micro samples of this optimizer step, run as n_micro micro-batches
             ids = batch_indices(len(data), B * n_micro, i, dp_rank, dp_world, cfg.seed)

@@ -248,7 +248,7 @@ class BoundaryTerm(Term):
     name = "boundary"
 
     def runs(self, nets, batch):
-        return switch_of(nets.modules["student"]) is not None and self.weight > 0 and not batch.plan.regression_only
+        return super().runs(nets, batch) and switch_of(nets.modules["student"]) is not None
 
     def loss(self, nets, batch, generator):
         switch, x0, B, dev = switch_of(nets.modules["student"]), batch.x0, batch.B, batch.device
